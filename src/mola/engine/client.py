@@ -1,0 +1,57 @@
+"""The event loop's side of the engine: submit a sequence, iterate over its
+outputs, abort it, run a function on the engine thread. Never touches arrays.
+
+The engine calls back once per step from its own thread; the outputs cross to
+the event loop with a single ``call_soon_threadsafe`` per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Callable
+
+from .engine import Engine, SeqOutput
+from .sequence import Sequence
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, loop: asyncio.AbstractEventLoop | None = None):
+        self.engine = engine
+        self._loop = loop or asyncio.get_running_loop()
+        self._queues: dict[int, asyncio.Queue] = {}
+        engine.on_outputs = self._on_outputs
+
+    @property
+    def is_alive(self) -> bool:
+        return self.engine.is_alive
+
+    def _on_outputs(self, outputs: list[SeqOutput]) -> None:  # engine thread
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _deliver(self, outputs: list[SeqOutput]) -> None:  # event loop
+        for out in outputs:
+            queue = self._queues.get(out.seq.seq_id)
+            if queue is not None:
+                queue.put_nowait(out)
+
+    async def generate(self, seq: Sequence) -> AsyncIterator[SeqOutput]:
+        """Run ``seq``; yields its outputs until one carries a finish reason.
+        Leaving early (client gone, stop string found) aborts the row."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[seq.seq_id] = queue
+        finished = False
+        try:
+            self.engine.add(seq)
+            while not finished:
+                out = await queue.get()
+                finished = out.finish_reason is not None
+                yield out
+        finally:
+            self._queues.pop(seq.seq_id, None)
+            if not finished:
+                self.engine.abort(seq.seq_id)
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` on the engine thread between steps and await its result."""
+        return await asyncio.wrap_future(self.engine.call(fn))

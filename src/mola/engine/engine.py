@@ -1,0 +1,284 @@
+"""The engine thread: it alone touches the model and its arrays.
+
+MLX keeps streams per thread, so the model is loaded, adapters are written and
+every forward pass runs on this one thread, on a stream it creates. Other
+threads talk to it through a command queue (add, abort, call) and hear back
+through ``on_outputs``, called once per step with every sequence's new tokens.
+
+Each step is schedule -> run -> postprocess; nothing else lives there.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import traceback
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import EngineUnavailable
+from ..lora.pack import AdapterPacks
+from .runner import ModelRunner
+from .scheduler import Scheduler, StepPlan
+from .sequence import Sequence
+
+log = logging.getLogger("mola.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_loras: int = 8  # adapter slots (slot 0, the base model, comes on top)
+    max_lora_rank: int = 64
+    max_num_seqs: int = 32  # rows decoded together
+    prefill_step_size: int = 512  # prompt tokens prefilled per step
+
+    def __post_init__(self):
+        for name in ("max_loras", "max_lora_rank", "max_num_seqs", "prefill_step_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass
+class LoadedModel:
+    """What the loader hands the engine: the mlx-lm model and what the
+    frontend needs to know about it."""
+
+    model: nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    config: dict  # the model's config.json
+    path: Path | None = None  # the local directory it came from
+
+    @property
+    def max_model_len(self) -> int | None:
+        for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_ctx"):
+            value = self.config.get(key)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+
+@dataclass
+class SeqOutput:
+    """New tokens of one sequence after one step."""
+
+    seq: Sequence
+    tokens: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    error: str | None = None
+
+
+class Engine:
+    def __init__(
+        self,
+        loader: Callable[[], LoadedModel],
+        config: EngineConfig = EngineConfig(),
+        on_outputs: Callable[[list[SeqOutput]], None] | None = None,
+    ):
+        self.config = config
+        self.on_outputs = on_outputs or (lambda outputs: None)
+        self._loader = loader
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stopping = False
+        self._rng = random.Random()
+        self.error: BaseException | None = None  # why the thread died
+        self.scheduler = Scheduler(config.max_num_seqs, config.prefill_step_size)
+        self.loaded: LoadedModel | None = None
+        self.packs: AdapterPacks | None = None  # engine thread only
+        self.runner: ModelRunner | None = None  # engine thread only
+        self.targets: dict[str, tuple[int, int]] = {}  # module path -> (in, out)
+        self.dtype: mx.Dtype | None = None
+        self.num_steps = 0
+
+    # ---- lifecycle (any thread) -------------------------------------------
+
+    def start(self, timeout: float | None = None) -> LoadedModel:
+        """Start the thread and wait until the model is loaded."""
+        self._thread = threading.Thread(target=self._main, name="mola-engine", daemon=True)
+        self._thread.start()
+        self._ready.wait(timeout)
+        if self.error is not None:
+            raise self.error
+        if self.loaded is None:
+            raise TimeoutError("the engine did not finish loading the model in time")
+        return self.loaded
+
+    def stop(self, timeout: float | None = 10.0) -> None:
+        self._stopping = True
+        self._commands.put(lambda: None)  # wake the loop
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and self.loaded is not None
+            and self.error is None
+        )
+
+    # ---- commands (any thread) --------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self._check_alive()
+        self._commands.put(lambda: self._add(seq))
+
+    def abort(self, seq_id: int) -> None:
+        if self.is_alive:
+            self._commands.put(lambda: self._abort(seq_id))
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn()`` on the engine thread between two steps."""
+        self._check_alive()
+        future: Future = Future()
+
+        def run():
+            if not future.set_running_or_notify_cancel():
+                return
+            if self.error is not None or self._stopping:
+                future.set_exception(EngineUnavailable("The engine has stopped."))
+                return
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # handed to the caller
+                future.set_exception(e)
+
+        self._commands.put(run)
+        return future
+
+    def _check_alive(self) -> None:
+        if not self.is_alive:
+            reason = f": {self.error}" if self.error is not None else ""
+            raise EngineUnavailable(f"The engine is not running{reason}")
+
+    # ---- the thread --------------------------------------------------------
+
+    def _main(self) -> None:
+        stream = mx.new_stream(mx.default_device())
+        with mx.stream(stream):
+            try:
+                self._load()
+            except BaseException as e:
+                self.error = e
+                self._ready.set()
+                mx.clear_streams()
+                return
+            self._ready.set()
+            try:
+                self._loop()
+            except BaseException as e:
+                log.error("engine thread died:\n%s", traceback.format_exc())
+                self.error = e
+                self._fail_all(f"engine stopped: {e}")
+            finally:
+                # MLX needs a thread's streams cleared before the thread ends,
+                # or the process may abort at exit.
+                self.runner.reset()
+                mx.synchronize(stream)
+                mx.clear_streams()
+
+    def _load(self) -> None:
+        loaded = self._loader()
+        self.packs = AdapterPacks.install(
+            loaded.model, max_loras=self.config.max_loras, max_rank=self.config.max_lora_rank
+        )
+        self.targets = self.packs.targets()
+        self.dtype = next(iter(self.packs.layers.values())).dtype
+        self.runner = ModelRunner(loaded.model, self.packs)
+        self.loaded = loaded
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._drain_commands(block=not self.scheduler.has_work())
+            if self._stopping:
+                break
+            if self.scheduler.has_work():
+                self.step()
+        self._fail_all("the server is shutting down")
+
+    def _drain_commands(self, block: bool) -> None:
+        if block:
+            self._commands.get()()
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            command()
+
+    def step(self) -> None:
+        plan = self.scheduler.schedule()
+        try:
+            tokens = self.runner.run(plan)
+        except Exception as e:
+            log.error("engine step failed:\n%s", traceback.format_exc())
+            self._fail_step(plan, f"{type(e).__name__}: {e}")
+            return
+        self.num_steps += 1
+        self._postprocess(plan, tokens)
+
+    def _postprocess(self, plan: StepPlan, tokens: list[int]) -> None:
+        outputs = []
+        for seq, token in zip(plan.decode, tokens):
+            if seq.is_finished:  # aborted while this step ran
+                continue
+            reason = seq.append(token)
+            if reason is not None:
+                seq.finish(reason)
+            outputs.append(SeqOutput(seq, [token], reason))
+        if outputs:
+            self.on_outputs(outputs)
+
+    # ---- engine-thread helpers --------------------------------------------
+
+    def _add(self, seq: Sequence) -> None:
+        if self.error is not None or self._stopping:
+            seq.finish("error")
+            self.on_outputs([SeqOutput(seq, [], "error", "The engine has stopped.")])
+            return
+        if seq.params.seed is None:
+            seq.params = replace(seq.params, seed=self._rng.getrandbits(63))
+        self.scheduler.add(seq)
+
+    def _abort(self, seq_id: int) -> None:
+        seq = self.scheduler.abort(seq_id)
+        if seq is not None:
+            self.on_outputs([SeqOutput(seq, [], "abort")])
+
+    def _fail_step(self, plan: StepPlan, message: str) -> None:
+        """A forward pass raised: fail every sequence that had state in the
+        batch (its KV cache is gone) and start over with an empty batch."""
+        victims = [s for s in (*plan.decode, *plan.group) if not s.is_finished]
+        victims += [s for s in self.scheduler.group if s not in victims]
+        self.scheduler.running, self.scheduler.group = [], []
+        self.runner.reset()
+        for seq in victims:
+            seq.finish("error")
+        if victims:
+            self.on_outputs([SeqOutput(s, [], "error", message) for s in victims])
+
+    def _fail_all(self, message: str) -> None:
+        s = self.scheduler
+        victims = [q for q in (*s.waiting, *s.group, *s.running) if not q.is_finished]
+        s.waiting.clear()
+        s.running, s.group = [], []
+        for seq in victims:
+            seq.finish("error")
+        if victims:
+            self.on_outputs([SeqOutput(q, [], "error", message) for q in victims])
+        # Answer the commands still queued (they see the engine stopped), so
+        # that no caller waits forever.
+        while True:
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                break

@@ -1,0 +1,125 @@
+"""The only place where the engine builds arrays and evaluates the model.
+
+The runner owns two sets of mlx-lm KV caches: the decode batch (one row per
+running sequence, in the scheduler's row order) and the prefill group being
+written. It follows the scheduler's :class:`StepPlan` exactly: drop finished
+rows, prefill one chunk of the group (right-padded, as mlx-lm's own batch
+generator does), let a finished group join, then decode one token per row.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+
+from ..lora.pack import AdapterPacks
+from .sampling import make_keys, sample
+from .scheduler import StepPlan, prefill_len
+from .sequence import Sequence
+
+CLEAR_CACHE_EVERY = 256  # steps between returns of MLX's buffer cache
+
+
+def merge_caches(caches: list[list]) -> list:
+    """Per-sequence caches -> one batch cache per layer (mlx-lm's merge)."""
+    return [layer[0].merge(list(layer)) for layer in zip(*caches)]
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, packs: AdapterPacks):
+        self.model = model
+        self.packs = packs
+        self.routing = packs.routing
+        self.cache: list | None = None  # decode batch: one batch cache per layer
+        self.keys: mx.array | None = None  # [B, 2] PRNG key per decode row
+        self.group_cache: list | None = None
+        self.group_tokens: mx.array | None = None  # [G, L] right-padded prompts
+        self.group_padding: list[int] = []
+        self.num_steps = 0
+
+    @property
+    def num_rows(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[0]
+
+    def reset(self) -> None:
+        """Drop every cache (after a failed step)."""
+        self.cache = self.keys = self.group_cache = self.group_tokens = None
+        self.group_padding = []
+        self.routing.clear()
+
+    def run(self, plan: StepPlan) -> list[int]:
+        """Execute ``plan``; returns one sampled token per decode row."""
+        if plan.keep is not None:
+            self._keep_rows(plan.keep)
+        if plan.group:
+            self._prefill(plan)
+        self.num_steps += 1
+        if self.num_steps % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+        if not plan.decode:
+            return []
+        return self._decode(plan.decode)
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        if not keep:
+            self.cache = self.keys = None
+            return
+        for c in self.cache:
+            c.filter(keep)
+        self.keys = self.keys[mx.array(keep, dtype=mx.int32)]
+
+    def _prefill(self, plan: StepPlan) -> None:
+        group = plan.group
+        if plan.group_is_new:
+            lengths = [prefill_len(s) for s in group]
+            width = max(lengths)
+            self.group_padding = [width - n for n in lengths]
+            self.group_cache = merge_caches([make_prompt_cache(self.model) for _ in group])
+            self.group_tokens = mx.array(
+                [s.prompt[:-1] + [0] * pad for s, pad in zip(group, self.group_padding)],
+                dtype=mx.uint32,
+            )  # [G, L]
+            if max(self.group_padding) > 0:
+                for c in self.group_cache:
+                    c.prepare(lengths=lengths, right_padding=self.group_padding)
+        if plan.end > plan.start:
+            self.routing.set([s.slot for s in group], [s.lora_scale for s in group])
+            self.model(self.group_tokens[:, plan.start : plan.end], cache=self.group_cache)
+            mx.eval([c.state for c in self.group_cache])
+        if plan.join is not None:
+            self._join(group, plan.join)
+
+    def _join(self, group: list[Sequence], join: list[int]) -> None:
+        cache = self.group_cache
+        if max(self.group_padding) > 0:
+            for c in cache:
+                c.finalize()
+        self.group_cache = self.group_tokens = None
+        if not join:
+            return
+        if len(join) < len(group):
+            for c in cache:
+                c.filter(join)
+        keys = make_keys([group[i].params.seed for i in join])
+        if self.cache is None:
+            self.cache, self.keys = cache, keys
+        else:
+            for mine, theirs in zip(self.cache, cache):
+                mine.extend(theirs)
+            self.keys = mx.concatenate([self.keys, keys])
+        mx.eval([c.state for c in self.cache], self.keys)
+
+    def _decode(self, rows: list[Sequence]) -> list[int]:
+        assert self.num_rows == len(rows), (self.num_rows, len(rows))
+        inputs = mx.array([[s.last_token] for s in rows], dtype=mx.uint32)  # [B, 1]
+        self.routing.set([s.slot for s in rows], [s.lora_scale for s in rows])
+        logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [B, V]
+        tokens, _, self.keys = sample(
+            logits,
+            [s.params.temperature for s in rows],
+            [s.params.top_p for s in rows],
+            self.keys,
+        )
+        mx.eval(tokens, self.keys)
+        return tokens.tolist()

@@ -1,0 +1,89 @@
+"""One request's generation state, as the scheduler and runner see it."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+_seq_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-row sampling and stopping at token level. (Stop *strings* are
+    matched on text by the frontend, which aborts the row.)"""
+
+    max_tokens: int
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None  # None: drawn at admission
+    stop_token_ids: frozenset[int] = frozenset()  # EOS ids: finish with "stop"
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued, nothing computed
+    PREFILLING = "prefilling"  # its prompt is being written into a KV cache
+    RUNNING = "running"  # a row of the decode batch
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A prompt on its way through the engine. Plain Python: no arrays."""
+
+    prompt: list[int]
+    params: SamplingParams
+    slot: int = 0  # adapter slot; 0 is the base model
+    lora_scale: float = 1.0  # multiplies the adapter's delta for this row
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    status: SequenceStatus = SequenceStatus.WAITING
+    output: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self):
+        if not self.prompt:
+            raise ValueError("a sequence needs at least one prompt token")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output)
+
+    @property
+    def last_token(self) -> int:
+        return self.output[-1] if self.output else self.prompt[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def finish(self, reason: str) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+
+    def append(self, token: int) -> str | None:
+        """Record a generated token; returns the finish reason it causes."""
+        self.output.append(token)
+        if token in self.params.stop_token_ids:
+            return "stop"
+        if len(self.output) >= self.params.max_tokens:
+            return "length"
+        return None

@@ -1,0 +1,69 @@
+"""Domain errors. None of them knows about HTTP: server/errors.py maps each
+class to a status code and OpenAI's error envelope."""
+
+from __future__ import annotations
+
+
+class MolaError(Exception):
+    """Base class of every error mola raises on purpose.
+
+    ``param`` names the request field at fault, when there is one.
+    """
+
+    def __init__(self, message: str, *, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequest(MolaError):
+    """A request whose body or parameters cannot be served as given."""
+
+
+class ModelNotFound(MolaError):
+    """The ``model`` of a request names neither the base model nor an adapter."""
+
+    def __init__(self, model_id: str, *, param: str | None = "model"):
+        super().__init__(f"The model '{model_id}' does not exist.", param=param)
+        self.model_id = model_id
+
+
+class AdapterNotFound(MolaError):
+    """An adapter route names an adapter the registry does not know."""
+
+    def __init__(self, name: str):
+        super().__init__(f"The adapter '{name}' is not loaded.", param="name")
+        self.name = name
+
+
+class AdapterExists(MolaError):
+    """A load names an adapter (or the base model) that is already served."""
+
+    def __init__(self, name: str):
+        super().__init__(
+            f"An adapter or model named '{name}' is already served; unload it first.",
+            param="name",
+        )
+        self.name = name
+
+
+class AdapterPathNotFound(MolaError):
+    """The path given for an adapter does not exist."""
+
+
+class InvalidAdapter(MolaError):
+    """An adapter's files exist but cannot be applied exactly to the base model:
+    broken config, unsupported fine-tune type, rank too high, unknown modules,
+    shapes that do not fit, non-finite values."""
+
+
+class NoFreeSlot(MolaError):
+    """Every adapter slot is in use by a resident adapter."""
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """A prompt (plus the tokens asked for) does not fit the model's context."""
+
+
+class EngineUnavailable(MolaError):
+    """The engine thread is not running (still loading, stopped, or died)."""

@@ -1,0 +1,194 @@
+"""The multi-LoRA linear layer and the routing object every such layer reads.
+
+One forward pass carries rows for many adapters at once. The runner tells all
+layers which row uses which slot through one shared :class:`LoRARouting`; each
+:class:`MultiLoRALinear` then adds
+
+    scale[idx] * gather_mm(gather_mm(x, A, idx), B, idx)
+
+to its base output, where ``A`` [S, in, r] and ``B`` [S, r, out] are the
+slot-indexed packs and slot 0 means "no adapter" (all zeros).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+# Batches with at least this many rows take the sorted gather_mm path.
+SORT_THRESHOLD = 16
+
+
+@dataclass
+class LoRARouting:
+    """Which slot each row of the next forward pass uses.
+
+    Set by the runner before every model call (prefill and decode alike) with
+    plain Python lists; read by every MultiLoRALinear during that call.
+    """
+
+    sort_threshold: int = SORT_THRESHOLD
+    # Every row on this one slot (0: base model only); None when rows differ.
+    single_slot: int | None = 0
+    slots: frozenset[int] = field(default_factory=lambda: frozenset({0}))
+    idx: mx.array | None = None  # [B] int32, row -> slot (mixed batches only)
+    row_scale: mx.array | None = None  # [B, 1, 1] per-row multiplier, None: all 1
+    order: mx.array | None = None  # [B] rows sorted by slot (sorted path only)
+    inv_order: mx.array | None = None  # [B] inverse permutation of ``order``
+    sorted_idx: mx.array | None = None  # [B] idx[order]
+
+    def set(self, slots: list[int], scales: list[float] | None = None) -> None:
+        """Route row i to ``slots[i]``, its delta multiplied by ``scales[i]``."""
+        self.slots = frozenset(slots)
+        self.row_scale = None
+        if scales is not None and any(s != 1.0 for s in scales):
+            self.row_scale = mx.array(scales, dtype=mx.float32)[:, None, None]
+        self.idx = self.order = self.inv_order = self.sorted_idx = None
+        if len(self.slots) == 1:
+            self.single_slot = slots[0]
+            return
+        self.single_slot = None
+        self.idx = mx.array(slots, dtype=mx.uint32)
+        if len(slots) >= self.sort_threshold:
+            order = sorted(range(len(slots)), key=slots.__getitem__)
+            inv = [0] * len(order)
+            for pos, row in enumerate(order):
+                inv[row] = pos
+            self.order = mx.array(order, dtype=mx.uint32)
+            self.inv_order = mx.array(inv, dtype=mx.uint32)
+            self.sorted_idx = mx.array([slots[r] for r in order], dtype=mx.uint32)
+
+    def clear(self) -> None:
+        self.set([0])
+
+
+def linear_dims(linear: nn.Module) -> tuple[int, int]:
+    """(input_dims, output_dims) of an nn.Linear or nn.QuantizedLinear."""
+    output_dims, input_dims = linear.weight.shape
+    if isinstance(linear, nn.QuantizedLinear):
+        input_dims = input_dims * 32 // linear.bits
+    return input_dims, output_dims
+
+
+def compute_dtype(linear: nn.Module) -> mx.Dtype:
+    """The dtype the base layer computes in (scales' dtype when quantized)."""
+    if isinstance(linear, nn.QuantizedLinear):
+        return linear.scales.dtype
+    return linear.weight.dtype
+
+
+class MultiLoRALinear(nn.Module):
+    """A base linear plus slot-indexed LoRA packs, routed per row."""
+
+    @staticmethod
+    def from_base(
+        linear: nn.Module, routing: LoRARouting, num_slots: int, max_rank: int
+    ) -> "MultiLoRALinear":
+        if not isinstance(linear, (nn.Linear, nn.QuantizedLinear)):
+            raise TypeError(f"Cannot wrap {type(linear).__name__} with LoRA slots")
+        input_dims, output_dims = linear_dims(linear)
+        return MultiLoRALinear(
+            linear, routing, input_dims, output_dims, num_slots, max_rank,
+            compute_dtype(linear),
+        )
+
+    def __init__(
+        self,
+        base: nn.Module,
+        routing: LoRARouting,
+        input_dims: int,
+        output_dims: int,
+        num_slots: int,
+        max_rank: int,
+        dtype: mx.Dtype = mx.float32,
+    ):
+        super().__init__()
+        self.base = base
+        self.input_dims = input_dims
+        self.output_dims = output_dims
+        self.max_rank = max_rank
+        self.lora_a = mx.zeros((num_slots, input_dims, max_rank), dtype=dtype)  # [S, in, r]
+        self.lora_b = mx.zeros((num_slots, max_rank, output_dims), dtype=dtype)  # [S, r, out]
+        self.lora_scale = mx.zeros((num_slots,), dtype=mx.float32)  # [S]
+        self._routing = routing
+        self._ranks: dict[int, int] = {}  # slot -> rank written in this layer
+        self._scales: dict[int, float] = {}  # slot -> scale, for the single-slot path
+        self._rank = 0  # max rank over written slots: the part of r the forward uses
+
+    @property
+    def num_slots(self) -> int:
+        return self.lora_a.shape[0]
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.lora_a.dtype
+
+    @property
+    def active_slots(self) -> frozenset[int]:
+        return frozenset(self._ranks)
+
+    def write_slot(self, slot: int, a: mx.array, b: mx.array, scale: float) -> None:
+        """Store one adapter's factors in ``slot``: a [in, r], b [r, out]."""
+        r = a.shape[1]
+        assert 0 < slot < self.num_slots and r <= self.max_rank
+        assert a.shape == (self.input_dims, r) and b.shape == (r, self.output_dims)
+        pad = self.max_rank - r
+        self.lora_a[slot] = mx.pad(a.astype(self.dtype), [(0, 0), (0, pad)])
+        self.lora_b[slot] = mx.pad(b.astype(self.dtype), [(0, pad), (0, 0)])
+        self.lora_scale[slot] = scale
+        self._ranks[slot] = r
+        self._scales[slot] = float(scale)
+        self._rank = max(self._ranks.values())
+
+    def clear_slot(self, slot: int) -> None:
+        """Zero ``slot`` so that it adds nothing."""
+        if slot not in self._ranks:
+            return
+        self.lora_a[slot] = mx.zeros(self.lora_a.shape[1:], dtype=self.dtype)
+        self.lora_b[slot] = mx.zeros(self.lora_b.shape[1:], dtype=self.dtype)
+        self.lora_scale[slot] = 0.0
+        del self._ranks[slot]
+        del self._scales[slot]
+        self._rank = max(self._ranks.values(), default=0)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = self.base(x)  # [B, L, out]
+        route = self._routing
+        if route.single_slot is not None:
+            if route.single_slot not in self._ranks:
+                return y  # base model only, or an adapter that skips this layer
+            return y + self._single(x, route.single_slot, route.row_scale)
+        if self._ranks.keys().isdisjoint(route.slots):
+            return y
+        return y + self._mixed(x, route)
+
+    def _single(self, x: mx.array, slot: int, row_scale: mx.array | None) -> mx.array:
+        r = self._ranks[slot]
+        a = self.lora_a[slot, :, :r]  # [in, r]
+        b = self.lora_b[slot, :r, :]  # [r, out]
+        z = (x @ a) @ b  # [B, L, out]
+        z = z * self._scales[slot]
+        if row_scale is not None:
+            z = z * row_scale
+        return z.astype(x.dtype)
+
+    def _mixed(self, x: mx.array, route: LoRARouting) -> mx.array:
+        r = self._rank
+        a = self.lora_a[:, :, :r]  # [S, in, r]
+        b = self.lora_b[:, :r, :]  # [S, r, out]
+        if route.order is not None:
+            xs = x[route.order]  # [B, L, in], rows grouped by slot
+            idx = route.sorted_idx
+            z = mx.gather_mm(xs, a, rhs_indices=idx, sorted_indices=True)  # [B, L, r]
+            z = mx.gather_mm(z, b, rhs_indices=idx, sorted_indices=True)  # [B, L, out]
+            z = z[route.inv_order]
+        else:
+            idx = route.idx
+            z = mx.gather_mm(x, a, rhs_indices=idx)  # [B, L, r]
+            z = mx.gather_mm(z, b, rhs_indices=idx)  # [B, L, out]
+        scale = self.lora_scale[route.idx][:, None, None]  # [B, 1, 1]
+        if route.row_scale is not None:
+            scale = scale * route.row_scale
+        return (z * scale).astype(x.dtype)

@@ -1,0 +1,62 @@
+"""Moves adapters between disk and slots.
+
+Files are read and checked on a reader thread of their own (with its own MLX
+stream), so a hot load costs the decode loop only the slot write itself, which
+runs on the engine thread between two steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..engine.client import AsyncEngine
+from .formats import read_adapter
+from .weights import LoRAWeights, validate
+
+
+def _reader_init() -> None:
+    mx.set_default_stream(mx.new_stream(mx.default_device()))
+
+
+class AdapterLoader:
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+        self._reader = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="mola-adapter-reader", initializer=_reader_init
+        )
+
+    @property
+    def max_rank(self) -> int:
+        return self.engine.engine.config.max_lora_rank
+
+    def _read(self, path: Path) -> LoRAWeights:  # reader thread
+        eng = self.engine.engine
+        weights = read_adapter(path, dtype=eng.dtype)
+        validate(weights, eng.targets, self.max_rank)
+        return weights
+
+    async def read(self, path: str | Path) -> LoRAWeights:
+        """Read and validate the adapter at ``path``; raises InvalidAdapter or
+        AdapterPathNotFound with a message that names the problem."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._reader, self._read, Path(path))
+
+    async def write(self, slot: int, weights: LoRAWeights) -> None:
+        packs = self.engine.engine.packs
+        await self.engine.call(lambda: packs.write(slot, weights))
+
+    async def clear(self, slot: int) -> None:
+        packs = self.engine.engine.packs
+        await self.engine.call(lambda: packs.clear(slot))
+
+    def close(self) -> None:
+        # MLX wants a thread's streams cleared before the thread ends.
+        try:
+            self._reader.submit(mx.clear_streams).result(timeout=10)
+        except Exception:
+            pass
+        self._reader.shutdown(wait=True)

@@ -1,0 +1,94 @@
+"""What one adapter brings, in a form that no longer depends on its file format,
+and the checks that decide whether it can be applied exactly to the base."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..errors import InvalidAdapter
+
+
+@dataclass(frozen=True)
+class ModuleLoRA:
+    """The LoRA of one linear: delta(x) = scale * (x @ a) @ b."""
+
+    a: mx.array  # [in, r]
+    b: mx.array  # [r, out]
+    scale: float
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[1]
+
+
+@dataclass(frozen=True)
+class LoRAWeights:
+    """An adapter read from disk: module path (as in ``model.named_modules()``,
+    e.g. ``model.layers.3.self_attn.q_proj``) -> its factors."""
+
+    source: str  # where it was read from, for messages and /v1/models' root
+    format: str  # "mlx-lm", ...
+    modules: dict[str, ModuleLoRA]
+
+    @property
+    def rank(self) -> int:
+        return max((m.rank for m in self.modules.values()), default=0)
+
+    @property
+    def scale(self) -> float | None:
+        """The adapter's scale when every module shares one, else None."""
+        scales = {m.scale for m in self.modules.values()}
+        return scales.pop() if len(scales) == 1 else None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values())
+
+
+def validate(
+    weights: LoRAWeights, targets: dict[str, tuple[int, int]], max_rank: int
+) -> None:
+    """Raise InvalidAdapter unless every module of ``weights`` fits the base.
+
+    ``targets`` maps each module path that can carry LoRA to its
+    (input_dims, output_dims). Arrays must already be evaluated.
+    """
+    where = weights.source
+    if not weights.modules:
+        raise InvalidAdapter(f"Adapter at {where} contains no LoRA weights.")
+    unknown = sorted(p for p in weights.modules if p not in targets)
+    if unknown:
+        shown = ", ".join(unknown[:5]) + (" ..." if len(unknown) > 5 else "")
+        raise InvalidAdapter(
+            f"Adapter at {where} targets modules the base model does not have "
+            f"(or that mola cannot put LoRA on): {shown}"
+        )
+    for path, m in sorted(weights.modules.items()):
+        if m.a.ndim != 2 or m.b.ndim != 2:
+            raise InvalidAdapter(
+                f"Adapter at {where}: {path} has lora_a of shape {tuple(m.a.shape)} "
+                f"and lora_b of shape {tuple(m.b.shape)}; both must be matrices."
+            )
+        input_dims, output_dims = targets[path]
+        r = m.a.shape[1]
+        expected_a, expected_b = (input_dims, r), (r, output_dims)
+        if tuple(m.a.shape) != expected_a or tuple(m.b.shape) != expected_b:
+            raise InvalidAdapter(
+                f"Adapter at {where}: shapes of {path} do not fit the base model: "
+                f"expected lora_a {expected_a} and lora_b {expected_b} for a "
+                f"{input_dims}->{output_dims} linear, found lora_a "
+                f"{tuple(m.a.shape)} and lora_b {tuple(m.b.shape)}."
+            )
+        if r > max_rank:
+            raise InvalidAdapter(
+                f"Adapter at {where} has rank {r} (in {path}), above the server's "
+                f"--max-lora-rank {max_rank}."
+            )
+        if not (mx.isfinite(m.a).all().item() and mx.isfinite(m.b).all().item()):
+            raise InvalidAdapter(
+                f"Adapter at {where}: {path} contains non-finite values (NaN or Inf)."
+            )
+        if not mx.isfinite(mx.array(m.scale)).item():
+            raise InvalidAdapter(f"Adapter at {where}: scale {m.scale} is not finite.")

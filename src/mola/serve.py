@@ -1,0 +1,72 @@
+"""`mola serve`: load the base model on the engine thread, then run the HTTP
+server until it is stopped."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+import time
+
+from .config import ServeConfig
+
+log = logging.getLogger("mola")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # transformers warns that PyTorch is missing; mola never needs it.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def with_demo(config: ServeConfig) -> ServeConfig:
+    """With no --model, the embedded demo model and its adapters."""
+    if config.model is not None:
+        return config
+    from .demo import ensure_demo
+
+    model_dir, adapters = ensure_demo(config.cache_dir)
+    names = {name for name, _ in config.adapters}
+    demo_adapters = tuple((n, str(p)) for n, p in adapters.items() if n not in names)
+    return dataclasses.replace(
+        config,
+        model=str(model_dir),
+        served_model_name=config.served_model_name or "mola-demo",
+        adapters=demo_adapters + config.adapters,
+    )
+
+
+def serve(config: ServeConfig) -> int:
+    import uvicorn
+
+    from .engine.engine import Engine
+    from .engine.loader import load_base_model
+    from .errors import MolaError
+    from .server.app import create_app
+
+    setup_logging(config.log_level)
+    config = with_demo(config)
+    print(f"[mola] loading {config.model} ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    engine = Engine(lambda: load_base_model(config.model), config.engine)
+    try:
+        loaded = engine.start()
+    except MolaError as e:
+        print(f"[mola] error: {e.message}", file=sys.stderr)
+        return 1
+    print(
+        f"[mola] model loaded in {time.perf_counter() - t0:.1f} s; "
+        f"{config.max_loras} adapter slots of rank <= {config.max_lora_rank}",
+        file=sys.stderr, flush=True,
+    )
+    app = create_app(config, engine, loaded)
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+    finally:
+        engine.stop()
+    return 0

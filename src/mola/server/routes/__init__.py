@@ -1,0 +1,1 @@
+"""HTTP routes: OpenAI's (chat, models) and mola's own (adapters, health)."""

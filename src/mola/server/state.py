@@ -1,0 +1,25 @@
+"""What the routes share: handed to the app at construction, no globals."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import ServeConfig
+from ..engine.client import AsyncEngine
+from ..lora.loader import AdapterLoader
+from ..lora.registry import AdapterRegistry
+
+
+@dataclass
+class ServerState:
+    config: ServeConfig
+    engine: AsyncEngine
+    registry: AdapterRegistry
+    loader: AdapterLoader
+    tokenizer: Any  # mlx-lm TokenizerWrapper
+    base_id: str  # the id clients use for the base model
+    base_root: str  # where the base model came from
+    max_model_len: int | None  # context limit, when known
+    created: int = field(default_factory=lambda: int(time.time()))

@@ -1,0 +1,118 @@
+"""Write random LoRA adapters in mlx-lm's format, for tests and benchmarks.
+
+B is non-zero (unlike a freshly initialised trainable LoRA), so the adapter
+changes the model's outputs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..lora.weights import LoRAWeights, ModuleLoRA
+
+DEFAULT_KEYS = ("self_attn.q_proj", "self_attn.v_proj")
+
+
+def read_model_config(model_path: Path) -> dict:
+    return json.loads((Path(model_path) / "config.json").read_text())
+
+
+def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """(input_dims, output_dims) of each llama-style block linear."""
+    h = config["hidden_size"]
+    i = config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or h // heads
+    return {
+        "self_attn.q_proj": (h, heads * head_dim),
+        "self_attn.k_proj": (h, kv_heads * head_dim),
+        "self_attn.v_proj": (h, kv_heads * head_dim),
+        "self_attn.o_proj": (heads * head_dim, h),
+        "mlp.gate_proj": (h, i),
+        "mlp.up_proj": (h, i),
+        "mlp.down_proj": (i, h),
+    }
+
+
+def random_lora(
+    model_path: str | Path,
+    *,
+    rank: int = 8,
+    keys: tuple[str, ...] = DEFAULT_KEYS,
+    num_layers: int | None = None,
+    scale: float = 2.0,
+    std: float = 0.2,
+    seed: int = 0,
+) -> LoRAWeights:
+    """A random adapter for the model at ``model_path``, on the last
+    ``num_layers`` blocks (all when None)."""
+    config = read_model_config(Path(model_path))
+    total = config["num_hidden_layers"]
+    num_layers = total if num_layers is None else min(num_layers, total)
+    shapes = linear_shapes(config)
+    rng = np.random.default_rng(seed)
+    modules = {}
+    for layer in range(total - num_layers, total):
+        for key in keys:
+            if key not in shapes:
+                raise ValueError(f"unknown LoRA key {key!r}; known: {sorted(shapes)}")
+            in_dims, out_dims = shapes[key]
+            a = rng.normal(0.0, 1.0 / np.sqrt(in_dims), (in_dims, rank))
+            b = rng.normal(0.0, std, (rank, out_dims))
+            modules[f"model.layers.{layer}.{key}"] = ModuleLoRA(
+                a=mx.array(a.astype(np.float32)), b=mx.array(b.astype(np.float32)), scale=scale
+            )
+    return LoRAWeights(source="random", format="mlx-lm", modules=modules)
+
+
+def save_mlx_lm_adapter(
+    path: str | Path, weights: LoRAWeights, *, num_layers: int, keys: tuple[str, ...] | None = None
+) -> Path:
+    """Write ``weights`` as an mlx-lm adapter directory (one shared scale)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    scale = weights.scale
+    if scale is None:
+        raise ValueError("mlx-lm's format holds one scale per adapter")
+    tensors = {}
+    for module, m in weights.modules.items():
+        tensors[f"{module}.lora_a"] = m.a
+        tensors[f"{module}.lora_b"] = m.b
+    mx.save_safetensors(str(path / "adapters.safetensors"), tensors)
+    config = {
+        "fine_tune_type": "lora",
+        "num_layers": num_layers,
+        "lora_parameters": {
+            "rank": weights.rank,
+            "scale": scale,
+            "dropout": 0.0,
+            "keys": sorted(keys) if keys else sorted({m.split(".", 3)[3] for m in weights.modules}),
+        },
+    }
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def make_random_adapter(
+    path: str | Path,
+    model_path: str | Path,
+    *,
+    rank: int = 8,
+    keys: tuple[str, ...] = DEFAULT_KEYS,
+    num_layers: int | None = None,
+    scale: float = 2.0,
+    std: float = 0.2,
+    seed: int = 0,
+) -> Path:
+    """Write a random mlx-lm-format adapter for the model at ``model_path``."""
+    weights = random_lora(
+        model_path, rank=rank, keys=keys, num_layers=num_layers, scale=scale, std=std, seed=seed
+    )
+    total = read_model_config(Path(model_path))["num_hidden_layers"]
+    layers = total if num_layers is None else min(num_layers, total)
+    return save_mlx_lm_adapter(path, weights, num_layers=layers, keys=keys)
