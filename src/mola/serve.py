@@ -3,6 +3,7 @@ server until it is stopped."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -42,12 +43,9 @@ def with_demo(config: ServeConfig) -> ServeConfig:
 
 
 def serve(config: ServeConfig) -> int:
-    import uvicorn
-
     from .engine.engine import Engine
     from .engine.loader import load_base_model
     from .errors import MolaError
-    from .server.app import create_app
 
     setup_logging(config.log_level)
     config = with_demo(config)
@@ -64,9 +62,28 @@ def serve(config: ServeConfig) -> int:
         f"{config.max_loras} adapter slots of rank <= {config.max_lora_rank}",
         file=sys.stderr, flush=True,
     )
-    app = create_app(config, engine, loaded)
     try:
-        uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+        return asyncio.run(_serve(config, engine, loaded))
+    except KeyboardInterrupt:
+        return 0
     finally:
         engine.stop()
+
+
+async def _serve(config: ServeConfig, engine, loaded) -> int:
+    import uvicorn
+
+    from .errors import MolaError
+    from .server.app import build_state, create_app
+
+    try:
+        state = await build_state(config, engine, loaded)
+    except MolaError as e:
+        print(f"[mola] error: {e.message}", file=sys.stderr, flush=True)
+        return 1
+    app = create_app(state)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level)
+    )
+    await server.serve()
     return 0

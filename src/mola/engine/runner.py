@@ -9,6 +9,8 @@ generator does), let a finished group join, then decode one token per row.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
@@ -19,6 +21,18 @@ from .scheduler import StepPlan, prefill_len
 from .sequence import Sequence
 
 CLEAR_CACHE_EVERY = 256  # steps between returns of MLX's buffer cache
+
+
+@dataclass
+class RunnerStats:
+    """Counters of what the runner computed (read by tests and metrics)."""
+
+    decode_steps: int = 0
+    decode_rows: int = 0  # sum of batch sizes over decode steps
+    mixed_steps: int = 0  # decode steps whose rows used more than one slot
+    max_batch: int = 0
+    max_slots_in_step: int = 0  # most distinct slots (base included) in one step
+    prefill_tokens: int = 0  # prompt tokens written, padding excluded
 
 
 def merge_caches(caches: list[list]) -> list:
@@ -37,6 +51,7 @@ class ModelRunner:
         self.group_tokens: mx.array | None = None  # [G, L] right-padded prompts
         self.group_padding: list[int] = []
         self.num_steps = 0
+        self.stats = RunnerStats()
 
     @property
     def num_rows(self) -> int:
@@ -84,6 +99,9 @@ class ModelRunner:
                 for c in self.group_cache:
                     c.prepare(lengths=lengths, right_padding=self.group_padding)
         if plan.end > plan.start:
+            self.stats.prefill_tokens += sum(
+                max(0, min(plan.end, prefill_len(s)) - plan.start) for s in group
+            )
             self.routing.set([s.slot for s in group], [s.lora_scale for s in group])
             self.model(self.group_tokens[:, plan.start : plan.end], cache=self.group_cache)
             mx.eval([c.state for c in self.group_cache])
@@ -113,7 +131,9 @@ class ModelRunner:
     def _decode(self, rows: list[Sequence]) -> list[int]:
         assert self.num_rows == len(rows), (self.num_rows, len(rows))
         inputs = mx.array([[s.last_token] for s in rows], dtype=mx.uint32)  # [B, 1]
-        self.routing.set([s.slot for s in rows], [s.lora_scale for s in rows])
+        slots = [s.slot for s in rows]
+        self.routing.set(slots, [s.lora_scale for s in rows])
+        self._count_decode(slots)
         logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [B, V]
         tokens, _, self.keys = sample(
             logits,
@@ -123,3 +143,12 @@ class ModelRunner:
         )
         mx.eval(tokens, self.keys)
         return tokens.tolist()
+
+    def _count_decode(self, slots: list[int]) -> None:
+        st = self.stats
+        distinct = len(set(slots))
+        st.decode_steps += 1
+        st.decode_rows += len(slots)
+        st.mixed_steps += distinct > 1
+        st.max_batch = max(st.max_batch, len(slots))
+        st.max_slots_in_step = max(st.max_slots_in_step, distinct)

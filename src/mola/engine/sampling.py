@@ -40,7 +40,7 @@ def sample(
     temps = mx.array([max(t, 1e-6) for t in temperature], dtype=mx.float32)[:, None]
     scaled = logprobs / temps  # [B, V]
     if any(p < 1.0 for p in top_p):
-        scaled = mx.log_softmax(scaled, axis=-1)
+        scaled = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
         mask = top_p_mask(scaled, mx.array(top_p, dtype=mx.float32)[:, None])
         scaled = mx.where(mask, scaled, -mx.inf)
     split = _split(keys)  # [B, 2, 2]

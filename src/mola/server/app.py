@@ -1,5 +1,6 @@
-"""The FastAPI app. It is handed a running engine; at start-up it builds the
-registry and loads the adapters named in the config."""
+"""The FastAPI app. :func:`build_state` wires a running engine to the adapter
+registry (on the event loop) and loads the configured adapters;
+:func:`create_app` serves that state."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fastapi.responses import JSONResponse
 from ..config import ServeConfig
 from ..engine.client import AsyncEngine
 from ..engine.engine import Engine, LoadedModel
+from ..errors import MolaError
 from ..lora.loader import AdapterLoader
 from ..lora.registry import AdapterRegistry
 from .errors import error_response, install_error_handlers
@@ -29,34 +31,47 @@ def base_model_id(config: ServeConfig, loaded: LoadedModel) -> str:
     return config.model or "base"
 
 
-def create_app(config: ServeConfig, engine: Engine, loaded: LoadedModel) -> FastAPI:
-    """An app serving ``engine`` (already started, model loaded)."""
+async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel) -> ServerState:
+    """Everything the routes share, on the running event loop; loads the
+    adapters the config names (raising MolaError for a bad one)."""
+    async_engine = AsyncEngine(engine)
+    loader = AdapterLoader(async_engine)
+    base_id = base_model_id(config, loaded)
+    state = ServerState(
+        config=config,
+        engine=async_engine,
+        registry=AdapterRegistry(base_id, loader, config.max_loras),
+        loader=loader,
+        tokenizer=loaded.tokenizer,
+        base_id=base_id,
+        base_root=str(loaded.path or config.model),
+        max_model_len=config.max_model_len or loaded.max_model_len,
+    )
+    try:
+        for name, path in config.adapters:
+            try:
+                entry = await state.registry.load(name, path)
+            except MolaError as e:
+                raise type(e)(f"could not load adapter '{name}' from {path}: {e.message}") from e
+            log.info("serving adapter %s (rank %d) from %s", name, entry.rank, path)
+    except BaseException:
+        loader.close()
+        raise
+    return state
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """An app serving ``state`` (engine started, adapters loaded)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        async_engine = AsyncEngine(engine)
-        loader = AdapterLoader(async_engine)
-        base_id = base_model_id(config, loaded)
-        state = ServerState(
-            config=config,
-            engine=async_engine,
-            registry=AdapterRegistry(base_id, loader, config.max_loras),
-            loader=loader,
-            tokenizer=loaded.tokenizer,
-            base_id=base_id,
-            base_root=str(loaded.path or config.model),
-            max_model_len=config.max_model_len or loaded.max_model_len,
-        )
-        app.state.mola = state
         try:
-            for name, path in config.adapters:
-                entry = await state.registry.load(name, path)
-                log.info("serving adapter %s (rank %d) from %s", name, entry.rank, path)
             yield
         finally:
-            loader.close()
+            state.loader.close()
 
     app = FastAPI(title="mola", version="0.1.0", lifespan=lifespan)
+    app.state.mola = state
     install_error_handlers(app)
     app.include_router(chat.router)
     app.include_router(models.router)
@@ -64,7 +79,6 @@ def create_app(config: ServeConfig, engine: Engine, loaded: LoadedModel) -> Fast
 
     @app.get("/health")
     async def health(request: Request):
-        state: ServerState = request.app.state.mola
         if not state.engine.is_alive:
             return error_response(503, "The engine is not running.", "service_unavailable")
         return JSONResponse({"status": "ok"})

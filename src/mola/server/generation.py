@@ -66,7 +66,7 @@ def sampling_params(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         seed=body.seed,
-        stop_token_ids=frozenset(state.tokenizer.eos_token_ids),
+        stop_token_ids=frozenset() if body.ignore_eos else frozenset(state.tokenizer.eos_token_ids),
     )
 
 
@@ -87,7 +87,7 @@ class Generation:
         return self.seq.num_prompt_tokens
 
     async def deltas(self) -> AsyncIterator[str]:
-        eos = self.seq.params.stop_token_ids
+        eos = self.state.tokenizer.eos_token_ids
         try:
             async for out in self.state.engine.generate(self.seq):
                 if out.finish_reason == "error":

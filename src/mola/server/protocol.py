@@ -65,6 +65,8 @@ class ChatCompletionRequest(_Body):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1)
     user: str | None = None
+    # vLLM's extension: keep generating past EOS, up to max_tokens (benchmarks).
+    ignore_eos: bool = False
     # Known OpenAI fields that this server does not implement yet: refused
     # (with a 400 naming them) unless left at their no-op values.
     logprobs: bool | None = None

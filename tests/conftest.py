@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny models and adapters built offline into tmp dirs, and
+real mola servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import mlx.core as mx
+import pytest
+
+from mola.synthetic.adapter import make_random_adapter
+from mola.synthetic.model import TinyModelSpec, make_tiny_model
+
+from helpers import ServerHandle, start_server
+
+# Adapters of the shared tiny model: different ranks, targets and layers.
+ADAPTER_SPECS = {
+    "a": dict(rank=4, keys=("self_attn.q_proj", "self_attn.v_proj"), seed=1),
+    "b": dict(rank=8, keys=("self_attn.q_proj", "mlp.down_proj"), num_layers=1, seed=2),
+    "c": dict(
+        rank=16,
+        keys=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+              "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+        seed=3, scale=1.0,
+    ),
+}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # MLX wants every thread's streams cleared before the process exits.
+    mx.clear_streams()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny", TinyModelSpec())
+
+
+@pytest.fixture(scope="session")
+def adapters(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: make_random_adapter(root / name, tiny_model, **spec)
+        for name, spec in ADAPTER_SPECS.items()
+    }
+
+
+@pytest.fixture(scope="session")
+def quantized_model(tmp_path_factory):
+    spec = TinyModelSpec(quantize_bits=4, quantize_group_size=32)
+    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-q4", spec)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, adapters) -> ServerHandle:
+    """A mola server on 127.0.0.1 serving the tiny model and adapters a, b, c."""
+    handle = start_server(
+        model=str(tiny_model),
+        served_model_name="tiny",
+        adapters=tuple((name, str(path)) for name, path in adapters.items()),
+        max_loras=4,
+        max_lora_rank=16,
+    )
+    yield handle
+    handle.stop()

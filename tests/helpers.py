@@ -1,0 +1,150 @@
+"""Test helpers: a real server in a thread, references computed another way
+(plain mlx-lm on merged weights), and OpenAI schema validation."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+import uvicorn
+
+from mola.config import ServeConfig
+from mola.engine.engine import Engine
+from mola.engine.loader import load_base_model
+from mola.lora.formats import read_adapter
+from mola.server.app import build_state, create_app
+
+SCHEMAS = Path(__file__).parent / "data" / "openai_schemas.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerHandle:
+    url: str
+    engine: Engine
+    server: uvicorn.Server
+    thread: threading.Thread
+    config: ServeConfig
+
+    @property
+    def app(self):
+        return self.server.config.app
+
+    @property
+    def state(self):
+        return self.app.state.mola
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.engine.stop()
+
+
+def start_server(**kwargs) -> ServerHandle:
+    """Start engine + uvicorn (127.0.0.1, a free port) in this process; the
+    event loop runs on a thread of its own."""
+    config = ServeConfig(host="127.0.0.1", port=free_port(), log_level="warning", **kwargs)
+    engine = Engine(lambda: load_base_model(config.model), config.engine)
+    loaded = engine.start()
+    box: dict = {}
+
+    async def main():
+        app = create_app(await build_state(config, engine, loaded))
+        box["server"] = server = uvicorn.Server(
+            uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")
+        )
+        await server.serve()
+
+    def run():
+        try:
+            asyncio.run(main())
+        except BaseException as e:  # reported by the wait below
+            box["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not (box.get("server") and box["server"].started):
+        if "error" in box or not thread.is_alive() or time.monotonic() > deadline:
+            engine.stop()
+            raise RuntimeError(f"the test server did not start: {box.get('error')}")
+        time.sleep(0.02)
+    return ServerHandle(f"http://127.0.0.1:{config.port}", engine, box["server"], thread, config)
+
+
+# ---- references ---------------------------------------------------------------
+
+
+def merged_model(model_dir, adapter_dirs=(), scales=None):
+    """Plain mlx-lm model with each adapter merged into the base weights:
+    W' = W + scale * (A @ B)^T."""
+    from mlx_lm import load
+
+    model, tokenizer = load(str(model_dir))
+    modules = dict(model.named_modules())
+    for i, adapter in enumerate(adapter_dirs):
+        weights = read_adapter(adapter)
+        extra = 1.0 if scales is None else scales[i]
+        for path, m in weights.modules.items():
+            lin = modules[path]
+            lin.weight = lin.weight + (extra * m.scale) * (m.a @ m.b).T.astype(lin.weight.dtype)
+    mx.eval(model.parameters())
+    return model, tokenizer
+
+
+def greedy_tokens(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy decoding with mlx-lm's own generate_step (no mola code)."""
+    from mlx_lm.generate import generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    out = []
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=make_sampler(0.0))
+    for token, _ in steps:
+        out.append(int(token))
+    return out
+
+
+# ---- OpenAI schemas ---------------------------------------------------------
+
+
+@lru_cache(maxsize=None)
+def _validator(name: str):
+    import jsonschema
+    from referencing import Registry, Resource
+    from referencing.jsonschema import DRAFT202012
+
+    data = json.loads(SCHEMAS.read_text())
+    doc = {"components": {"schemas": data["schemas"]}}
+    registry = Registry().with_resource("urn:openai", Resource(doc, specification=DRAFT202012))
+    schema = {"$ref": f"urn:openai#/components/schemas/{name}"}
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
+def validate_schema(name: str, payload: dict) -> None:
+    """Raise jsonschema.ValidationError unless ``payload`` fits OpenAI's schema."""
+    _validator(name).validate(payload)
+
+
+def sse_events(text: str) -> list:
+    """Parse an SSE body into its JSON payloads; the final [DONE] as a string."""
+    events = []
+    for block in text.split("\n\n"):
+        block = block.strip()
+        if not block:
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events

@@ -1,0 +1,116 @@
+"""`mola serve` as a user runs it: a separate process on 127.0.0.1
+(mola/cli.py, mola/serve.py, mola/demo.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from helpers import free_port
+
+
+def start(args, env=None, timeout=120):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mola", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **(env or {})},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"mola serve exited with {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("mola serve did not become healthy")
+        time.sleep(0.2)
+
+
+def stop(proc) -> tuple[int, str]:
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return proc.returncode, out
+
+
+def test_serve_model_with_three_adapters(tiny_model, adapters):
+    args = ["--model", str(tiny_model), "--max-loras", "4", "--max-lora-rank", "16"]
+    for name, path in adapters.items():
+        args += ["--adapter", f"{name}={path}"]
+    proc, url = start(args)
+    try:
+        models = httpx.get(url + "/v1/models").json()["data"]
+        assert [m["id"] for m in models] == [tiny_model.name, "a", "b", "c"]
+        sdk = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        answers = {}
+        for m in models:
+            r = sdk.chat.completions.create(
+                model=m["id"], messages=[{"role": "user", "content": "Hello"}], max_tokens=8, temperature=0
+            )
+            answers[m["id"]] = r.choices[0].message.content
+        assert len(set(answers.values())) == 4  # each model id routes to its own weights
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out
+    assert "model loaded" in out
+
+
+def test_embedded_demo_builds_once_and_serves(tmp_path):
+    env = {"MOLA_CACHE": str(tmp_path)}
+    proc, url = start([], env=env)
+    try:
+        ids = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+        assert ids[0] == "mola-demo" and len(ids) >= 3
+        r = httpx.post(url + "/v1/chat/completions", json={
+            "model": ids[1], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        code, out = stop(proc)
+    assert code == 0 and "building the demo" in out
+    proc, url = start([], env=env)  # second run reuses the cache
+    code, out = stop(proc)
+    assert code == 0 and "building the demo" not in out
+
+
+def test_bad_arguments_fail_clearly(tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "mola", *args], capture_output=True, text=True, timeout=60)
+
+    r = run("serve", "--adapter", "no-equals-sign")
+    assert r.returncode == 2 and "NAME=PATH" in r.stderr
+    r = run("serve", "--model", str(tmp_path / "missing"), "--port", str(free_port()))
+    assert r.returncode == 1 and "does not exist" in r.stderr
+    r = run("serve", "--max-loras", "0")
+    assert r.returncode == 2 and "max_loras" in r.stderr
+    assert run("--help").returncode == 0
+
+
+@pytest.mark.parametrize("bad", ["{not json", '{"fine_tune_type": "lora"}'])
+def test_startup_adapter_error_names_the_problem(tiny_model, tmp_path, bad):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text(bad)
+    (broken / "adapters.safetensors").write_bytes(b"")
+    r = subprocess.run(
+        [sys.executable, "-m", "mola", "serve", "--model", str(tiny_model), "--port", str(free_port()),
+         "--adapter", f"x={broken}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode != 0
+    assert "adapter 'x'" in r.stderr and str(broken) in r.stderr

@@ -1,0 +1,182 @@
+"""The engine on a real tiny mlx-lm model, against plain mlx-lm on merged
+weights (mola/engine/engine.py, runner.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from mlx_lm import load
+from mlx_lm.tuner.utils import load_adapters
+
+from mola.engine.engine import Engine, EngineConfig
+from mola.engine.loader import load_base_model
+from mola.engine.sequence import SamplingParams, Sequence
+from mola.lora.formats import read_adapter
+from mola.lora.weights import validate
+
+from helpers import greedy_tokens, merged_model
+
+QUESTIONS = [
+    "Hello there",
+    "What is the capital of France? Please answer in one word.",
+    "hi",
+    "Write a poem about autumn leaves falling softly on the quiet street, then explain it.",
+]
+MAX_TOKENS = 10
+
+
+class Runner:
+    """An engine plus a blocking way to run sequences to the end."""
+
+    def __init__(self, model_dir, adapters=(), **config):
+        self.done: dict[int, Sequence] = {}
+        self.cond = threading.Condition()
+        self.engine = Engine(
+            lambda: load_base_model(str(model_dir)),
+            EngineConfig(**{"max_loras": 4, "max_lora_rank": 16, **config}),
+            self._on_outputs,
+        )
+        self.loaded = self.engine.start()
+        self.slots = {}
+        for slot, (name, path) in enumerate(adapters, start=1):
+            weights = read_adapter(path, dtype=self.engine.dtype)
+            validate(weights, self.engine.targets, self.engine.config.max_lora_rank)
+            self.engine.call(lambda s=slot, w=weights: self.engine.packs.write(s, w)).result()
+            self.slots[name] = slot
+
+    def _on_outputs(self, outputs):
+        with self.cond:
+            for out in outputs:
+                if out.finish_reason is not None:
+                    self.done[out.seq.seq_id] = out.seq
+            self.cond.notify_all()
+
+    def submit(self, prompt, adapter=None, **params):
+        params = {"max_tokens": MAX_TOKENS, "temperature": 0.0, **params}
+        seq = Sequence(prompt=list(prompt), params=SamplingParams(**params),
+                       slot=self.slots.get(adapter, 0))
+        self.engine.add(seq)
+        return seq
+
+    def wait(self, seqs, timeout=60):
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not all(s.seq_id in self.done for s in seqs):
+                assert self.cond.wait(deadline - time.monotonic()), "engine timed out"
+        return [s.output for s in seqs]
+
+    def run(self, prompt, adapter=None, **params):
+        return self.wait([self.submit(prompt, adapter, **params)])[0]
+
+    def prompt(self, question):
+        return self.loaded.tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True
+        )
+
+    def stop(self):
+        self.engine.stop()
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model, adapters):
+    r = Runner(tiny_model, adapters=list(adapters.items()))
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def references(tiny_model, adapters, runner):
+    """Greedy tokens of plain mlx-lm with each adapter merged into the weights."""
+    refs = {}
+    for name in (None, *adapters):
+        model, _ = merged_model(tiny_model, [adapters[name]] if name else [])
+        for q in QUESTIONS:
+            refs[name, q] = greedy_tokens(model, runner.prompt(q), MAX_TOKENS)
+    return refs
+
+
+def test_mixed_batch_matches_merged_weight_reference(runner, references, adapters):
+    jobs = [(name, q) for q in QUESTIONS for name in (None, *adapters)]
+    seqs = [runner.submit(runner.prompt(q), name) for name, q in jobs]
+    outputs = runner.wait(seqs)
+    for (name, q), out in zip(jobs, outputs):
+        assert out == references[name, q], (name, q)
+    # The adapters really change the output.
+    assert len({tuple(references[n, QUESTIONS[1]]) for n in (None, *adapters)}) == 4
+
+
+def test_output_does_not_depend_on_the_batch(runner, adapters):
+    prompt = runner.prompt(QUESTIONS[3])
+    alone = runner.run(prompt, "b")
+    # Staggered arrivals: the request joins a batch that is already decoding,
+    # beside rows of every adapter and the base with other prompt lengths.
+    crowd = [runner.submit(runner.prompt(q), n, max_tokens=30) for q in QUESTIONS for n in (None, "a", "c")]
+    time.sleep(0.05)
+    mine = runner.submit(prompt, "b")
+    more = [runner.submit(runner.prompt(q), "a") for q in QUESTIONS[:2]]
+    runner.wait([*crowd, mine, *more])
+    assert mine.output == alone
+
+
+def test_chunked_prefill_matches_reference(tiny_model, adapters, references):
+    r = Runner(tiny_model, adapters=[("c", adapters["c"])], prefill_step_size=5)
+    try:
+        for name in (None, "c"):
+            q = QUESTIONS[3]
+            assert r.run(r.prompt(q), name) == references[name, q]
+    finally:
+        r.stop()
+
+
+def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(runner):
+    prompt = runner.prompt(QUESTIONS[0])
+    params = dict(temperature=0.9, top_p=0.95, seed=42, max_tokens=12)
+    alone = runner.run(prompt, "a", **params)
+    others = [runner.submit(runner.prompt(q), n, temperature=1.0) for q in QUESTIONS for n in (None, "c")]
+    mine = runner.submit(prompt, "a", **params)
+    runner.wait([*others, mine])
+    assert mine.output == alone
+    assert runner.run(prompt, "a", **{**params, "seed": 43}) != alone
+
+
+def test_abort_finishes_the_sequence_and_frees_its_row(runner):
+    long = runner.submit(runner.prompt(QUESTIONS[1]), "a", max_tokens=1000)
+    short = runner.submit(runner.prompt(QUESTIONS[0]), "b", max_tokens=5)
+    time.sleep(0.05)
+    runner.engine.abort(long.seq_id)
+    runner.wait([long, short])
+    assert long.finish_reason == "abort" and len(long.output) < 1000
+    assert short.finish_reason == "length" and len(short.output) == 5
+    assert runner.engine.runner.num_rows == 0 or not runner.engine.scheduler.running
+
+
+def test_stop_tokens_finish_with_stop(runner, references):
+    ref = references[None, QUESTIONS[1]]
+    seq = runner.submit(runner.prompt(QUESTIONS[1]), None, stop_token_ids=frozenset({ref[3]}))
+    runner.wait([seq])
+    first = ref.index(ref[3])
+    assert seq.output == ref[: first + 1] and seq.finish_reason == "stop"
+
+
+def test_quantized_base_matches_mlx_lm_lora(quantized_model, tmp_path):
+    """A 4-bit base: mola's slots against mlx-lm's own LoRALinear on the
+    same QuantizedLinear layers."""
+    from mola.synthetic.adapter import make_random_adapter
+
+    adapter = make_random_adapter(tmp_path / "qa", quantized_model, rank=8,
+                                  keys=("self_attn.q_proj", "mlp.up_proj"), seed=5)
+    r = Runner(quantized_model, adapters=[("qa", adapter)])
+    try:
+        model, _ = load(str(quantized_model))
+        base_ref = {q: greedy_tokens(model, r.prompt(q), MAX_TOKENS) for q in QUESTIONS}
+        load_adapters(model, str(adapter))
+        lora_ref = {q: greedy_tokens(model, r.prompt(q), MAX_TOKENS) for q in QUESTIONS}
+        seqs = [(q, n, r.submit(r.prompt(q), n)) for q in QUESTIONS for n in (None, "qa")]
+        r.wait([s for *_, s in seqs])
+        for q, n, s in seqs:
+            assert s.output == (lora_ref if n else base_ref)[q], (q, n)
+        assert lora_ref != base_ref
+    finally:
+        r.stop()

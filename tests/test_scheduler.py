@@ -1,0 +1,78 @@
+"""Scheduling decisions, plain Python (mola/engine/scheduler.py)."""
+
+from __future__ import annotations
+
+from mola.engine.scheduler import Scheduler
+from mola.engine.sequence import SamplingParams, Sequence, SequenceStatus
+
+
+def seq(n_prompt, max_tokens=4):
+    return Sequence(prompt=list(range(1, n_prompt + 1)), params=SamplingParams(max_tokens=max_tokens))
+
+
+def test_short_prompts_prefill_together_and_join_in_one_step():
+    s = Scheduler(max_num_seqs=8, prefill_step_size=64)
+    seqs = [seq(5), seq(9), seq(3)]
+    for q in seqs:
+        s.add(q)
+    plan = s.schedule()
+    assert plan.group == seqs and plan.group_is_new
+    assert (plan.start, plan.end) == (0, 8)  # longest prompt minus its last token
+    assert plan.join == [0, 1, 2] and plan.decode == seqs
+    assert all(q.status is SequenceStatus.RUNNING for q in seqs)
+
+
+def test_long_prompt_is_chunked_while_others_decode():
+    s = Scheduler(max_num_seqs=8, prefill_step_size=16)
+    first = seq(3)
+    s.add(first)
+    s.schedule()  # first joins the decode batch
+    long = seq(41)  # 40 tokens to prefill: chunks of 16
+    s.add(long)
+    spans = []
+    while True:
+        plan = s.schedule()
+        assert first in plan.decode  # decoding never waits for the prefill
+        spans.append((plan.start, plan.end))
+        if plan.join is not None:
+            break
+        assert long not in plan.decode
+    assert spans == [(0, 16), (16, 32), (32, 40)]
+    assert plan.decode == [first, long]
+
+
+def test_group_is_limited_by_step_budget_and_capacity():
+    s = Scheduler(max_num_seqs=3, prefill_step_size=20)
+    qs = [seq(8) for _ in range(5)]
+    for q in qs:
+        s.add(q)
+    plan = s.schedule()
+    assert plan.group == qs[:2]  # a third 7-token prompt would exceed 20 padded tokens
+    plan = s.schedule()
+    assert plan.group == qs[2:3]  # only one row left under max_num_seqs=3
+    plan = s.schedule()
+    assert plan.group == [] and len(plan.decode) == 3 and len(s.waiting) == 2
+
+
+def test_finished_rows_leave_and_aborts_are_honoured():
+    s = Scheduler(max_num_seqs=8, prefill_step_size=64)
+    a, b, c = seq(2), seq(2), seq(2)
+    for q in (a, b, c):
+        s.add(q)
+    s.schedule()
+    b.finish("length")
+    plan = s.schedule()
+    assert plan.keep == [0, 2] and plan.decode == [a, c]
+    s.add(d := seq(2))
+    assert s.abort(d.seq_id) is d and d.finish_reason == "abort" and not s.waiting
+    assert s.abort(a.seq_id) is a
+    plan = s.schedule()
+    assert plan.keep == [1] and plan.decode == [c]
+
+
+def test_one_token_prompts_join_without_prefill():
+    s = Scheduler()
+    q = seq(1)
+    s.add(q)
+    plan = s.schedule()
+    assert (plan.start, plan.end) == (0, 0) and plan.join == [0] and plan.decode == [q]
