@@ -10,6 +10,7 @@ Each step is schedule -> run -> postprocess; nothing else lives there.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import random
@@ -30,6 +31,11 @@ from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
 
 log = logging.getLogger("mola.engine")
+
+# MLX needs every thread's streams cleared before the process exits, the main
+# thread's included (importing mlx-lm creates a stream in the importing
+# thread); without this the process may abort at exit.
+atexit.register(mx.clear_streams)
 
 
 @dataclass(frozen=True)
@@ -169,8 +175,9 @@ class Engine:
                 self._load()
             except BaseException as e:
                 self.error = e
-                self._ready.set()
+                mx.synchronize(stream)
                 mx.clear_streams()
+                self._ready.set()
                 return
             self._ready.set()
             try:

@@ -63,8 +63,22 @@ class TinyModelSpec:
         }
 
 
-def train_tokenizer(vocab_size: int, corpus: Path = CORPUS):
-    """A byte-level BPE tokenizer (GPT-2 style) trained on ``corpus``,
+def corpus_lines(vocab_size: int) -> list[str]:
+    """Local training text: the packaged corpus, plus, for vocabularies larger
+    than it supports, the Python standard library's own sources (offline and
+    present on every machine)."""
+    lines = CORPUS.read_text().splitlines()
+    if vocab_size > 1024:
+        import sysconfig
+
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        for f in sorted(stdlib.glob("*.py")):
+            lines += f.read_text(errors="ignore").splitlines()
+    return lines
+
+
+def train_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer (GPT-2 style) trained on local text,
     wrapped for transformers, with the ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -78,7 +92,7 @@ def train_tokenizer(vocab_size: int, corpus: Path = CORPUS):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus.read_text().splitlines(), trainer)
+    tok.train_from_iterator(corpus_lines(vocab_size), trainer)
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
