@@ -21,7 +21,8 @@ def test_install_wraps_every_block_linear(tiny_model):
     modules = dict(model.named_modules())
     for path, layer in packs.layers.items():
         assert modules[path] is layer and isinstance(layer, MultiLoRALinear)
-        assert layer.lora_a.shape[:1] == (4,) and layer.lora_a.shape[2] == 8
+        assert layer.lora_a.shape == (4, 8, layer.input_dims)
+        assert layer.lora_b.shape == (4, 8, layer.output_dims)
     # lm_head and embeddings stay as they are.
     assert isinstance(model.lm_head, nn.Linear)
 
@@ -46,9 +47,10 @@ def test_write_zero_pads_and_leaves_untargeted_layers_zero(tiny_model, adapters)
             assert mx.all(layer.lora_a[2] == 0).item() and mx.all(layer.lora_b[2] == 0).item()
             assert 2 not in layer.active_slots
             continue
-        assert mx.array_equal(layer.lora_a[2, :, :8], m.a).item()
-        assert mx.all(layer.lora_a[2, :, 8:] == 0).item()
-        assert mx.array_equal(layer.lora_b[2, :8], m.b).item()
+        a, b = layer.factors(2)
+        assert mx.array_equal(a, m.a).item()
+        assert mx.allclose(b, m.scale * m.b).item()
+        assert mx.all(layer.lora_a[2, 8:] == 0).item()  # the rank is zero-padded
         assert mx.all(layer.lora_b[2, 8:] == 0).item()
         assert layer.lora_scale[2].item() == m.scale
     packs.clear(2)

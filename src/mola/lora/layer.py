@@ -8,6 +8,14 @@ layers which row uses which slot through one shared :class:`LoRARouting`; each
 
 to its base output, where ``A`` [S, in, r] and ``B`` [S, r, out] are the
 slot-indexed packs and slot 0 means "no adapter" (all zeros).
+
+Two storage choices keep that cheap. ``A`` is kept transposed, ``lora_a`` of
+shape [S, r_max, in], so that the slice of the rank actually in use,
+``lora_a[:, :r]``, stays contiguous per slot and ``gather_mm`` reads it in
+place (slicing [S, in, r_max] on its last axis made MLX copy the pack on every
+call). And each slot's scale is folded into its ``B`` when it is written
+(``lora_b[s] = scale[s] * B_s``), which is the same product with one
+multiplication fewer per layer; ``lora_scale`` keeps the scales for reading.
 """
 
 from __future__ import annotations
@@ -109,12 +117,11 @@ class MultiLoRALinear(nn.Module):
         self.input_dims = input_dims
         self.output_dims = output_dims
         self.max_rank = max_rank
-        self.lora_a = mx.zeros((num_slots, input_dims, max_rank), dtype=dtype)  # [S, in, r]
-        self.lora_b = mx.zeros((num_slots, max_rank, output_dims), dtype=dtype)  # [S, r, out]
+        self.lora_a = mx.zeros((num_slots, max_rank, input_dims), dtype=dtype)  # [S, r, in]: A^T
+        self.lora_b = mx.zeros((num_slots, max_rank, output_dims), dtype=dtype)  # [S, r, out]: scale * B
         self.lora_scale = mx.zeros((num_slots,), dtype=mx.float32)  # [S]
         self._routing = routing
         self._ranks: dict[int, int] = {}  # slot -> rank written in this layer
-        self._scales: dict[int, float] = {}  # slot -> scale, for the single-slot path
         self._rank = 0  # max rank over written slots: the part of r the forward uses
 
     @property
@@ -129,17 +136,21 @@ class MultiLoRALinear(nn.Module):
     def active_slots(self) -> frozenset[int]:
         return frozenset(self._ranks)
 
+    def factors(self, slot: int) -> tuple[mx.array, mx.array]:
+        """The (A [in, r], scale * B [r, out]) stored in ``slot``."""
+        r = self._ranks.get(slot, 0)
+        return self.lora_a[slot, :r].T, self.lora_b[slot, :r]
+
     def write_slot(self, slot: int, a: mx.array, b: mx.array, scale: float) -> None:
         """Store one adapter's factors in ``slot``: a [in, r], b [r, out]."""
         r = a.shape[1]
         assert 0 < slot < self.num_slots and r <= self.max_rank
         assert a.shape == (self.input_dims, r) and b.shape == (r, self.output_dims)
-        pad = self.max_rank - r
-        self.lora_a[slot] = mx.pad(a.astype(self.dtype), [(0, 0), (0, pad)])
-        self.lora_b[slot] = mx.pad(b.astype(self.dtype), [(0, pad), (0, 0)])
+        pad = [(0, self.max_rank - r), (0, 0)]
+        self.lora_a[slot] = mx.pad(a.T.astype(self.dtype), pad)
+        self.lora_b[slot] = mx.pad((scale * b.astype(mx.float32)).astype(self.dtype), pad)
         self.lora_scale[slot] = scale
         self._ranks[slot] = r
-        self._scales[slot] = float(scale)
         self._rank = max(self._ranks.values())
 
     def clear_slot(self, slot: int) -> None:
@@ -150,7 +161,6 @@ class MultiLoRALinear(nn.Module):
         self.lora_b[slot] = mx.zeros(self.lora_b.shape[1:], dtype=self.dtype)
         self.lora_scale[slot] = 0.0
         del self._ranks[slot]
-        del self._scales[slot]
         self._rank = max(self._ranks.values(), default=0)
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -166,18 +176,15 @@ class MultiLoRALinear(nn.Module):
 
     def _single(self, x: mx.array, slot: int, row_scale: mx.array | None) -> mx.array:
         r = self._ranks[slot]
-        a = self.lora_a[slot, :, :r]  # [in, r]
-        b = self.lora_b[slot, :r, :]  # [r, out]
-        z = (x @ a) @ b  # [B, L, out]
-        z = z * self._scales[slot]
+        z = (x @ self.lora_a[slot, :r].T) @ self.lora_b[slot, :r]  # [B, L, out]
         if row_scale is not None:
             z = z * row_scale
         return z.astype(x.dtype)
 
     def _mixed(self, x: mx.array, route: LoRARouting) -> mx.array:
         r = self._rank
-        a = self.lora_a[:, :, :r]  # [S, in, r]
-        b = self.lora_b[:, :r, :]  # [S, r, out]
+        a = self.lora_a[:, :r].swapaxes(1, 2)  # [S, in, r], a view
+        b = self.lora_b[:, :r]  # [S, r, out]
         if route.order is not None:
             xs = x[route.order]  # [B, L, in], rows grouped by slot
             idx = route.sorted_idx
@@ -188,7 +195,6 @@ class MultiLoRALinear(nn.Module):
             idx = route.idx
             z = mx.gather_mm(x, a, rhs_indices=idx)  # [B, L, r]
             z = mx.gather_mm(z, b, rhs_indices=idx)  # [B, L, out]
-        scale = self.lora_scale[route.idx][:, None, None]  # [B, 1, 1]
         if route.row_scale is not None:
-            scale = scale * route.row_scale
-        return (z * scale).astype(x.dtype)
+            z = z * route.row_scale
+        return z.astype(x.dtype)
