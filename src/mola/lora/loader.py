@@ -35,7 +35,8 @@ class AdapterLoader:
 
     def _read(self, path: Path) -> LoRAWeights:  # reader thread
         eng = self.engine.engine
-        weights = read_adapter(path, dtype=eng.dtype)
+        model_type = eng.loaded.config.get("model_type") if eng.loaded else None
+        weights = read_adapter(path, dtype=eng.dtype, model_type=model_type)
         validate(weights, eng.targets, self.max_rank)
         return weights
 

@@ -1,4 +1,10 @@
-"""Adapter file formats, each read into a :class:`mola.lora.weights.LoRAWeights`."""
+"""Adapter file formats, each read into a :class:`mola.lora.weights.LoRAWeights`
+whose module paths are the mlx-lm model's own (``model.layers.3.self_attn.q_proj``).
+
+    mlx_lm.py   mlx-lm directories: adapter_config.json + adapters.safetensors
+    peft.py     Hugging Face PEFT directories: adapter_config.json + adapter_model.safetensors
+    gguf.py     llama.cpp GGUF LoRA files (general.type = adapter)
+"""
 
 from __future__ import annotations
 
@@ -8,19 +14,51 @@ import mlx.core as mx
 
 from ...errors import AdapterPathNotFound, InvalidAdapter
 from ..weights import LoRAWeights
-from .mlx_lm import is_mlx_lm_adapter, read_mlx_lm_adapter
+from . import gguf, mlx_lm, peft
 
 
-def read_adapter(path: str | Path, dtype: mx.Dtype | None = None) -> LoRAWeights:
-    """Read the adapter at ``path`` in whichever supported format it is."""
+def detect_format(path: Path) -> str:
+    """"mlx-lm", "peft" or "gguf"; InvalidAdapter if none fits."""
+    if path.is_file():
+        if gguf.is_gguf_file(path):
+            return "gguf"
+        raise InvalidAdapter(
+            f"{path} is a file but not a GGUF adapter; an mlx-lm or PEFT adapter is a directory."
+        )
+    if mlx_lm.is_mlx_lm_adapter(path):
+        return "mlx-lm"
+    if peft.is_peft_adapter(path):
+        return "peft"
+    if (path / "adapter_config.json").is_file():
+        # A config without recognisable weights: let the mlx-lm reader name
+        # what is missing (or what is wrong with the config).
+        return "peft" if peft.looks_like_peft_config(path) else "mlx-lm"
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return "gguf"
+    raise InvalidAdapter(
+        f"No adapter found at {path}: expected an mlx-lm adapter (adapter_config.json + "
+        "adapters.safetensors), a PEFT adapter (adapter_config.json + "
+        "adapter_model.safetensors) or a llama.cpp GGUF LoRA file."
+    )
+
+
+def read_adapter(
+    path: str | Path, dtype: mx.Dtype | None = None, model_type: str | None = None
+) -> LoRAWeights:
+    """Read the adapter at ``path`` in whichever supported format it is.
+
+    ``dtype`` is the base model's compute dtype (factors are cast to it);
+    ``model_type`` is the base's mlx-lm model type (``config.json``'s
+    ``model_type``), which formats that name modules their own way need.
+    """
     path = Path(path).expanduser()
     if not path.exists():
         raise AdapterPathNotFound(f"The adapter path does not exist: {path}")
-    if not path.is_dir():
-        raise InvalidAdapter(f"The adapter path is not a directory: {path}")
-    if is_mlx_lm_adapter(path) or (path / "adapter_config.json").exists():
-        return read_mlx_lm_adapter(path, dtype)
-    raise InvalidAdapter(
-        f"No adapter found at {path}: expected adapter_config.json and "
-        "adapters.safetensors (mlx-lm format)."
-    )
+    kind = detect_format(path)
+    if kind == "gguf":
+        file = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
+        return gguf.read_gguf_adapter(file, dtype, model_type)
+    if kind == "peft":
+        return peft.read_peft_adapter(path, dtype, model_type)
+    return mlx_lm.read_mlx_lm_adapter(path, dtype)
