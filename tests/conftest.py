@@ -10,6 +10,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import mlx.core as mx
 import pytest
 
+from mola.config import AdapterSpec
 from mola.synthetic.adapter import make_random_adapter
 from mola.synthetic.model import TinyModelSpec, make_tiny_model
 
@@ -59,7 +60,8 @@ def server(tiny_model, adapters) -> ServerHandle:
     handle = start_server(
         model=str(tiny_model),
         served_model_name="tiny",
-        adapters=tuple((name, str(path)) for name, path in adapters.items()),
+        adapters=tuple(AdapterSpec(name, str(path)) for name, path in adapters.items()),
+        allow_any_adapter_path=True,
         max_loras=4,
         max_lora_rank=16,
     )

@@ -114,3 +114,28 @@ def test_startup_adapter_error_names_the_problem(tiny_model, tmp_path, bad):
     )
     assert r.returncode != 0
     assert "adapter 'x'" in r.stderr and str(broken) in r.stderr
+
+
+def test_serve_from_a_config_file(tiny_model, adapters, tmp_path):
+    dir_ = tmp_path / "more"
+    dir_.mkdir()
+    import shutil
+
+    shutil.copytree(adapters["c"], dir_ / "from-dir")
+    config = tmp_path / "mola.toml"
+    config.write_text(
+        f'model = "{tiny_model}"\nserved_model_name = "base"\nmax_loras = 2\nmax_lora_rank = 16\n'
+        f'adapter_dirs = ["more"]\n[[adapters]]\nname = "first"\npath = "{adapters["a"]}"\nscale = 0.5\n'
+    )
+    proc, url = start(["--config", str(config), "--max-num-seqs", "4"])
+    try:
+        ids = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+        assert ids == ["base", "first", "from-dir"]
+        listed = {a["name"]: a for a in httpx.get(url + "/v1/adapters").json()["data"]}
+        assert listed["first"]["default_request_scale"] == 0.5
+        r = httpx.post(url + "/v1/chat/completions", json={
+            "model": "from-dir", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert r.status_code == 200
+    finally:
+        code, out = stop(proc)
+    assert code == 0, out

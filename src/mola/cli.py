@@ -6,10 +6,10 @@ import argparse
 import sys
 
 from . import __version__
-from .config import ServeConfig, parse_adapter_arg
+from .config import FIELDS, AdapterSpec, ServeConfig, load_config_file, merge_adapters, parse_adapter_arg
 
 
-def _adapter(value: str) -> tuple[str, str]:
+def _adapter(value: str) -> AdapterSpec:
     try:
         return parse_adapter_arg(value)
     except ValueError as e:
@@ -22,41 +22,48 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser(
-        "serve", help="serve a base model and its adapters over an OpenAI-compatible API"
+        "serve", help="serve a base model and its adapters over an OpenAI-compatible API",
+        description="Settings come from defaults, then --config FILE, then the flags given.",
+        argument_default=argparse.SUPPRESS,
     )
+    serve.add_argument("--config", help="a TOML or YAML file declaring the model, adapters and settings")
     serve.add_argument("--model", help="base model: a local directory or a Hugging Face hub id "
                        "(default: the embedded demo, built offline on first run)")
     serve.add_argument("--served-model-name", help="the id clients use for the base model "
                        "(default: the model directory's name)")
-    serve.add_argument("--adapter", action="append", default=[], type=_adapter, metavar="NAME=PATH",
-                       help="serve the adapter at PATH as model id NAME (repeatable)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--max-loras", type=int, default=8, help="adapter slots (default 8)")
-    serve.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank (default 64)")
-    serve.add_argument("--max-num-seqs", type=int, default=32, help="rows in one decode batch (default 32)")
-    serve.add_argument("--prefill-step-size", type=int, default=512,
+    serve.add_argument("--adapter", dest="adapters", action="append", type=_adapter, metavar="NAME=PATH",
+                       help="serve the adapter at PATH (a directory, .gguf file or hub id) as model "
+                       "id NAME (repeatable)")
+    serve.add_argument("--adapter-dir", dest="adapter_dirs", action="append", metavar="DIR",
+                       help="every subdirectory or .gguf file of DIR is an adapter named after it, "
+                       "loaded on first use (repeatable)")
+    serve.add_argument("--allow-any-adapter-path", action="store_true",
+                       help="let POST /v1/adapters load from any path, not only under --adapter-dir")
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--max-loras", type=int, help="adapter slots, i.e. resident adapters (default 8)")
+    serve.add_argument("--max-lora-rank", type=int, help="largest adapter rank (default 64)")
+    serve.add_argument("--max-num-seqs", type=int, help="rows in one decode batch (default 32)")
+    serve.add_argument("--prefill-step-size", type=int,
                        help="prompt tokens prefilled per engine step (default 512)")
     serve.add_argument("--max-model-len", type=int, help="context limit (default: the model's own)")
-    serve.add_argument("--log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
-    return ServeConfig(
-        model=args.model,
-        served_model_name=args.served_model_name,
-        adapters=tuple(args.adapter),
-        host=args.host,
-        port=args.port,
-        max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
-        max_num_seqs=args.max_num_seqs,
-        prefill_step_size=args.prefill_step_size,
-        max_model_len=args.max_model_len,
-        log_level=args.log_level,
-    )
+    """Defaults <- config file <- flags."""
+    values: dict = {}
+    given = {k: v for k, v in vars(args).items() if k in FIELDS}
+    config_file = getattr(args, "config", None)
+    if config_file:
+        values.update(load_config_file(config_file))
+    if "adapters" in given:
+        given["adapters"] = merge_adapters(values.get("adapters", ()), tuple(given["adapters"]))
+    if "adapter_dirs" in given:
+        given["adapter_dirs"] = tuple(values.get("adapter_dirs", ())) + tuple(given["adapter_dirs"])
+    values.update(given)
+    return ServeConfig(**values)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         try:
             config = config_from_args(args)
-        except ValueError as e:
+        except (ValueError, TypeError) as e:
             parser.error(str(e))
         from .serve import serve
 

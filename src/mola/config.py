@@ -1,11 +1,32 @@
-"""Server configuration: one frozen dataclass, checked when it is made."""
+"""Server configuration: one frozen dataclass, checked when it is made, and
+the config file (TOML or YAML) that can declare it."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .engine.engine import EngineConfig
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """An adapter named at start."""
+
+    name: str
+    path: str  # a local path or a hub id
+    scale: float = 1.0  # multiplies the adapter's own scale (its default strength)
+
+    def __post_init__(self):
+        if not self.name or self.name != self.name.strip():
+            raise ValueError(f"invalid adapter name {self.name!r}")
+        if not self.path:
+            raise ValueError(f"adapter '{self.name}' has no path")
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not math.isfinite(self.scale):
+            raise ValueError(f"adapter '{self.name}': scale must be a finite number, got {self.scale!r}")
 
 
 @dataclass(frozen=True)
@@ -15,11 +36,17 @@ class ServeConfig:
     model: str | None = None
     # The id clients use for the base model (default: the directory's name).
     served_model_name: str | None = None
-    # Adapters loaded at start: (name, path) pairs.
-    adapters: tuple[tuple[str, str], ...] = ()
+    # Adapters named at start; each is checked and loaded before serving.
+    adapters: tuple[AdapterSpec, ...] = ()
+    # Directories whose entries (subdirectories, .gguf files) are adapters,
+    # named after the entry and loaded on first use.
+    adapter_dirs: tuple[str, ...] = ()
+    # Let REST loads name any path (default: only under adapter_dirs, or a
+    # path named at start).
+    allow_any_adapter_path: bool = False
     host: str = "127.0.0.1"
     port: int = 8000
-    max_loras: int = 8  # adapter slots decoded together
+    max_loras: int = 8  # adapter slots decoded together (resident adapters)
     max_lora_rank: int = 64  # largest adapter rank a slot holds
     max_num_seqs: int = 32  # rows in one decode batch
     prefill_step_size: int = 512  # prompt tokens prefilled per engine step
@@ -36,14 +63,14 @@ class ServeConfig:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        names = [name for name, _ in self.adapters]
+        if self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}")
+        names = [a.name for a in self.adapters]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"adapter names given more than once: {', '.join(dupes)}")
         if self.served_model_name is not None and self.served_model_name in names:
-            raise ValueError(
-                f"adapter name '{self.served_model_name}' is also the base model's name"
-            )
+            raise ValueError(f"adapter name '{self.served_model_name}' is also the base model's name")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ValueError(f"unknown log level {self.log_level!r}")
         # Raises on its own bad values (max_loras, ranks, batch sizes).
@@ -59,9 +86,93 @@ class ServeConfig:
         )
 
 
-def parse_adapter_arg(value: str) -> tuple[str, str]:
-    """NAME=PATH -> (name, path)."""
+FIELDS = {f.name for f in dataclasses.fields(ServeConfig) if f.init}
+
+
+def parse_adapter_arg(value: str) -> AdapterSpec:
+    """NAME=PATH -> AdapterSpec."""
     name, sep, path = value.partition("=")
     if not sep or not name.strip() or not path.strip():
         raise ValueError(f"expected NAME=PATH, got {value!r}")
-    return name.strip(), path.strip()
+    return AdapterSpec(name.strip(), path.strip())
+
+
+def _resolve_relative(value: str, base: Path) -> str:
+    """A path relative to the config file's directory, when it names a local
+    path; hub ids and absolute paths are kept."""
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        return str(p)
+    candidate = base / p
+    if candidate.exists() or value.startswith("."):
+        return str(candidate.resolve())
+    return value
+
+
+def _adapters_from_file(raw, base: Path) -> tuple[AdapterSpec, ...]:
+    items = []
+    if isinstance(raw, dict):  # name: path  or  name: {path, scale}
+        raw = [{"name": k, **(v if isinstance(v, dict) else {"path": v})} for k, v in raw.items()]
+    if not isinstance(raw, list):
+        raise ValueError("'adapters' must be a list of {name, path, scale} tables or a name -> path mapping")
+    for entry in raw:
+        if not isinstance(entry, dict) or set(entry) - {"name", "path", "scale"}:
+            raise ValueError(f"an adapter entry takes name, path and scale; got {entry!r}")
+        if not isinstance(entry.get("path"), str) or not isinstance(entry.get("name"), str):
+            raise ValueError(f"an adapter entry needs a name and a path; got {entry!r}")
+        items.append(AdapterSpec(entry["name"], _resolve_relative(entry["path"], base),
+                                 entry.get("scale", 1.0)))
+    return tuple(items)
+
+
+def load_config_file(path: str | Path) -> dict:
+    """ServeConfig fields from a TOML (.toml) or YAML (.yaml/.yml) file, with
+    relative paths taken from the file's directory."""
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read config file {path}: {e.strerror}") from None
+    if path.suffix not in (".toml", ".yaml", ".yml", ".json"):
+        raise ValueError(f"config file {path} must end in .toml, .yaml, .yml or .json")
+    try:
+        if path.suffix == ".toml":
+            import tomllib
+
+            data = tomllib.loads(text)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+    except Exception as e:  # tomllib, json and yaml parse errors
+        raise ValueError(f"config file {path} does not parse: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a table/mapping at the top")
+    data = {k.replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - FIELDS)
+    if unknown:
+        raise ValueError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
+    base = path.parent
+    if isinstance(data.get("model"), str):
+        data["model"] = _resolve_relative(data["model"], base)
+    if "adapters" in data:
+        data["adapters"] = _adapters_from_file(data["adapters"], base)
+    if "adapter_dirs" in data:
+        dirs = data["adapter_dirs"]
+        if isinstance(dirs, str):
+            dirs = [dirs]
+        if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
+            raise ValueError("'adapter_dirs' must be a list of paths")
+        data["adapter_dirs"] = tuple(str((base / Path(d).expanduser()).resolve()) for d in dirs)
+    if "cache_dir" in data and data["cache_dir"] is not None:
+        data["cache_dir"] = Path(_resolve_relative(str(data["cache_dir"]), base))
+    return data
+
+
+def merge_adapters(first: tuple[AdapterSpec, ...], then: tuple[AdapterSpec, ...]) -> tuple[AdapterSpec, ...]:
+    """``then`` overrides ``first`` by name; order: first's, then new ones."""
+    by_name = {a.name: a for a in first}
+    by_name.update({a.name: a for a in then})
+    return tuple(by_name.values())

@@ -51,14 +51,18 @@ class AdapterPathNotFound(MolaError):
     """The path given for an adapter does not exist."""
 
 
+class AdapterPathNotAllowed(MolaError):
+    """The adapter path lies outside the directories adapters may come from."""
+
+
 class InvalidAdapter(MolaError):
     """An adapter's files exist but cannot be applied exactly to the base model:
     broken config, unsupported fine-tune type, rank too high, unknown modules,
     shapes that do not fit, non-finite values."""
 
 
-class NoFreeSlot(MolaError):
-    """Every adapter slot is in use by a resident adapter."""
+class AdapterRankTooHigh(InvalidAdapter):
+    """An adapter (or a composition of adapters) exceeds --max-lora-rank."""
 
 
 class ContextLengthExceeded(InvalidRequest):

@@ -10,7 +10,7 @@ import os
 import sys
 import time
 
-from .config import ServeConfig
+from .config import AdapterSpec, ServeConfig
 
 log = logging.getLogger("mola")
 
@@ -32,8 +32,8 @@ def with_demo(config: ServeConfig) -> ServeConfig:
     from .demo import ensure_demo
 
     model_dir, adapters = ensure_demo(config.cache_dir)
-    names = {name for name, _ in config.adapters}
-    demo_adapters = tuple((n, str(p)) for n, p in adapters.items() if n not in names)
+    names = {a.name for a in config.adapters}
+    demo_adapters = tuple(AdapterSpec(n, str(p)) for n, p in adapters.items() if n not in names)
     return dataclasses.replace(
         config,
         model=str(model_dir),

@@ -46,9 +46,9 @@ class AdapterLoader:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._reader, self._read, Path(path))
 
-    async def write(self, slot: int, weights: LoRAWeights) -> None:
+    async def write(self, slot: int, weights: LoRAWeights, scale: float = 1.0) -> None:
         packs = self.engine.engine.packs
-        await self.engine.call(lambda: packs.write(slot, weights))
+        await self.engine.call(lambda: packs.write(slot, weights, scale))
 
     async def clear(self, slot: int) -> None:
         packs = self.engine.engine.packs

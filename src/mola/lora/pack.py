@@ -66,9 +66,10 @@ class AdapterPacks:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
 
-    def write(self, slot: int, weights: LoRAWeights) -> None:
-        """Write a validated adapter into ``slot`` of every layer; layers the
-        adapter does not touch are zeroed there."""
+    def write(self, slot: int, weights: LoRAWeights, scale: float = 1.0) -> None:
+        """Write a validated adapter into ``slot`` of every layer, its scale
+        multiplied by ``scale``; layers the adapter does not touch are zeroed
+        there."""
         if not 0 < slot < self.num_slots:
             raise ValueError(f"slot {slot} is outside 1..{self.num_slots - 1}")
         for path, layer in self.layers.items():
@@ -76,7 +77,7 @@ class AdapterPacks:
             if m is None:
                 layer.clear_slot(slot)
             else:
-                layer.write_slot(slot, m.a, m.b, m.scale)
+                layer.write_slot(slot, m.a, m.b, m.scale * scale)
         mx.eval(self.arrays())
 
     def clear(self, slot: int) -> None:

@@ -1,59 +1,101 @@
-"""Model id -> slot: which adapters are served, where they live, and who is
-using them.
+"""Model id -> slot: which adapters are known, which are resident, who uses them.
 
-Plain Python on the event loop. A request takes a :class:`Lease` on the model
-id it names and returns it when it ends; an unloaded adapter stops taking new
-leases at once, and its slot is zeroed and freed only when the last lease
-comes back, so no running request is cut short or silently moved to the base.
+Plain Python on the event loop; nothing here touches an array.
+
+The registry knows every adapter it may serve (named at start, found in an
+adapter directory, loaded over REST) and keeps at most ``max_loras`` of them
+resident in slots. A request takes a :class:`Lease` on the model id it names:
+
+- resident: the lease is immediate;
+- known but not resident: it is loaded just in time into a free slot, or into
+  the slot of the least recently used adapter that no request is using; when
+  every slot is busy with running requests the request waits, it does not
+  fail;
+- unknown (or unloaded): ModelNotFound.
+
+Unloading stops new leases at once; requests already running finish on the
+adapter's weights, then its slot is zeroed and freed. Loading a name again is
+a new version with a fresh ``uid``, never served by anything of the old one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from ..errors import AdapterExists, AdapterNotFound, InvalidRequest, ModelNotFound, NoFreeSlot
+from ..errors import AdapterExists, AdapterNotFound, InvalidRequest, ModelNotFound, MolaError
+from .sources import AdapterSources
 from .weights import LoRAWeights
 
 log = logging.getLogger("mola.adapters")
 
+_uids = itertools.count(1)
+
 
 class SlotBackend(Protocol):
     async def read(self, path: str) -> LoRAWeights: ...
-    async def write(self, slot: int, weights: LoRAWeights) -> None: ...
+    async def write(self, slot: int, weights: LoRAWeights, scale: float) -> None: ...
     async def clear(self, slot: int) -> None: ...
 
 
 @dataclass
-class AdapterEntry:
+class RegistryStats:
+    loads: int = 0  # adapters written into a slot
+    load_failures: int = 0
+    evictions: int = 0  # residents moved out to make room
+    unloads: int = 0
+    load_seconds: float = 0.0  # read + write time, summed
+
+
+@dataclass(eq=False)
+class AdapterRecord:
+    """One version of one adapter name."""
+
     name: str
-    path: str  # as given; /v1/models reports it as `root`
-    slot: int
-    version: int  # counts loads of this name: a reload is a new version
+    path: str  # resolved path (or hub snapshot); `root` in /v1/models
+    source: str  # "cli", "config", "dir", "rest"
+    version: int
+    scale: float = 1.0  # default multiplier of the adapter's own scale
+    uid: int = field(default_factory=lambda: next(_uids))  # unique per version
     created: int = field(default_factory=lambda: int(time.time()))
-    state: str = "loading"  # "loading" -> "ready" -> "draining"
-    rank: int = 0
-    scale: float | None = None
-    format: str = ""
-    nbytes: int = 0
+    state: str = "known"  # known -> loading -> resident (-> known on eviction); draining; removed
+    slot: int | None = None
     in_flight: int = 0  # leases held by requests
+    waiting: int = 0  # requests waiting for it to become resident
     last_used: float | None = None
+    loads: int = 0
+    rank: int | None = None  # known once read
+    adapter_scale: float | None = None
+    format: str | None = None
+    nbytes: int | None = None
+    loaded: asyncio.Event = field(default_factory=asyncio.Event)  # set when leaving "loading"
+    load_error: MolaError | None = None
+
+    @property
+    def resident(self) -> bool:
+        return self.state in ("resident", "draining") and self.slot is not None
 
     def describe(self) -> dict:
         return {
             "name": self.name,
             "path": self.path,
+            "source": self.source,
             "format": self.format,
             "state": self.state,
+            "resident": self.resident,
             "slot": self.slot,
             "version": self.version,
             "rank": self.rank,
-            "scale": self.scale,
+            "scale": self.adapter_scale,
+            "default_request_scale": self.scale,
             "nbytes": self.nbytes,
             "in_flight": self.in_flight,
+            "waiting": self.waiting,
+            "loads": self.loads,
             "created": self.created,
             "last_used": self.last_used,
         }
@@ -62,11 +104,17 @@ class AdapterEntry:
 class Lease:
     """A request's hold on a model id. ``release`` is idempotent."""
 
-    def __init__(self, registry: "AdapterRegistry", entry: AdapterEntry | None):
+    def __init__(self, registry: "AdapterRegistry", record: AdapterRecord | None):
         self._registry = registry
-        self.entry = entry  # None: the base model
-        self.slot = entry.slot if entry else 0
+        self.record = record  # None: the base model
+        self.slot = record.slot if record else 0
+        self.scale = record.scale if record else 1.0
         self._released = False
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """What a cache keyed by adapter contents uses: (name, uid)."""
+        return ("", 0) if self.record is None else (self.record.name, self.record.uid)
 
     def release(self) -> None:
         if not self._released:
@@ -75,119 +123,254 @@ class Lease:
 
 
 class AdapterRegistry:
-    def __init__(self, base_id: str, backend: SlotBackend, max_loras: int):
+    def __init__(
+        self,
+        base_id: str,
+        backend: SlotBackend,
+        max_loras: int,
+        sources: AdapterSources | None = None,
+    ):
         self.base_id = base_id
         self.backend = backend
         self.max_loras = max_loras
-        self._by_name: dict[str, AdapterEntry] = {}
-        self._free_slots = list(range(max_loras, 0, -1))  # pop() gives the lowest
-        self._draining: set[int] = set()  # entry ids waiting for their last lease
+        self.sources = sources or AdapterSources(allow_any_path=True)
+        self.stats = RegistryStats()
+        self._known: dict[str, AdapterRecord] = {}
+        self._slots: dict[int, AdapterRecord | None] = {s: None for s in range(1, max_loras + 1)}
+        self._unloaded: set[str] = set()  # names not to rediscover in adapter dirs
         self._versions: dict[str, int] = {}
+        self._changed = asyncio.Condition()  # a slot freed, a load finished
         self._tasks: set[asyncio.Task] = set()
 
-    # ---- lookups ------------------------------------------------------------
+    # ---- what is known ------------------------------------------------------
 
-    def adapters(self) -> list[AdapterEntry]:
-        return [e for e in self._by_name.values() if e.state == "ready"]
+    def adapters(self) -> list[AdapterRecord]:
+        """Every adapter that can be requested, resident or not."""
+        return list(self._known.values())
 
-    def all_entries(self) -> list[AdapterEntry]:
-        return list(self._by_name.values())
-
-    def get(self, name: str) -> AdapterEntry:
-        entry = self._by_name.get(name)
-        if entry is None or entry.state != "ready":
+    def get(self, name: str) -> AdapterRecord:
+        record = self._known.get(name) or self._discover(name)
+        if record is None:
             raise AdapterNotFound(name)
-        return entry
+        return record
 
-    def acquire(self, model_id: str) -> Lease:
-        """A lease on the base model or a ready adapter; ModelNotFound else."""
-        if model_id == self.base_id:
-            return Lease(self, None)
-        entry = self._by_name.get(model_id)
-        if entry is None or entry.state != "ready":
-            raise ModelNotFound(model_id)
-        entry.in_flight += 1
-        entry.last_used = time.time()
-        return Lease(self, entry)
+    @property
+    def num_free_slots(self) -> int:
+        return sum(r is None for r in self._slots.values())
 
-    def _release(self, lease: Lease) -> None:
-        entry = lease.entry
-        if entry is None:
-            return
-        entry.in_flight -= 1
-        if entry.state == "draining" and entry.in_flight == 0:
-            self._spawn(self._free(entry))
+    @property
+    def num_resident(self) -> int:
+        return sum(r is not None for r in self._slots.values())
 
-    # ---- load / unload ------------------------------------------------------
+    def register(self, name: str, path: str, source: str, scale: float = 1.0) -> AdapterRecord:
+        """Know ``name`` as the adapter at (already resolved) ``path``."""
+        self._check_name(name)
+        version = self._versions.get(name, 0) + 1
+        self._versions[name] = version
+        record = AdapterRecord(name=name, path=str(path), source=source, version=version, scale=scale)
+        self._known[name] = record
+        self._unloaded.discard(name)
+        return record
 
-    async def load(self, name: str, path: str) -> AdapterEntry:
-        """Read, check and install the adapter at ``path`` as ``name``."""
-        if not name or not name.strip() or name != name.strip():
+    def _check_name(self, name: str) -> None:
+        if not isinstance(name, str) or not name.strip() or name != name.strip() or len(name) > 256:
             raise InvalidRequest(
-                f"Invalid adapter name {name!r}: it must be non-empty without surrounding spaces.",
+                f"Invalid adapter name {name!r}: 1-256 characters without surrounding spaces.",
                 param="name",
             )
-        if name == self.base_id or name in self._by_name:
+        if name == self.base_id or name in self._known:
             raise AdapterExists(name)
-        if not self._free_slots:
-            raise NoFreeSlot(
-                f"All {self.max_loras} adapter slots are in use; unload an adapter "
-                "or restart with a larger --max-loras."
-            )
-        slot = self._free_slots.pop()
-        version = self._versions.get(name, 0) + 1
-        entry = AdapterEntry(name=name, path=str(path), slot=slot, version=version)
-        self._by_name[name] = entry  # reserves the name while loading
-        t0 = time.perf_counter()
+
+    def _discover(self, name: str) -> AdapterRecord | None:
+        if name in self._unloaded or name == self.base_id:
+            return None
+        path = self.sources.discover(name)
+        if path is None:
+            return None
+        log.info("adapter discovered: name=%s path=%s", name, path)
+        return self.register(name, str(path.resolve()), "dir")
+
+    # ---- loading ------------------------------------------------------------
+
+    async def load(self, name: str, path: str, scale: float = 1.0, source: str = "rest") -> AdapterRecord:
+        """Check the adapter at ``path`` now and serve it as ``name``. It is
+        made resident at once when a slot is free or can be freed; otherwise
+        it stays known and is loaded on first use."""
+        self._check_name(name)
+        real = self.sources.resolve(path)
+        weights = await self.backend.read(real)  # raises a 4xx MolaError; nothing changed
+        self._check_name(name)  # another load may have taken the name meanwhile
+        record = self.register(name, real, source, scale)
+        self._note_weights(record, weights)
+        slot = self._take_slot(wait_ok=False)
+        if slot is not None:
+            await self._install(record, slot, weights)
+        return record
+
+    async def acquire(self, model_id: str) -> Lease:
+        """A lease on the base model or an adapter, loading it just in time."""
+        if model_id == self.base_id:
+            return Lease(self, None)
+        record = self._known.get(model_id) or self._discover(model_id)
+        if record is None:
+            raise ModelNotFound(model_id)
+        record.waiting += 1
         try:
-            weights = await self.backend.read(str(path))
-            await self.backend.write(slot, weights)
-        except BaseException:
-            del self._by_name[name]
-            self._free_slots.append(slot)
-            self._free_slots.sort(reverse=True)
+            while True:
+                if self._known.get(model_id) is not record:
+                    raise ModelNotFound(model_id)  # unloaded while we waited
+                if record.state == "resident":
+                    record.in_flight += 1
+                    record.last_used = time.time()
+                    return Lease(self, record)
+                if record.state == "loading":
+                    await record.loaded.wait()
+                    if record.load_error is not None:
+                        raise record.load_error
+                    continue
+                await self._load_resident(record)
+        finally:
+            record.waiting -= 1
+
+    async def _load_resident(self, record: AdapterRecord) -> None:
+        """Make a known record resident (called with state "known")."""
+        record.state, record.loaded, record.load_error = "loading", asyncio.Event(), None
+        try:
+            t0 = time.perf_counter()
+            weights = await self.backend.read(record.path)
+            self._note_weights(record, weights)
+            slot = self._take_slot(wait_ok=True)
+            while slot is None:
+                async with self._changed:
+                    await self._changed.wait()
+                if self._known.get(record.name) is not record:
+                    raise ModelNotFound(record.name)
+                slot = self._take_slot(wait_ok=True)
+            await self._install(record, slot, weights, t0)
+        except BaseException as e:
+            if record.state == "loading":
+                record.state = "known"
+            if isinstance(e, MolaError):
+                record.load_error = e
+                self.stats.load_failures += 1
+            record.loaded.set()
             raise
-        self._versions[name] = version
-        entry.rank, entry.scale, entry.format = weights.rank, weights.scale, weights.format
-        entry.nbytes = weights.nbytes
-        entry.state = "ready"
-        log.info(
-            "adapter loaded: name=%s version=%d slot=%d rank=%d path=%s in %.1f ms",
-            name, version, slot, entry.rank, path, (time.perf_counter() - t0) * 1e3,
-        )
-        return entry
 
-    async def unload(self, name: str) -> AdapterEntry:
-        """Stop serving ``name`` now; its slot is freed once in-flight
-        requests finish."""
-        entry = self.get(name)
-        del self._by_name[name]
-        entry.state = "draining"
-        log.info("adapter unloading: name=%s slot=%d in_flight=%d", name, entry.slot, entry.in_flight)
-        if entry.in_flight == 0:
-            await self._free(entry)
-        else:
-            self._draining.add(id(entry))
-        return entry
+    def _take_slot(self, wait_ok: bool) -> int | None:
+        """A free slot, or the slot of the least recently used resident that no
+        request uses (evicting it); None if every slot is busy."""
+        for slot, holder in self._slots.items():
+            if holder is None:
+                self._slots[slot] = _RESERVED
+                return slot
+        idle = [r for r in self._slots.values() if r is not _RESERVED and r.state == "resident"
+                and r.in_flight == 0]
+        if not idle:
+            return None
+        victim = min(idle, key=lambda r: (r.last_used or 0.0, r.uid))
+        slot = victim.slot
+        victim.state, victim.slot = "known", None
+        self._slots[slot] = _RESERVED
+        self.stats.evictions += 1
+        log.info("adapter evicted: name=%s slot=%d (least recently used)", victim.name, slot)
+        return slot
 
-    async def _free(self, entry: AdapterEntry) -> None:
-        self._draining.discard(id(entry))
+    async def _install(self, record: AdapterRecord, slot: int, weights: LoRAWeights,
+                       t0: float | None = None) -> None:
+        t0 = time.perf_counter() if t0 is None else t0
         try:
-            await self.backend.clear(entry.slot)
-        except Exception:
-            # The engine is gone; the slot stays out of use rather than be
-            # handed out while it may hold the old weights.
-            log.exception("could not clear slot %d of adapter %s", entry.slot, entry.name)
+            await self.backend.write(slot, weights, record.scale)
+        except BaseException:
+            self._slots[slot] = None
+            await self._notify()
+            raise
+        if self._known.get(record.name) is not record:  # unloaded while loading
+            self._slots[slot] = None
+            self._spawn(self._clear(slot))
+            raise ModelNotFound(record.name)
+        self._slots[slot] = record
+        record.slot, record.state = slot, "resident"
+        record.loads += 1
+        record.loaded.set()
+        seconds = time.perf_counter() - t0
+        self.stats.loads += 1
+        self.stats.load_seconds += seconds
+        log.info("adapter loaded: name=%s version=%d slot=%d rank=%s path=%s in %.1f ms",
+                 record.name, record.version, slot, record.rank, record.path, seconds * 1e3)
+        await self._notify()
+
+    @staticmethod
+    def _note_weights(record: AdapterRecord, weights: LoRAWeights) -> None:
+        record.rank, record.adapter_scale = weights.rank, weights.scale
+        record.format, record.nbytes = weights.format, weights.nbytes
+
+    # ---- releasing and unloading ----------------------------------------------
+
+    def _release(self, lease: Lease) -> None:
+        record = lease.record
+        if record is None:
             return
-        self._free_slots.append(entry.slot)
-        self._free_slots.sort(reverse=True)
-        log.info("adapter unloaded: name=%s slot=%d freed", entry.name, entry.slot)
+        record.in_flight -= 1
+        if record.in_flight == 0:
+            if record.state == "draining":
+                self._spawn(self._free(record))
+            else:
+                self._spawn(self._notify())  # an idle resident can be evicted now
+
+    async def unload(self, name: str) -> AdapterRecord:
+        """Stop serving ``name`` now; its slot frees when in-flight requests end."""
+        record = self._known.get(name)
+        if record is None:
+            raise AdapterNotFound(name)
+        del self._known[name]
+        self._unloaded.add(name)
+        self.stats.unloads += 1
+        log.info("adapter unloading: name=%s slot=%s in_flight=%d", name, record.slot, record.in_flight)
+        if record.state == "resident":
+            record.state = "draining"
+            if record.in_flight == 0:
+                await self._free(record)
+        else:
+            record.state = "removed"  # a load in progress notices and gives its slot back
+        await self._notify()
+        return record
+
+    async def _free(self, record: AdapterRecord) -> None:
+        slot = record.slot
+        record.state, record.slot = "removed", None
+        if slot is None:
+            return
+        await self._clear(slot)
+        log.info("adapter unloaded: name=%s slot=%d freed", record.name, slot)
+
+    async def _clear(self, slot: int) -> None:
+        try:
+            await self.backend.clear(slot)
+        except Exception:
+            # The engine is gone: keep the slot out of use rather than hand
+            # it out while it may hold old weights.
+            log.exception("could not clear slot %d", slot)
+            self._slots[slot] = _RESERVED
+            return
+        self._slots[slot] = None
+        await self._notify()
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    @property
-    def num_free_slots(self) -> int:
-        return len(self._free_slots)
+
+class _Reserved:
+    """Placeholder in a slot being loaded."""
+
+    state = "reserved"
+    in_flight = 1
+    slot = None
+
+
+_RESERVED = _Reserved()

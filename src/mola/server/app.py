@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -16,8 +17,9 @@ from ..engine.engine import Engine, LoadedModel
 from ..errors import MolaError
 from ..lora.loader import AdapterLoader
 from ..lora.registry import AdapterRegistry
+from ..lora.sources import AdapterSources
 from .errors import error_response, install_error_handlers
-from .routes import adapters, chat, models
+from .routes import adapters, chat, models, vllm
 from .state import ServerState
 
 log = logging.getLogger("mola.server")
@@ -32,15 +34,22 @@ def base_model_id(config: ServeConfig, loaded: LoadedModel) -> str:
 
 
 async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel) -> ServerState:
-    """Everything the routes share, on the running event loop; loads the
-    adapters the config names (raising MolaError for a bad one)."""
+    """Everything the routes share, on the running event loop; checks and
+    loads the adapters named at start (raising MolaError for a bad one) and
+    registers every entry of the adapter directories."""
     async_engine = AsyncEngine(engine)
     loader = AdapterLoader(async_engine)
     base_id = base_model_id(config, loaded)
+    sources = AdapterSources(
+        adapter_dirs=config.adapter_dirs,
+        named_paths=[a.path for a in config.adapters if Path(a.path).expanduser().exists()],
+        allow_any_path=config.allow_any_adapter_path,
+    )
+    registry = AdapterRegistry(base_id, loader, config.max_loras, sources)
     state = ServerState(
         config=config,
         engine=async_engine,
-        registry=AdapterRegistry(base_id, loader, config.max_loras),
+        registry=registry,
         loader=loader,
         tokenizer=loaded.tokenizer,
         base_id=base_id,
@@ -48,12 +57,16 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel) 
         max_model_len=config.max_model_len or loaded.max_model_len,
     )
     try:
-        for name, path in config.adapters:
+        for spec in config.adapters:
             try:
-                entry = await state.registry.load(name, path)
+                record = await registry.load(spec.name, spec.path, spec.scale, source="start")
             except MolaError as e:
-                raise type(e)(f"could not load adapter '{name}' from {path}: {e.message}") from e
-            log.info("serving adapter %s (rank %d) from %s", name, entry.rank, path)
+                raise type(e)(f"could not load adapter '{spec.name}' from {spec.path}: {e.message}") from e
+            log.info("serving adapter %s (rank %s) from %s", spec.name, record.rank, record.path)
+        for name, path in sources.scan().items():
+            if name in (a.name for a in config.adapters) or name == base_id:
+                continue
+            registry.register(name, str(path.resolve()), "dir")
     except BaseException:
         loader.close()
         raise
@@ -76,6 +89,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(chat.router)
     app.include_router(models.router)
     app.include_router(adapters.router)
+    app.include_router(vllm.router)
 
     @app.get("/health")
     async def health(request: Request):

@@ -18,13 +18,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import (
     AdapterExists,
     AdapterNotFound,
+    AdapterPathNotAllowed,
     AdapterPathNotFound,
     EngineUnavailable,
     InvalidAdapter,
     InvalidRequest,
     ModelNotFound,
     MolaError,
-    NoFreeSlot,
 )
 
 log = logging.getLogger("mola.server")
@@ -34,8 +34,8 @@ STATUS: dict[type, tuple[int, str, str | None]] = {
     ModelNotFound: (404, "invalid_request_error", "model_not_found"),
     AdapterNotFound: (404, "invalid_request_error", "adapter_not_found"),
     AdapterPathNotFound: (404, "invalid_request_error", "adapter_path_not_found"),
+    AdapterPathNotAllowed: (403, "permission_error", "adapter_path_not_allowed"),
     AdapterExists: (409, "invalid_request_error", "adapter_exists"),
-    NoFreeSlot: (409, "invalid_request_error", "no_free_adapter_slot"),
     InvalidAdapter: (400, "invalid_request_error", "invalid_adapter"),
     InvalidRequest: (400, "invalid_request_error", None),
     EngineUnavailable: (503, "service_unavailable", "engine_unavailable"),

@@ -119,6 +119,17 @@ class ChatCompletionRequest(_Body):
 class LoadAdapterRequest(_Body):
     name: str = Field(min_length=1, max_length=256)
     path: str = Field(min_length=1)
+    scale: float = Field(default=1.0, ge=0.0, le=100.0)  # multiplies the adapter's own scale
+
+
+class VLLMLoadLoRARequest(_Body):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+
+
+class VLLMUnloadLoRARequest(_Body):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: int | None = None
 
 
 # ---- responses (plain dicts, shaped by OpenAI's schemas) -------------------

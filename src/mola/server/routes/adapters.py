@@ -1,7 +1,8 @@
 """mola's adapter routes: list, hot-load and unload while traffic flows.
 
-    GET    /v1/adapters            every adapter with its slot, rank, requests in flight
-    POST   /v1/adapters            {"name": ..., "path": ...}
+    GET    /v1/adapters            every known adapter: resident or not, slot, rank,
+                                   scale, version, requests in flight, last use
+    POST   /v1/adapters            {"name", "path", "scale"?}: check it now, serve it
     DELETE /v1/adapters/{name}     stop serving it; its slot frees when in-flight requests end
 """
 
@@ -15,30 +16,38 @@ from ..state import ServerState
 router = APIRouter()
 
 
-def _adapter(entry) -> dict:
-    return {"id": entry.name, "object": "adapter", **entry.describe()}
+def adapter_object(record) -> dict:
+    return {"id": record.name, "object": "adapter", **record.describe()}
 
 
 @router.get("/v1/adapters")
 async def list_adapters(request: Request):
     state: ServerState = request.app.state.mola
+    registry = state.registry
     return {
         "object": "list",
-        "data": [_adapter(e) for e in state.registry.all_entries()],
-        "max_loras": state.registry.max_loras,
-        "free_slots": state.registry.num_free_slots,
+        "data": [adapter_object(r) for r in registry.adapters()],
+        "max_loras": registry.max_loras,
+        "resident": registry.num_resident,
+        "free_slots": registry.num_free_slots,
     }
+
+
+@router.get("/v1/adapters/{name:path}")
+async def get_adapter(name: str, request: Request):
+    state: ServerState = request.app.state.mola
+    return adapter_object(state.registry.get(name))
 
 
 @router.post("/v1/adapters")
 async def load_adapter(body: p.LoadAdapterRequest, request: Request):
     state: ServerState = request.app.state.mola
-    entry = await state.registry.load(body.name, body.path)
-    return _adapter(entry)
+    record = await state.registry.load(body.name, body.path, body.scale)
+    return adapter_object(record)
 
 
 @router.delete("/v1/adapters/{name:path}")
 async def unload_adapter(name: str, request: Request):
     state: ServerState = request.app.state.mola
-    entry = await state.registry.unload(name)
-    return {"id": entry.name, "object": "adapter", "deleted": True, "in_flight": entry.in_flight}
+    record = await state.registry.unload(name)
+    return {"id": record.name, "object": "adapter", "deleted": True, "in_flight": record.in_flight}

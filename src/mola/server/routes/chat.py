@@ -24,7 +24,7 @@ router = APIRouter()
 async def create_chat_completion(body: p.ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.mola
     body.check_supported()
-    lease = state.registry.acquire(body.model)
+    lease = await state.registry.acquire(body.model)
     try:
         prompt = render_chat(state.tokenizer, body)
         params = sampling_params(state, body, len(prompt))

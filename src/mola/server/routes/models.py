@@ -1,5 +1,6 @@
-"""GET /v1/models and /v1/models/{id}: the base model (parent null) and each
-adapter (parent = the base id, root = its path), as vLLM reports them."""
+"""GET /v1/models and /v1/models/{id}: the base model (parent null) and every
+known adapter, resident or not (parent = the base id, root = its path), as
+vLLM reports them."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ router = APIRouter()
 
 def _cards(state: ServerState) -> list[dict]:
     cards = [p.model_card(state.base_id, state.created, state.base_root, None, state.max_model_len)]
-    for entry in state.registry.adapters():
-        cards.append(p.model_card(entry.name, entry.created, entry.path, state.base_id, state.max_model_len))
+    for record in state.registry.adapters():
+        cards.append(p.model_card(record.name, record.created, record.path, state.base_id, state.max_model_len))
     return cards
 
 

@@ -1,0 +1,88 @@
+"""ServeConfig, the config file and how flags override it (mola/config.py, mola/cli.py)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from mola.cli import build_parser, config_from_args
+from mola.config import AdapterSpec, ServeConfig, load_config_file
+
+
+def parse(*argv):
+    return config_from_args(build_parser().parse_args(["serve", *argv]))
+
+
+def test_defaults():
+    c = parse()
+    assert (c.model, c.host, c.port, c.max_loras, c.max_lora_rank) == (None, "127.0.0.1", 8000, 8, 64)
+    assert c.engine.max_loras == 8 and c.adapters == () and not c.allow_any_adapter_path
+
+
+def test_toml_file_with_relative_paths(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "ads" / "sql").mkdir(parents=True)
+    f = tmp_path / "mola.toml"
+    f.write_text(textwrap.dedent("""
+        model = "model"
+        served_model_name = "base"
+        port = 9001
+        max-loras = 3
+        adapter_dirs = ["ads"]
+
+        [[adapters]]
+        name = "sql"
+        path = "ads/sql"
+        scale = 0.5
+
+        [[adapters]]
+        name = "hub"
+        path = "org/some-adapter"
+    """))
+    c = parse("--config", str(f))
+    assert c.model == str(tmp_path / "model")
+    assert (c.served_model_name, c.port, c.max_loras) == ("base", 9001, 3)
+    assert c.adapter_dirs == (str(tmp_path / "ads"),)
+    assert c.adapters == (AdapterSpec("sql", str(tmp_path / "ads" / "sql"), 0.5),
+                          AdapterSpec("hub", "org/some-adapter"))
+
+
+def test_flags_override_the_file(tmp_path):
+    f = tmp_path / "mola.yaml"
+    f.write_text(textwrap.dedent("""
+        port: 9001
+        max_lora_rank: 16
+        adapters:
+          a: /abs/a
+          b: {path: /abs/b, scale: 2}
+    """))
+    c = parse("--config", str(f), "--port", "9002", "--adapter", "b=/other/b", "--adapter", "c=/abs/c")
+    assert c.port == 9002 and c.max_lora_rank == 16
+    assert c.adapters == (AdapterSpec("a", "/abs/a"), AdapterSpec("b", "/other/b"), AdapterSpec("c", "/abs/c"))
+
+
+@pytest.mark.parametrize("text, suffix, message", [
+    ("portt = 1", ".toml", "unknown setting"),
+    ("port = ", ".toml", "does not parse"),
+    ("- 1\n- 2", ".yaml", "mapping at the top"),
+    ("adapters = 5", ".toml", "adapters"),
+    ("[[adapters]]\nname = 'x'", ".toml", "needs a name and a path"),
+    ("port = 1", ".ini", "must end in"),
+])
+def test_bad_files_name_the_problem(tmp_path, text, suffix, message):
+    f = tmp_path / f"c{suffix}"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_config_file(f)
+
+
+def test_bad_values_are_refused():
+    with pytest.raises(ValueError, match="port"):
+        ServeConfig(port=0)
+    with pytest.raises(ValueError, match="more than once"):
+        ServeConfig(adapters=(AdapterSpec("a", "/x"), AdapterSpec("a", "/y")))
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        ServeConfig(max_lora_rank=0)
+    with pytest.raises(ValueError, match="scale"):
+        AdapterSpec("a", "/x", float("nan"))
