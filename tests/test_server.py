@@ -389,3 +389,28 @@ def test_client_disconnect_frees_the_row(server):
         time.sleep(0.02)
     assert server.engine.runner.stats.decode_steps - steps_before < 1500  # cut short
     assert server.state.registry.get("a").in_flight == 0
+
+
+def test_peft_and_gguf_twins_load_over_rest(client, adapters, tmp_path, expected, tiny_model):
+    """The same LoRA as PEFT and as llama.cpp GGUF (q/k rows permuted the way
+    llama.cpp stores them) answers exactly like its mlx-lm original."""
+    import json as _json
+
+    from mola.lora.formats import read_adapter
+    from mola.synthetic.gguf import save_gguf_adapter
+    from mola.synthetic.peft import save_peft_adapter
+
+    weights = read_adapter(adapters["c"])
+    config = _json.loads((tiny_model / "config.json").read_text())
+    save_peft_adapter(tmp_path / "c-peft", weights)
+    save_gguf_adapter(tmp_path / "c.gguf", weights, n_head=config["num_attention_heads"],
+                      n_kv_head=config["num_key_value_heads"])
+    for name, path, fmt in (("c-peft", tmp_path / "c-peft", "peft"), ("c-gguf", tmp_path / "c.gguf", "gguf")):
+        r = client.post("/v1/adapters", json={"name": name, "path": str(path)})
+        assert r.status_code == 200, r.text
+        assert r.json()["format"] == fmt and r.json()["rank"] == 16
+    for name in ("c-peft", "c-gguf"):
+        out = client.post("/v1/chat/completions", json=chat_body(name)).json()
+        assert out["choices"][0]["message"]["content"] == expected["c"][QUESTION][0]
+    for name in ("c-peft", "c-gguf"):
+        assert client.delete(f"/v1/adapters/{name}").status_code == 200

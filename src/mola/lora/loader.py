@@ -35,8 +35,9 @@ class AdapterLoader:
 
     def _read(self, path: Path) -> LoRAWeights:  # reader thread
         eng = self.engine.engine
-        model_type = eng.loaded.config.get("model_type") if eng.loaded else None
-        weights = read_adapter(path, dtype=eng.dtype, model_type=model_type)
+        config = eng.loaded.config if eng.loaded else None
+        weights = read_adapter(path, dtype=eng.dtype, model_type=(config or {}).get("model_type"),
+                               model_config=config)
         validate(weights, eng.targets, self.max_rank)
         return weights
 

@@ -44,13 +44,18 @@ def detect_format(path: Path) -> str:
 
 
 def read_adapter(
-    path: str | Path, dtype: mx.Dtype | None = None, model_type: str | None = None
+    path: str | Path,
+    dtype: mx.Dtype | None = None,
+    model_type: str | None = None,
+    model_config: dict | None = None,
 ) -> LoRAWeights:
     """Read the adapter at ``path`` in whichever supported format it is.
 
     ``dtype`` is the base model's compute dtype (factors are cast to it);
     ``model_type`` is the base's mlx-lm model type (``config.json``'s
-    ``model_type``), which formats that name modules their own way need.
+    ``model_type``), which formats that name modules their own way need;
+    ``model_config`` is the base's whole config (GGUF needs its head counts to
+    put llama's q/k rows back in the base's order).
     """
     path = Path(path).expanduser()
     if not path.exists():
@@ -58,7 +63,7 @@ def read_adapter(
     kind = detect_format(path)
     if kind == "gguf":
         file = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
-        return gguf.read_gguf_adapter(file, dtype, model_type)
+        return gguf.read_gguf_adapter(file, dtype, model_type, model_config=model_config)
     if kind == "peft":
         return peft.read_peft_adapter(path, dtype, model_type)
     return mlx_lm.read_mlx_lm_adapter(path, dtype)
