@@ -148,3 +148,33 @@ def sse_events(text: str) -> list:
         data = block[len("data: "):]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
+
+
+def reference_decode(model, prompt: list[int], max_tokens: int, bias=None, frequency_penalty=0.0,
+                     presence_penalty=0.0, top_k: int = 0):
+    """Greedy decoding step by step with a plain mlx-lm model and KV cache,
+    applying logit biases and OpenAI's penalties naively in numpy. Returns
+    (tokens, [(logprob of token, [(id, logprob)] top_k)]) with raw-model
+    log-probabilities."""
+    import numpy as np
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)[0, -1]
+    tokens, lps = [], []
+    counts: dict[int, int] = {}
+    for _ in range(max_tokens):
+        raw = np.array(logits.astype(mx.float32))
+        logp = raw - np.log(np.exp(raw - raw.max()).sum()) - raw.max()
+        adjusted = raw.copy()
+        for t, b in (bias or {}).items():
+            adjusted[t] += b
+        for t, c in counts.items():
+            adjusted[t] -= frequency_penalty * c + presence_penalty
+        token = int(np.argmax(adjusted))
+        top = [(int(i), float(logp[i])) for i in np.argsort(-logp)[:top_k]]
+        tokens.append(token)
+        lps.append((float(logp[token]), top))
+        counts[token] = counts.get(token, 0) + 1
+        logits = model(mx.array([[token]]), cache=cache)[0, -1]
+    return tokens, lps

@@ -327,9 +327,20 @@ def test_unload_drains_running_requests(server, client, adapters, tiny_model):
         ({**chat_body("tiny"), "messages": []}, "messages"),
         ({**chat_body("tiny"), "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
         ({**chat_body("tiny"), "messages": "hello"}, "messages"),
-        (chat_body("tiny", n=2), "n"),
-        (chat_body("tiny", logprobs=True), "logprobs"),
-        (chat_body("tiny", tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        (chat_body("tiny", n=0), "n"),
+        (chat_body("tiny", n=17), "n"),
+        (chat_body("tiny", top_logprobs=3), "top_logprobs"),
+        (chat_body("tiny", logprobs=True, top_logprobs=21), "top_logprobs"),
+        (chat_body("tiny", response_format={"type": "json_object"}), "response_format"),
+        (chat_body("tiny", tool_choice="required", tools=[{"type": "function", "function": {"name": "f"}}]),
+         "tool_choice"),
+        (chat_body("tiny", logit_bias={"abc": 1}), "logit_bias"),
+        (chat_body("tiny", logit_bias={"5": 500}), "logit_bias"),
+        (chat_body("tiny", logit_bias={"99999999": 5}), "logit_bias"),
+        (chat_body("tiny", presence_penalty=3), "presence_penalty"),
+        (chat_body("tiny", lora_scale=0.5), "lora_scale"),
+        (chat_body("tiny", adapters=[]), "adapters"),
+        (chat_body("a", adapters=[{"name": "a", "scale": 1}]), "adapters"),
         (chat_body("tiny", stop=[""]), "stop"),
     ],
 )
@@ -351,7 +362,7 @@ def test_image_content_is_refused(client):
         {"type": "text", "text": "what is this"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
     err = assert_error(client.post("/v1/chat/completions", json=body), 400)
-    assert "Images are not supported" in err["message"]
+    assert "images are not supported" in err["message"]
 
 
 def test_unknown_model_and_route(client):

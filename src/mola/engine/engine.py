@@ -62,6 +62,11 @@ class LoadedModel:
     path: Path | None = None  # the local directory it came from
 
     @property
+    def vocab_size(self) -> int:
+        size = self.config.get("vocab_size") or self.config.get("text_config", {}).get("vocab_size")
+        return int(size) if size else len(self.tokenizer)
+
+    @property
     def max_model_len(self) -> int | None:
         for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_ctx"):
             value = self.config.get(key)
@@ -78,6 +83,9 @@ class SeqOutput:
     tokens: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     error: str | None = None
+    # Per token, when the sequence asked for them: (log-probability,
+    # [(token id, log-probability)] of the top alternatives).
+    logprobs: list | None = None
 
 
 class Engine:
@@ -225,23 +233,23 @@ class Engine:
     def step(self) -> None:
         plan = self.scheduler.schedule()
         try:
-            tokens = self.runner.run(plan)
+            tokens, logprobs = self.runner.run(plan)
         except Exception as e:
             log.error("engine step failed:\n%s", traceback.format_exc())
             self._fail_step(plan, f"{type(e).__name__}: {e}")
             return
         self.num_steps += 1
-        self._postprocess(plan, tokens)
+        self._postprocess(plan, tokens, logprobs)
 
-    def _postprocess(self, plan: StepPlan, tokens: list[int]) -> None:
+    def _postprocess(self, plan: StepPlan, tokens: list[int], logprobs: list) -> None:
         outputs = []
-        for seq, token in zip(plan.decode, tokens):
+        for seq, token, lp in zip(plan.decode, tokens, logprobs):
             if seq.is_finished:  # aborted while this step ran
                 continue
             reason = seq.append(token)
             if reason is not None:
                 seq.finish(reason)
-            outputs.append(SeqOutput(seq, [token], reason))
+            outputs.append(SeqOutput(seq, [token], reason, logprobs=None if lp is None else [lp]))
         if outputs:
             self.on_outputs(outputs)
 

@@ -22,6 +22,33 @@ from .sequence import Sequence
 
 CLEAR_CACHE_EVERY = 256  # steps between returns of MLX's buffer cache
 
+# (log-probability of the sampled token, [(token id, log-probability)] of the
+# most likely tokens, best first)
+TokenLogprobs = tuple[float, list[tuple[int, float]]]
+StepTokens = tuple[list[int], list["TokenLogprobs | None"]]
+
+
+def process_logits(logits: mx.array, rows: list[Sequence]) -> mx.array:
+    """Per-row logit biases and frequency/presence penalties as one sparse
+    add over [B, V]; rows without them are untouched."""
+    r_idx, t_idx, vals = [], [], []
+    for i, seq in enumerate(rows):
+        p = seq.params
+        for token, bias in p.logit_bias:
+            r_idx.append(i)
+            t_idx.append(token)
+            vals.append(bias)
+        if p.has_penalties:
+            for token, count in seq.counts.items():
+                r_idx.append(i)
+                t_idx.append(token)
+                vals.append(-(p.frequency_penalty * count + p.presence_penalty))
+    if not r_idx:
+        return logits
+    rows_a = mx.array(r_idx, dtype=mx.int32)
+    toks_a = mx.array(t_idx, dtype=mx.int32)
+    return logits.at[rows_a, toks_a].add(mx.array(vals, dtype=logits.dtype))
+
 
 @dataclass
 class RunnerStats:
@@ -63,8 +90,9 @@ class ModelRunner:
         self.group_padding = []
         self.routing.clear()
 
-    def run(self, plan: StepPlan) -> list[int]:
-        """Execute ``plan``; returns one sampled token per decode row."""
+    def run(self, plan: StepPlan) -> StepTokens:
+        """Execute ``plan``; returns one sampled token per decode row, and the
+        log-probabilities of the rows that asked for them."""
         if plan.keep is not None:
             self._keep_rows(plan.keep)
         if plan.group:
@@ -73,7 +101,7 @@ class ModelRunner:
         if self.num_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
         if not plan.decode:
-            return []
+            return [], []
         return self._decode(plan.decode)
 
     def _keep_rows(self, keep: list[int]) -> None:
@@ -128,7 +156,7 @@ class ModelRunner:
             self.keys = mx.concatenate([self.keys, keys])
         mx.eval([c.state for c in self.cache], self.keys)
 
-    def _decode(self, rows: list[Sequence]) -> list[int]:
+    def _decode(self, rows: list[Sequence]) -> StepTokens:
         assert self.num_rows == len(rows), (self.num_rows, len(rows))
         inputs = mx.array([[s.last_token] for s in rows], dtype=mx.uint32)  # [B, 1]
         slots = [s.slot for s in rows]
@@ -136,13 +164,40 @@ class ModelRunner:
         self._count_decode(slots)
         logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [B, V]
         tokens, _, self.keys = sample(
-            logits,
+            process_logits(logits, rows),
             [s.params.temperature for s in rows],
             [s.params.top_p for s in rows],
             self.keys,
         )
-        mx.eval(tokens, self.keys)
-        return tokens.tolist()
+        wanted = [i for i, s in enumerate(rows) if s.params.logprobs is not None]
+        if not wanted:
+            mx.eval(tokens, self.keys)
+            return tokens.tolist(), [None] * len(rows)
+        return self._with_logprobs(logits, tokens, rows, wanted)
+
+    def _with_logprobs(self, logits, tokens, rows, wanted) -> StepTokens:
+        """Tokens plus, for the rows that asked, the model's own log-probability
+        of the sampled token and its top alternatives (before temperature,
+        penalties and biases, as vLLM reports them)."""
+        sel = mx.array(wanted, dtype=mx.int32)
+        raw = logits[sel]
+        raw = raw - mx.logsumexp(raw, axis=-1, keepdims=True)  # [W, V]
+        chosen = mx.take_along_axis(raw, tokens[sel][:, None], axis=-1)[:, 0]  # [W]
+        k = max(rows[i].params.logprobs for i in wanted)
+        top_ids = top_lps = None
+        if k > 0:
+            top_ids = mx.argpartition(-raw, kth=k - 1, axis=-1)[:, :k]  # [W, k], unordered
+            top_lps = mx.take_along_axis(raw, top_ids, axis=-1)
+        mx.eval(tokens, self.keys, chosen, *(a for a in (top_ids, top_lps) if a is not None))
+        out: list[TokenLogprobs | None] = [None] * len(rows)
+        chosen = chosen.tolist()
+        ids = top_ids.tolist() if top_ids is not None else None
+        lps = top_lps.tolist() if top_lps is not None else None
+        for j, i in enumerate(wanted):
+            n = rows[i].params.logprobs
+            top = sorted(zip(ids[j], lps[j]), key=lambda p: -p[1])[:n] if n else []
+            out[i] = (chosen[j], top)
+        return tokens.tolist(), out
 
     def _count_decode(self, slots: list[int]) -> None:
         st = self.stats

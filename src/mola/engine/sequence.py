@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 _seq_ids = itertools.count()
@@ -20,6 +21,14 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None  # None: drawn at admission
     stop_token_ids: frozenset[int] = frozenset()  # EOS ids: finish with "stop"
+    # OpenAI's penalties over the tokens generated so far:
+    # logit[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # Return the sampled token's log-probability and this many alternatives
+    # (None: no log-probabilities).
+    logprobs: int | None = None
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -28,10 +37,20 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in 0..20, got {self.logprobs}")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0 or self.presence_penalty != 0
+
+    @property
+    def processes_logits(self) -> bool:
+        return self.has_penalties or bool(self.logit_bias)
 
 
 class SequenceStatus(enum.Enum):
@@ -54,6 +73,7 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort"
     arrival_time: float = field(default_factory=time.monotonic)
+    counts: Counter = field(default_factory=Counter)  # output token -> count (penalties only)
 
     def __post_init__(self):
         if not self.prompt:
@@ -82,6 +102,8 @@ class Sequence:
     def append(self, token: int) -> str | None:
         """Record a generated token; returns the finish reason it causes."""
         self.output.append(token)
+        if self.params.has_penalties:
+            self.counts[token] += 1
         if token in self.params.stop_token_ids:
             return "stop"
         if len(self.output) >= self.params.max_tokens:

@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from ..engine.client import AsyncEngine
 from .formats import read_adapter
-from .weights import LoRAWeights, validate
+from .weights import LoRAWeights, compose, validate
 
 
 def _reader_init() -> None:
@@ -46,6 +46,15 @@ class AdapterLoader:
         AdapterPathNotFound with a message that names the problem."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._reader, self._read, Path(path))
+
+    def _compose(self, parts: list[tuple[str, float]]) -> LoRAWeights:  # reader thread
+        weights = [(self._read(Path(path)), scale) for path, scale in parts]
+        return compose(weights, self.max_rank)
+
+    async def compose(self, parts: list[tuple[str, float]]) -> LoRAWeights:
+        """Read the parts and stack them into one LoRA (see weights.compose)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._reader, self._compose, parts)
 
     async def write(self, slot: int, weights: LoRAWeights, scale: float = 1.0) -> None:
         packs = self.engine.engine.packs

@@ -38,6 +38,7 @@ _uids = itertools.count(1)
 
 class SlotBackend(Protocol):
     async def read(self, path: str) -> LoRAWeights: ...
+    async def compose(self, parts: list[tuple[str, float]]) -> LoRAWeights: ...
     async def write(self, slot: int, weights: LoRAWeights, scale: float) -> None: ...
     async def clear(self, slot: int) -> None: ...
 
@@ -74,6 +75,10 @@ class AdapterRecord:
     nbytes: int | None = None
     loaded: asyncio.Event = field(default_factory=asyncio.Event)  # set when leaving "loading"
     load_error: MolaError | None = None
+    # A composition (several adapters stacked into one slot): (path, scale)
+    # of each part, and the part records it was built from.
+    parts: tuple[tuple[str, float], ...] | None = None
+    part_records: tuple["AdapterRecord", ...] = ()
 
     @property
     def resident(self) -> bool:
@@ -82,6 +87,10 @@ class AdapterRecord:
     def describe(self) -> dict:
         return {
             "name": self.name,
+            "composition": None if self.parts is None else [
+                {"name": r.name, "version": r.version, "scale": sc}
+                for r, (_, sc) in zip(self.part_records, self.parts)
+            ],
             "path": self.path,
             "source": self.source,
             "format": self.format,
@@ -104,11 +113,12 @@ class AdapterRecord:
 class Lease:
     """A request's hold on a model id. ``release`` is idempotent."""
 
-    def __init__(self, registry: "AdapterRegistry", record: AdapterRecord | None):
+    def __init__(self, registry: "AdapterRegistry", record: AdapterRecord | None,
+                 row_scale: float = 1.0):
         self._registry = registry
         self.record = record  # None: the base model
         self.slot = record.slot if record else 0
-        self.scale = record.scale if record else 1.0
+        self.row_scale = row_scale  # this request's multiplier of the slot's delta
         self._released = False
 
     @property
@@ -136,6 +146,7 @@ class AdapterRegistry:
         self.sources = sources or AdapterSources(allow_any_path=True)
         self.stats = RegistryStats()
         self._known: dict[str, AdapterRecord] = {}
+        self._compositions: dict[str, AdapterRecord] = {}  # stacked adapters, by key
         self._slots: dict[int, AdapterRecord | None] = {s: None for s in range(1, max_loras + 1)}
         self._unloaded: set[str] = set()  # names not to rediscover in adapter dirs
         self._versions: dict[str, int] = {}
@@ -147,6 +158,10 @@ class AdapterRegistry:
     def adapters(self) -> list[AdapterRecord]:
         """Every adapter that can be requested, resident or not."""
         return list(self._known.values())
+
+    def compositions(self) -> list[AdapterRecord]:
+        """Stacks of adapters built for requests (each one slot when resident)."""
+        return list(self._compositions.values())
 
     def get(self, name: str) -> AdapterRecord:
         record = self._known.get(name) or self._discover(name)
@@ -207,22 +222,77 @@ class AdapterRegistry:
             await self._install(record, slot, weights)
         return record
 
-    async def acquire(self, model_id: str) -> Lease:
-        """A lease on the base model or an adapter, loading it just in time."""
-        if model_id == self.base_id:
-            return Lease(self, None)
-        record = self._known.get(model_id) or self._discover(model_id)
+    async def acquire(
+        self,
+        model_id: str,
+        lora_scale: float | None = None,
+        stack: list[tuple[str, float]] | None = None,
+    ) -> Lease:
+        """A lease on the base model, an adapter, or adapters stacked together,
+        loading just in time.
+
+        ``lora_scale`` multiplies the adapter ``model_id`` names, for this
+        request only (the row's scale: rows with different scales of one
+        adapter share its slot). ``stack`` lists (adapter, scale) pairs applied
+        together with it: their sum is one LoRA whose A is the parts' A side by
+        side and whose B is their scaled B stacked, built once into a slot of
+        its own, cached by its parts and evicted like any adapter.
+        """
+        is_base = model_id == self.base_id
+        if is_base and lora_scale is not None:
+            raise InvalidRequest(
+                f"lora_scale scales an adapter, but '{model_id}' is the base model.", param="lora_scale"
+            )
+        head = None if is_base else self._lookup(model_id, "model")
+        if not stack:
+            if head is None:
+                return Lease(self, None)
+            return await self._lease(head, 1.0 if lora_scale is None else lora_scale)
+        parts = [] if head is None else [(head, 1.0 if lora_scale is None else lora_scale)]
+        for name, scale in stack:
+            parts.append((self._lookup(name, "adapters"), scale))
+        names = [r.name for r, _ in parts]
+        if len(set(names)) < len(names):
+            raise InvalidRequest("An adapter is named more than once in 'adapters'.", param="adapters")
+        if len(parts) == 1:
+            return await self._lease(parts[0][0], parts[0][1])
+        return await self._lease(self._composition(parts), 1.0)
+
+    def _lookup(self, name: str, param: str) -> AdapterRecord:
+        record = self._known.get(name) or self._discover(name)
         if record is None:
-            raise ModelNotFound(model_id)
+            raise ModelNotFound(name, param=param)
+        return record
+
+    def _composition(self, parts: list[tuple[AdapterRecord, float]]) -> AdapterRecord:
+        parts = sorted(parts, key=lambda p: p[0].name)  # a sum: order does not matter
+        key = "+".join(f"{r.name}@v{r.version}*{scale:g}" for r, scale in parts)
+        record = self._compositions.get(key)
+        if record is None:
+            record = AdapterRecord(
+                name=key, path=" + ".join(r.path for r, _ in parts), source="composition", version=1,
+                parts=tuple((r.path, r.scale * scale) for r, scale in parts),
+                part_records=tuple(r for r, _ in parts),
+            )
+            self._compositions[key] = record
+        return record
+
+    def _is_current(self, record: AdapterRecord) -> bool:
+        table = self._compositions if record.parts is not None else self._known
+        return table.get(record.name) is record
+
+    async def _lease(self, record: AdapterRecord, row_scale: float) -> Lease:
         record.waiting += 1
         try:
             while True:
-                if self._known.get(model_id) is not record:
-                    raise ModelNotFound(model_id)  # unloaded while we waited
+                if not self._is_current(record):
+                    raise ModelNotFound(record.name)  # unloaded while we waited
                 if record.state == "resident":
                     record.in_flight += 1
                     record.last_used = time.time()
-                    return Lease(self, record)
+                    for part in record.part_records:
+                        part.last_used = record.last_used
+                    return Lease(self, record, row_scale)
                 if record.state == "loading":
                     await record.loaded.wait()
                     if record.load_error is not None:
@@ -237,13 +307,16 @@ class AdapterRegistry:
         record.state, record.loaded, record.load_error = "loading", asyncio.Event(), None
         try:
             t0 = time.perf_counter()
-            weights = await self.backend.read(record.path)
+            if record.parts is None:
+                weights = await self.backend.read(record.path)
+            else:
+                weights = await self.backend.compose(list(record.parts))
             self._note_weights(record, weights)
             slot = self._take_slot(wait_ok=True)
             while slot is None:
                 async with self._changed:
                     await self._changed.wait()
-                if self._known.get(record.name) is not record:
+                if not self._is_current(record):
                     raise ModelNotFound(record.name)
                 slot = self._take_slot(wait_ok=True)
             await self._install(record, slot, weights, t0)
@@ -264,12 +337,15 @@ class AdapterRegistry:
                 self._slots[slot] = _RESERVED
                 return slot
         idle = [r for r in self._slots.values() if r is not _RESERVED and r.state == "resident"
-                and r.in_flight == 0]
+                and r.in_flight == 0 and r.waiting == 0]
         if not idle:
             return None
         victim = min(idle, key=lambda r: (r.last_used or 0.0, r.uid))
         slot = victim.slot
         victim.state, victim.slot = "known", None
+        if victim.parts is not None:  # a composition is rebuilt when asked for again
+            victim.state = "removed"
+            self._compositions.pop(victim.name, None)
         self._slots[slot] = _RESERVED
         self.stats.evictions += 1
         log.info("adapter evicted: name=%s slot=%d (least recently used)", victim.name, slot)
@@ -284,7 +360,7 @@ class AdapterRegistry:
             self._slots[slot] = None
             await self._notify()
             raise
-        if self._known.get(record.name) is not record:  # unloaded while loading
+        if not self._is_current(record):  # unloaded while loading
             self._slots[slot] = None
             self._spawn(self._clear(slot))
             raise ModelNotFound(record.name)
@@ -325,15 +401,23 @@ class AdapterRegistry:
         del self._known[name]
         self._unloaded.add(name)
         self.stats.unloads += 1
+        for key, comp in list(self._compositions.items()):
+            if record in comp.part_records:
+                del self._compositions[key]
+                await self._retire(comp)
         log.info("adapter unloading: name=%s slot=%s in_flight=%d", name, record.slot, record.in_flight)
+        await self._retire(record)
+        await self._notify()
+        return record
+
+    async def _retire(self, record: AdapterRecord) -> None:
+        """A record no longer current: drain it if resident."""
         if record.state == "resident":
             record.state = "draining"
             if record.in_flight == 0:
                 await self._free(record)
-        else:
+        elif record.state != "draining":
             record.state = "removed"  # a load in progress notices and gives its slot back
-        await self._notify()
-        return record
 
     async def _free(self, record: AdapterRecord) -> None:
         slot = record.slot

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from ..errors import InvalidAdapter
+from ..errors import AdapterRankTooHigh, InvalidAdapter
 
 
 @dataclass(frozen=True)
@@ -92,3 +92,30 @@ def validate(
             )
         if not mx.isfinite(mx.array(m.scale)).item():
             raise InvalidAdapter(f"Adapter at {where}: scale {m.scale} is not finite.")
+
+
+def compose(parts: list[tuple[LoRAWeights, float]], max_rank: int) -> LoRAWeights:
+    """Adapters applied together, as one LoRA: per module, A is the parts' A
+    side by side [in, r1+r2+...] and B their B's stacked [r1+r2+..., out],
+    each scaled by its part's scale (and its own), so that
+
+        x @ A @ B = sum_i scale_i * own_scale_i * x @ A_i @ B_i   exactly.
+    """
+    modules: dict[str, ModuleLoRA] = {}
+    paths = sorted({p for w, _ in parts for p in w.modules})
+    for path in paths:
+        pieces = [(w.modules[path], s) for w, s in parts if path in w.modules]
+        a = mx.concatenate([m.a for m, _ in pieces], axis=1)
+        b = mx.concatenate([(m.b.astype(mx.float32) * (m.scale * s)).astype(m.b.dtype)
+                            for m, s in pieces], axis=0)
+        modules[path] = ModuleLoRA(a=a, b=b, scale=1.0)
+    rank = max((m.rank for m in modules.values()), default=0)
+    if rank > max_rank:
+        ranks = " + ".join(str(w.rank) for w, _ in parts)
+        raise AdapterRankTooHigh(
+            f"These adapters stacked together have rank {ranks} = {rank} in one module, above "
+            f"the server's --max-lora-rank {max_rank}."
+        )
+    mx.eval([(m.a, m.b) for m in modules.values()])
+    source = " + ".join(f"{s:g}*{w.source}" for w, s in parts)
+    return LoRAWeights(source=source, format="composition", modules=modules)

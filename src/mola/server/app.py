@@ -19,7 +19,7 @@ from ..lora.loader import AdapterLoader
 from ..lora.registry import AdapterRegistry
 from ..lora.sources import AdapterSources
 from .errors import error_response, install_error_handlers
-from .routes import adapters, chat, models, vllm
+from .routes import adapters, chat, completions, models, vllm
 from .state import ServerState
 
 log = logging.getLogger("mola.server")
@@ -55,6 +55,7 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel) 
         base_id=base_id,
         base_root=str(loaded.path or config.model),
         max_model_len=config.max_model_len or loaded.max_model_len,
+        vocab_size=loaded.vocab_size,
     )
     try:
         for spec in config.adapters:
@@ -87,6 +88,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.state.mola = state
     install_error_handlers(app)
     app.include_router(chat.router)
+    app.include_router(completions.router)
     app.include_router(models.router)
     app.include_router(adapters.router)
     app.include_router(vllm.router)

@@ -53,16 +53,32 @@ def error_response(
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
-def mola_error_response(exc: MolaError) -> JSONResponse:
+def status_of(exc: MolaError) -> tuple[int, str, str | None]:
     for cls in type(exc).__mro__:
         if cls in STATUS:
-            status, type_, code = STATUS[cls]
-            return error_response(status, exc.message, type_, exc.param, code)
-    return error_response(400, exc.message, "invalid_request_error", exc.param)
+            return STATUS[cls]
+    return 500, "server_error", None
+
+
+def error_payload(exc: MolaError) -> dict:
+    """The envelope of ``exc``, e.g. for an error in the middle of a stream."""
+    _, type_, code = status_of(exc)
+    return error_body(exc.message, type_, exc.param, code)
+
+
+def mola_error_response(exc: MolaError) -> JSONResponse:
+    status, type_, code = status_of(exc)
+    return error_response(status, exc.message, type_, exc.param, code)
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "null"}
 
 
 def _loc_to_param(loc: tuple) -> str | None:
-    parts = [p for p in loc if p != "body"]
+    """pydantic's error location -> OpenAI's ``param`` ("messages[0].role"),
+    without the union-member tags pydantic inserts ("str", "list[int]")."""
+    parts = [p for p in loc if p != "body" and not (
+        isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or "(" in p))]
     out = ""
     for p in parts:
         out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))

@@ -1,9 +1,12 @@
-"""From a validated request to text: the prompt, the sampling parameters, and
-one :class:`Generation` per choice turning engine outputs into text deltas."""
+"""From a validated request to text: prompts, sampling parameters, and one
+:class:`Generation` per choice turning engine outputs into deltas (text,
+tool calls, log-probabilities)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -11,25 +14,45 @@ from fastapi import Request
 from ..engine.sequence import SamplingParams, Sequence
 from ..errors import ContextLengthExceeded, InvalidRequest, MolaError
 from ..lora.registry import Lease
-from .protocol import ChatCompletionRequest
+from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from .state import ServerState
 from .textstream import TextStream
+from .tools import ToolCallParser, check_tool_support, messages_for_template
 
 
 class GenerationFailed(MolaError):
     """The engine could not finish a sequence (a failed step, a stopped engine)."""
 
 
+# ---- prompts --------------------------------------------------------------------
+
+
 def render_chat(tokenizer, body: ChatCompletionRequest) -> list[int]:
-    """The tokenizer's own chat template over the request's messages."""
+    """The tokenizer's own chat template over the request's messages (and tools)."""
     if not getattr(tokenizer, "has_chat_template", False):
         raise InvalidRequest(
             "This model has no chat template; use /v1/completions with a plain prompt.",
             param="messages",
         )
-    messages = [{"role": m.role, "content": m.text(i)} for i, m in enumerate(body.messages)]
+    messages = []
+    for i, m in enumerate(body.messages):
+        message = {"role": m.role, "content": m.text(i)}
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name:
+            message["name"] = m.name
+        messages.append(message)
+    kwargs = {}
+    if body.tools:
+        if body.uses_tools():
+            check_tool_support(tokenizer)
+        kwargs["tools"] = body.tools
     try:
-        tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        tokens = tokenizer.apply_chat_template(
+            messages_for_template(messages), add_generation_prompt=True, **kwargs
+        )
     except Exception as e:  # jinja2 errors raised by templates (role order, ...)
         raise InvalidRequest(f"The chat template rejected the messages: {e}", param="messages")
     if not tokens:
@@ -37,25 +60,41 @@ def render_chat(tokenizer, body: ChatCompletionRequest) -> list[int]:
     return list(tokens)
 
 
-def sampling_params(
-    state: ServerState, body: ChatCompletionRequest, num_prompt_tokens: int
-) -> SamplingParams:
+def encode_prompts(tokenizer, body: CompletionRequest, vocab_size: int) -> list[list[int]]:
+    out = []
+    for i, prompt in enumerate(body.prompts()):
+        tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not tokens:
+            raise InvalidRequest(f"Prompt {i} is empty.", param="prompt")
+        bad = [t for t in tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(
+                f"Prompt {i} holds token id {bad[0]}, outside the vocabulary (size {vocab_size}).",
+                param="prompt",
+            )
+        out.append(tokens)
+    return out
+
+
+def sampling_params(state: ServerState, body: _Sampling, num_prompt_tokens: int,
+                    choice: int = 0) -> SamplingParams:
     limit = state.max_model_len
     requested = body.requested_max_tokens()
+    what = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     if limit is not None:
         if num_prompt_tokens >= limit:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {limit} tokens. However, your "
-                f"messages resulted in {num_prompt_tokens} tokens.",
-                param="messages",
+                f"{what} resulted in {num_prompt_tokens} tokens.",
+                param=what,
             )
         room = limit - num_prompt_tokens
         if requested is not None and requested > room:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {limit} tokens. However, you "
                 f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in "
-                f"the messages, {requested} in the completion). Please reduce the length "
-                "of the messages or completion.",
+                f"the {what}, {requested} in the completion). Please reduce the length "
+                f"of the {what} or completion.",
                 param="max_tokens",
             )
         max_tokens = requested if requested is not None else room
@@ -65,51 +104,155 @@ def sampling_params(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
-        seed=body.seed,
+        # Choice i of a seeded request draws with seed + i: reproducible, distinct.
+        seed=None if body.seed is None else body.seed + choice,
         stop_token_ids=frozenset() if body.ignore_eos else frozenset(state.tokenizer.eos_token_ids),
+        frequency_penalty=body.frequency_penalty or 0.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        logit_bias=body.bias_pairs(state.vocab_size),
+        logprobs=body.num_logprobs(),
     )
 
 
-class Generation:
-    """One choice: runs its sequence and yields text deltas. Owns the lease on
-    the model id and gives it back when done, however it ends."""
+# ---- one choice ----------------------------------------------------------------------
 
-    def __init__(self, state: ServerState, seq: Sequence, lease: Lease, stop: list[str]):
+
+@dataclass
+class Delta:
+    """What one choice produced in one engine step."""
+
+    index: int
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list | None = None  # per token: (logprob, [(id, logprob)])
+    tool_calls: list[dict] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Generation:
+    """One choice: runs its sequence and yields deltas. Gives its lease on the
+    model id back when done, however it ends (``close`` is idempotent)."""
+
+    def __init__(self, state: ServerState, seq: Sequence, lease: Lease, stop: list[str],
+                 index: int = 0, tools: list[dict] | None = None):
         self.state = state
         self.seq = seq
         self.lease = lease
+        self.index = index
         self.text = TextStream(state.tokenizer, stop)
+        self.tools = ToolCallParser(state.tokenizer, tools) if tools else None
+        self.content = ""
+        self.tool_calls: list[dict] = []
+        self.tokens: list[int] = []
+        self.logprobs: list = []
         self.finish_reason: str | None = None
-        self.num_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:
         return self.seq.num_prompt_tokens
 
-    async def deltas(self) -> AsyncIterator[str]:
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
         eos = self.state.tokenizer.eos_token_ids
         try:
             async for out in self.state.engine.generate(self.seq):
-                if out.finish_reason == "error":
-                    raise GenerationFailed(f"Generation failed: {out.error}")
-                self.num_tokens += len(out.tokens)
-                tokens = [t for t in out.tokens if t not in eos]
-                delta = self.text.add(tokens)
-                if self.text.stopped:  # a stop string: leaving aborts the row
-                    self.finish_reason = "stop"
-                    if delta:
-                        yield delta
-                    return
-                if out.finish_reason is not None:
-                    delta += self.text.finish()
-                    self.finish_reason = out.finish_reason
-                if delta:
-                    yield delta
+                if out.finish_reason in ("error", "abort"):
+                    raise GenerationFailed(f"Generation failed: {out.error or out.finish_reason}")
+                self.tokens += out.tokens
+                if out.logprobs:
+                    self.logprobs += out.logprobs
+                text = self.text.add([t for t in out.tokens if t not in eos])
+                finish = "stop" if self.text.stopped else out.finish_reason
+                if finish is not None and not self.text.stopped:
+                    text += self.text.finish()
+                yield self._delta(text, out.tokens, out.logprobs, finish)
+                if finish is not None:
+                    return  # after a stop string, leaving aborts the row
         finally:
             self.close()
 
+    def _delta(self, text, tokens, logprobs, finish) -> Delta:
+        calls = []
+        if self.tools is not None:
+            text, calls = self.tools.feed(text)
+            if finish is not None:
+                more_text, more_calls = self.tools.finish()
+                text, calls = text + more_text, calls + more_calls
+        self.content += text
+        self.tool_calls += calls
+        if finish == "stop" and self.tool_calls:
+            finish = "tool_calls"
+        self.finish_reason = finish
+        return Delta(self.index, text, list(tokens), logprobs, calls, finish)
+
     def close(self) -> None:
         self.lease.release()
+
+
+async def merge(gens: list[Generation]) -> AsyncIterator[Delta]:
+    """The deltas of several choices, as they come."""
+    if len(gens) == 1:
+        async with contextlib.aclosing(gens[0].deltas()) as deltas:
+            async for d in deltas:
+                yield d
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(gen: Generation):
+        try:
+            async with contextlib.aclosing(gen.deltas()) as deltas:
+                async for d in deltas:
+                    queue.put_nowait(d)
+        except BaseException as e:
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(done)
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in gens]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for g in gens:
+            g.close()
+
+
+# ---- plumbing shared by the routes ---------------------------------------------------------
+
+
+async def start_generations(state: ServerState, body: _Sampling, prompts: list[list[int]],
+                            tools: list[dict] | None = None) -> list[Generation]:
+    """One Generation per (prompt, choice), each with its own lease."""
+    stack = [(a.name, a.scale) for a in body.adapters] if body.adapters else None
+    params = [[sampling_params(state, body, len(p), j) for j in range(body.n)] for p in prompts]
+    gens: list[Generation] = []
+    try:
+        for i, prompt in enumerate(prompts):
+            for j in range(body.n):
+                lease = await state.registry.acquire(body.model, body.lora_scale, stack)
+                seq = Sequence(prompt=list(prompt), params=params[i][j], slot=lease.slot,
+                               lora_scale=lease.row_scale)
+                gens.append(Generation(state, seq, lease, body.stop_strings(),
+                                       index=i * body.n + j, tools=tools))
+    except BaseException:
+        for g in gens:
+            g.close()
+        raise
+    return gens
 
 
 async def wait_for_disconnect(request: Request) -> None:
@@ -122,7 +265,7 @@ async def wait_for_disconnect(request: Request) -> None:
 
 async def run_until_disconnect(coro, request: Request):
     """Await ``coro``; if the client disconnects first, cancel it (which frees
-    its batch row) and return None."""
+    its batch rows) and return None."""
     work = asyncio.ensure_future(coro)
     watch = asyncio.ensure_future(wait_for_disconnect(request))
     try:

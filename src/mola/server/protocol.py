@@ -1,21 +1,28 @@
 """OpenAI request bodies as pydantic models, validated strictly (a string is
-not a number), and the response objects as plain dicts shaped by OpenAI's
-schemas (components/schemas in OpenAI's openapi.yaml)."""
+not a number). Unknown fields are accepted and ignored, as OpenAI clients send
+extras; known fields that mola cannot honour are refused with a 400 naming
+them (``check_supported``), never silently dropped.
+
+mola's own extensions, beside the standard fields:
+
+- ``lora_scale``: multiplies the adapter that ``model`` names, for this request;
+- ``adapters``: ``[{"name", "scale"}]`` applied together (stacked) to this request;
+- ``ignore_eos`` (vLLM's): keep generating past EOS, up to max_tokens.
+"""
 
 from __future__ import annotations
 
-import time
-import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import InvalidRequest
 
+MAX_N = 16  # choices per request
+MAX_LOGPROBS = 20
+
 
 class _Body(BaseModel):
-    # Unknown fields are accepted and ignored, as OpenAI clients send extras;
-    # known fields that mola cannot honour are refused in `check_supported`.
     model_config = ConfigDict(extra="allow", strict=True)
 
 
@@ -23,6 +30,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
 
     def text(self, index: int) -> str:
         """The content as one string; image/audio parts are refused."""
@@ -35,9 +44,10 @@ class ChatMessage(_Body):
             kind = part.get("type")
             if kind == "text" and isinstance(part.get("text"), str):
                 texts.append(part["text"])
-            elif kind in ("image_url", "input_image", "image"):
+            elif kind in ("image_url", "input_image", "image", "input_audio", "file"):
                 raise InvalidRequest(
-                    "Images are not supported: this server serves text-only models.",
+                    f"Content parts of type '{kind}' are not supported: images are not "
+                    "supported; this server serves text-only models.",
                     param=f"messages[{index}].content[{j}]",
                 )
             else:
@@ -52,42 +62,48 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(_Body):
+class AdapterWeight(_Body):
+    name: str = Field(min_length=1)
+    scale: float = Field(default=1.0, ge=-10.0, le=10.0)
+
+
+class _Sampling(_Body):
+    """Fields shared by chat and completions."""
+
     model: str
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1)
-    user: str | None = None
-    # vLLM's extension: keep generating past EOS, up to max_tokens (benchmarks).
-    ignore_eos: bool = False
-    # Known OpenAI fields that this server does not implement yet: refused
-    # (with a 400 naming them) unless left at their no-op values.
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
+    user: str | None = None  # accepted and ignored
+    ignore_eos: bool = False
+    lora_scale: float | None = Field(default=None, ge=-10.0, le=10.0)
+    adapters: list[AdapterWeight] | None = Field(default=None, min_length=1, max_length=8)
 
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, v):
-        if isinstance(v, list):
-            if len(v) > 16:
-                raise ValueError("at most 16 stop sequences")
-            if any(not s for s in v):
-                raise ValueError("stop sequences must be non-empty strings")
-        elif v == "":
+        items = v if isinstance(v, list) else [v] if v is not None else []
+        if len(items) > 16:
+            raise ValueError("at most 16 stop sequences")
+        if any(not s for s in items):
             raise ValueError("stop sequences must be non-empty strings")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v):
+        for key, value in (v or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
         return v
 
     def stop_strings(self) -> list[str]:
@@ -95,31 +111,100 @@ class ChatCompletionRequest(_Body):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        pairs = tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+        for token, _ in pairs:
+            if token >= vocab_size:
+                raise InvalidRequest(
+                    f"logit_bias names token {token}, outside the vocabulary (size {vocab_size}).",
+                    param="logit_bias",
+                )
+        return pairs
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("'top_logprobs' requires 'logprobs' to be true.", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def uses_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
     def check_supported(self) -> None:
-        """Refuse what would otherwise be silently ignored."""
-        unsupported = {
-            "n": self.n != 1,
-            "logprobs": bool(self.logprobs),
-            "top_logprobs": bool(self.top_logprobs),
-            "tools": bool(self.tools),
-            "tool_choice": self.tool_choice not in (None, "none", "auto"),
-            "response_format": self.response_format not in (None, {"type": "text"}),
-            "frequency_penalty": bool(self.frequency_penalty),
-            "presence_penalty": bool(self.presence_penalty),
-            "logit_bias": bool(self.logit_bias),
-        }
-        for name, bad in unsupported.items():
-            if bad:
-                raise InvalidRequest(f"'{name}' is not supported by this server yet.", param=name)
+        if self.response_format not in (None, {"type": "text"}):
+            kind = (self.response_format or {}).get("type")
+            raise InvalidRequest(
+                f"response_format of type {kind!r} is not supported: mola does not constrain "
+                "decoding, so it would not guarantee the format.",
+                param="response_format",
+            )
+        if isinstance(self.tool_choice, dict) or self.tool_choice == "required":
+            raise InvalidRequest(
+                "tool_choice 'required' or a named function is not supported (mola does not "
+                "force tool calls); use 'auto' or 'none'.",
+                param="tool_choice",
+            )
+        if self.tool_choice not in (None, "auto", "none", "required") and not isinstance(self.tool_choice, dict):
+            raise InvalidRequest(f"Invalid tool_choice {self.tool_choice!r}.", param="tool_choice")
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            raise InvalidRequest("The prompt must not be empty.", param="prompt")
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]
+        if all(isinstance(x, str) for x in p) or all(isinstance(x, list) for x in p):
+            return list(p)
+        raise InvalidRequest("The prompt must be a string, a list of strings, a list of token "
+                             "ids or a list of lists of token ids.", param="prompt")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def check_supported(self) -> None:
+        if self.echo:
+            raise InvalidRequest("'echo' is not supported by this server.", param="echo")
+        if self.suffix:
+            raise InvalidRequest("'suffix' is not supported by this server.", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise InvalidRequest("'best_of' other than n is not supported by this server.", param="best_of")
 
 
 class LoadAdapterRequest(_Body):
     name: str = Field(min_length=1, max_length=256)
     path: str = Field(min_length=1)
-    scale: float = Field(default=1.0, ge=0.0, le=100.0)  # multiplies the adapter's own scale
+    scale: float = Field(default=1.0, ge=-10.0, le=10.0)  # multiplies the adapter's own scale
 
 
 class VLLMLoadLoRARequest(_Body):
@@ -130,76 +215,3 @@ class VLLMLoadLoRARequest(_Body):
 class VLLMUnloadLoRARequest(_Body):
     lora_name: str = Field(min_length=1, max_length=256)
     lora_int_id: int | None = None
-
-
-# ---- responses (plain dicts, shaped by OpenAI's schemas) -------------------
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def chat_completion(
-    id: str, model: str, created: int, text: str, finish_reason: str, prompt_tokens: int,
-    completion_tokens: int,
-) -> dict:
-    return {
-        "id": id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": usage(prompt_tokens, completion_tokens),
-    }
-
-
-def chat_chunk(
-    id: str, model: str, created: int, delta: dict | None, finish_reason: str | None = None,
-    usage_: dict | None = None,
-) -> dict:
-    chunk = {
-        "id": id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [],
-    }
-    if delta is not None:
-        chunk["choices"] = [
-            {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        ]
-    if usage_ is not None:
-        chunk["usage"] = usage_
-    return chunk
-
-
-def model_card(id: str, created: int, root: str, parent: str | None, max_model_len: int | None) -> dict:
-    """A Model object with vLLM's extra fields (root, parent, max_model_len)."""
-    return {
-        "id": id,
-        "object": "model",
-        "created": created,
-        "owned_by": "mola",
-        "root": root,
-        "parent": parent,
-        "max_model_len": max_model_len,
-    }

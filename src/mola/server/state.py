@@ -22,4 +22,5 @@ class ServerState:
     base_id: str  # the id clients use for the base model
     base_root: str  # where the base model came from
     max_model_len: int | None  # context limit, when known
+    vocab_size: int  # rows of the model's output layer
     created: int = field(default_factory=lambda: int(time.time()))

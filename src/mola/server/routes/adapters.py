@@ -27,6 +27,7 @@ async def list_adapters(request: Request):
     return {
         "object": "list",
         "data": [adapter_object(r) for r in registry.adapters()],
+        "compositions": [adapter_object(r) for r in registry.compositions()],
         "max_loras": registry.max_loras,
         "resident": registry.num_resident,
         "free_slots": registry.num_free_slots,

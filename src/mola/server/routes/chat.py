@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions, streaming and not."""
+"""POST /v1/chat/completions, streaming and not, n choices, tools, logprobs."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
-from ...engine.sequence import Sequence
 from ...errors import MolaError
-from .. import protocol as p
-from ..errors import STATUS, error_body
-from ..generation import Generation, render_chat, run_until_disconnect, sampling_params
+from .. import responses as r
+from ..errors import error_payload
+from ..generation import Generation, merge, render_chat, run_until_disconnect, start_generations
+from ..protocol import ChatCompletionRequest
 from ..state import ServerState
 from ..streaming import sse, sse_done
 
@@ -21,65 +21,70 @@ router = APIRouter()
 
 
 @router.post("/v1/chat/completions")
-async def create_chat_completion(body: p.ChatCompletionRequest, request: Request):
+async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.mola
     body.check_supported()
-    lease = await state.registry.acquire(body.model)
-    try:
-        prompt = render_chat(state.tokenizer, body)
-        params = sampling_params(state, body, len(prompt))
-        seq = Sequence(prompt=prompt, params=params, slot=lease.slot)
-    except BaseException:
-        lease.release()
-        raise
-    gen = Generation(state, seq, lease, body.stop_strings())
+    prompt = render_chat(state.tokenizer, body)
+    tools = body.tools if body.uses_tools() else None
+    gens = await start_generations(state, body, [prompt], tools)
     if body.stream:
         return StreamingResponse(
-            _stream(gen, body, request),
+            _stream(state, gens, body, request),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            background=BackgroundTask(gen.close),
+            background=BackgroundTask(lambda: [g.close() for g in gens]),
         )
-    result = await run_until_disconnect(_complete(gen, body), request)
+    result = await run_until_disconnect(_complete(state, gens, body), request)
     return JSONResponse(result) if result is not None else None
 
 
-async def _complete(gen: Generation, body: p.ChatCompletionRequest) -> dict:
-    async with contextlib.aclosing(gen.deltas()) as deltas:
+async def _complete(state: ServerState, gens: list[Generation], body: ChatCompletionRequest) -> dict:
+    async with contextlib.aclosing(merge(gens)) as deltas:
         async for _ in deltas:
             pass
-    return p.chat_completion(
-        id=p.new_id("chatcmpl"),
-        model=body.model,
-        created=p.now(),
-        text=gen.text.text,
-        finish_reason=gen.finish_reason,
-        prompt_tokens=gen.num_prompt_tokens,
-        completion_tokens=gen.num_tokens,
-    )
+    token_text = r.TokenText(state.tokenizer) if body.logprobs else None
+    choices = []
+    for g in gens:
+        content = g.content if (g.content or not g.tool_calls) else None
+        logprobs = r.chat_logprobs(token_text, g.tokens, g.logprobs) if token_text else None
+        choices.append(r.chat_choice(g.index, r.chat_message(content, g.tool_calls),
+                                     g.finish_reason, logprobs))
+    usage = r.usage(gens[0].num_prompt_tokens, sum(g.num_tokens for g in gens))
+    return r.chat_completion(r.new_id("chatcmpl"), body.model, r.now(), choices, usage)
 
 
-async def _stream(gen: Generation, body: p.ChatCompletionRequest, request: Request) -> AsyncIterator[str]:
-    id_, created, model = p.new_id("chatcmpl"), p.now(), body.model
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    extra = {"usage": None} if include_usage else {}
+async def _stream(state: ServerState, gens: list[Generation], body: ChatCompletionRequest,
+                  request: Request) -> AsyncIterator[str]:
+    id_, created, model = r.new_id("chatcmpl"), r.now(), body.model
+    include_usage = body.include_usage()
+    token_text = r.TokenText(state.tokenizer) if body.logprobs else None
+    tool_index = {g.index: 0 for g in gens}
 
-    def chunk(delta, finish_reason=None):
-        return sse({**p.chat_chunk(id_, model, created, delta, finish_reason), **extra})
+    def chunk(choices, usage=None):
+        return sse(r.chat_chunk(id_, model, created, choices, usage, include_usage))
 
     try:
-        yield chunk({"role": "assistant", "content": ""})
-        async with contextlib.aclosing(gen.deltas()) as deltas:
-            async for text in deltas:
+        for g in gens:
+            yield chunk([r.chunk_choice(g.index, {"role": "assistant", "content": ""})])
+        async with contextlib.aclosing(merge(gens)) as deltas:
+            async for d in deltas:
                 if await request.is_disconnected():
-                    return  # leaving closes `deltas`, which frees the row
-                yield chunk({"content": text})
-        yield chunk({}, gen.finish_reason)
+                    return  # leaving closes the generations, which frees their rows
+                logprobs = r.chat_logprobs(token_text, d.tokens, d.logprobs) if token_text else None
+                delta = {}
+                if d.text:
+                    delta["content"] = d.text
+                if d.tool_calls:
+                    calls = []
+                    for call in d.tool_calls:
+                        calls.append({"index": tool_index[d.index], **call})
+                        tool_index[d.index] += 1
+                    delta["tool_calls"] = calls
+                if delta or logprobs or d.finish_reason:
+                    yield chunk([r.chunk_choice(d.index, delta, d.finish_reason, logprobs)])
         if include_usage:
-            usage = p.usage(gen.num_prompt_tokens, gen.num_tokens)
-            yield sse(p.chat_chunk(id_, model, created, None, usage_=usage))
+            usage = r.usage(gens[0].num_prompt_tokens, sum(g.num_tokens for g in gens))
+            yield chunk([], usage)
     except MolaError as e:
-        status = next((STATUS[c] for c in type(e).__mro__ if c in STATUS), None)
-        type_ = status[1] if status else "server_error"
-        yield sse(error_body(e.message, type_, e.param, status[2] if status else None))
+        yield sse(error_payload(e))
     yield sse_done()

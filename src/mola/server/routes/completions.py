@@ -1,0 +1,80 @@
+"""POST /v1/completions: a prompt (string, strings, token ids, lists of token
+ids), streaming and not, n choices per prompt, logprobs."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+from ...errors import MolaError
+from .. import responses as r
+from ..errors import error_payload
+from ..generation import Generation, encode_prompts, merge, run_until_disconnect, start_generations
+from ..protocol import CompletionRequest
+from ..state import ServerState
+from ..streaming import sse, sse_done
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, request: Request):
+    state: ServerState = request.app.state.mola
+    body.check_supported()
+    prompts = encode_prompts(state.tokenizer, body, state.vocab_size)
+    gens = await start_generations(state, body, prompts)
+    if body.stream:
+        return StreamingResponse(
+            _stream(state, gens, body, request),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            background=BackgroundTask(lambda: [g.close() for g in gens]),
+        )
+    result = await run_until_disconnect(_complete(state, gens, body, prompts), request)
+    return JSONResponse(result) if result is not None else None
+
+
+def _usage(gens: list[Generation], prompts: list[list[int]]) -> dict:
+    return r.usage(sum(len(p) for p in prompts), sum(g.num_tokens for g in gens))
+
+
+async def _complete(state: ServerState, gens: list[Generation], body: CompletionRequest,
+                    prompts: list[list[int]]) -> dict:
+    async with contextlib.aclosing(merge(gens)) as deltas:
+        async for _ in deltas:
+            pass
+    token_text = r.TokenText(state.tokenizer) if body.logprobs is not None else None
+    choices = []
+    for g in sorted(gens, key=lambda g: g.index):
+        logprobs = r.completion_logprobs(token_text, g.tokens, g.logprobs, 0) if token_text else None
+        choices.append(r.completion_choice(g.index, g.content, g.finish_reason, logprobs))
+    return r.completion(r.new_id("cmpl"), body.model, r.now(), choices, _usage(gens, prompts))
+
+
+async def _stream(state: ServerState, gens: list[Generation], body: CompletionRequest,
+                  request: Request) -> AsyncIterator[str]:
+    id_, created, model = r.new_id("cmpl"), r.now(), body.model
+    token_text = r.TokenText(state.tokenizer) if body.logprobs is not None else None
+    offsets = {g.index: 0 for g in gens}
+    try:
+        async with contextlib.aclosing(merge(gens)) as deltas:
+            async for d in deltas:
+                if await request.is_disconnected():
+                    return
+                logprobs = None
+                if token_text:
+                    logprobs = r.completion_logprobs(token_text, d.tokens, d.logprobs, offsets[d.index])
+                offsets[d.index] += len(d.text)
+                if d.text or d.finish_reason or logprobs:
+                    choice = r.completion_choice(d.index, d.text, d.finish_reason, logprobs)
+                    yield sse(r.completion(id_, model, created, [choice], None))
+        if body.include_usage():
+            yield sse(r.completion(id_, model, created, [], _usage(gens, [g.seq.prompt for g in gens
+                                                                          if g.index % body.n == 0])))
+    except MolaError as e:
+        yield sse(error_payload(e))
+    yield sse_done()
