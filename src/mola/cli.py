@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from . import __version__
+from .blas import maybe_reexec_with_openblas
 from .config import FIELDS, AdapterSpec, ServeConfig, load_config_file, merge_adapters, parse_adapter_arg
 
 
@@ -48,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="prompt tokens prefilled per engine step (default 512)")
     serve.add_argument("--max-model-len", type=int, help="context limit (default: the model's own)")
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--no-openblas", action="store_true",
+                       help="on Linux CPU, do not preload the system's OpenBLAS (see mola/blas.py)")
     return parser
 
 
@@ -68,12 +71,14 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command == "serve":
         try:
             config = config_from_args(args)
         except (ValueError, TypeError) as e:
             parser.error(str(e))
+        maybe_reexec_with_openblas(argv, enabled=not getattr(args, "no_openblas", False))
         from .serve import serve
 
         return serve(config)
