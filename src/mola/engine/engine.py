@@ -26,7 +26,7 @@ import mlx.nn as nn
 
 from ..errors import EngineUnavailable
 from ..lora.pack import AdapterPacks
-from .runner import ModelRunner
+from .runner import ModelRunner, StepResult
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
 
@@ -208,15 +208,18 @@ class Engine:
         )
         self.targets = self.packs.targets()
         self.dtype = next(iter(self.packs.layers.values())).dtype
-        self.runner = ModelRunner(loaded.model, self.packs)
+        self.runner = ModelRunner(loaded.model, self.packs, loaded.vocab_size)
         self.loaded = loaded
+
+    def _has_work(self) -> bool:
+        return self.scheduler.has_work() or self.runner.inflight is not None
 
     def _loop(self) -> None:
         while not self._stopping:
-            self._drain_commands(block=not self.scheduler.has_work())
+            self._drain_commands(block=not self._has_work())
             if self._stopping:
                 break
-            if self.scheduler.has_work():
+            if self._has_work():
                 self.step()
         self._fail_all("the server is shutting down")
 
@@ -233,18 +236,19 @@ class Engine:
     def step(self) -> None:
         plan = self.scheduler.schedule()
         try:
-            tokens, logprobs = self.runner.run(plan)
+            result = self.runner.run(plan)
         except Exception as e:
             log.error("engine step failed:\n%s", traceback.format_exc())
             self._fail_step(plan, f"{type(e).__name__}: {e}")
             return
         self.num_steps += 1
-        self._postprocess(plan, tokens, logprobs)
+        if result is not None:
+            self._postprocess(result)
 
-    def _postprocess(self, plan: StepPlan, tokens: list[int], logprobs: list) -> None:
+    def _postprocess(self, result: StepResult) -> None:
         outputs = []
-        for seq, token, lp in zip(plan.decode, tokens, logprobs):
-            if seq.is_finished:  # aborted while this step ran
+        for seq, token, lp in zip(result.rows, result.tokens, result.logprobs):
+            if seq.is_finished:  # finished or aborted while this step ran
                 continue
             reason = seq.append(token)
             if reason is not None:
@@ -272,7 +276,9 @@ class Engine:
     def _fail_step(self, plan: StepPlan, message: str) -> None:
         """A forward pass raised: fail every sequence that had state in the
         batch (its KV cache is gone) and start over with an empty batch."""
-        victims = [s for s in (*plan.decode, *plan.group) if not s.is_finished]
+        inflight = self.runner.inflight.rows if self.runner.inflight else []
+        victims = [s for s in (*plan.decode, *plan.group, *inflight) if not s.is_finished]
+        victims = list(dict.fromkeys(victims))
         victims += [s for s in self.scheduler.group if s not in victims]
         self.scheduler.running, self.scheduler.group = [], []
         self.runner.reset()

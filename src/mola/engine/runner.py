@@ -1,10 +1,18 @@
 """The only place where the engine builds arrays and evaluates the model.
 
-The runner owns two sets of mlx-lm KV caches: the decode batch (one row per
-running sequence, in the scheduler's row order) and the prefill group being
-written. It follows the scheduler's :class:`StepPlan` exactly: drop finished
-rows, prefill one chunk of the group (right-padded, as mlx-lm's own batch
-generator does), let a finished group join, then decode one token per row.
+The runner owns the decode batch's state, one row per running sequence in
+the scheduler's row order: mlx-lm KV caches, a PRNG key per row, the next
+input token per row (still on the device), and token counts for penalties.
+It also owns the prefill group being written. It follows the scheduler's
+:class:`StepPlan` exactly: drop finished rows, prefill one chunk of the group
+(right-padded, as mlx-lm's own batch generator does), let a finished group
+join, then launch one decode step for every row.
+
+Decode is pipelined, as mlx-lm's generator does it: a step is launched with
+``mx.async_eval`` and its tokens are read back at the next step, after that
+step was launched, so the device never waits for Python between steps. A
+sequence that finished is therefore computed one step too many; its extra
+token is dropped by the engine.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..lora.pack import AdapterPacks
+from .logits import add_biases, count_tokens, penalize
 from .sampling import make_keys, sample
 from .scheduler import StepPlan, prefill_len
 from .sequence import Sequence
@@ -25,29 +34,25 @@ CLEAR_CACHE_EVERY = 256  # steps between returns of MLX's buffer cache
 # (log-probability of the sampled token, [(token id, log-probability)] of the
 # most likely tokens, best first)
 TokenLogprobs = tuple[float, list[tuple[int, float]]]
-StepTokens = tuple[list[int], list["TokenLogprobs | None"]]
 
 
-def process_logits(logits: mx.array, rows: list[Sequence]) -> mx.array:
-    """Per-row logit biases and frequency/presence penalties as one sparse
-    add over [B, V]; rows without them are untouched."""
-    r_idx, t_idx, vals = [], [], []
-    for i, seq in enumerate(rows):
-        p = seq.params
-        for token, bias in p.logit_bias:
-            r_idx.append(i)
-            t_idx.append(token)
-            vals.append(bias)
-        if p.has_penalties:
-            for token, count in seq.counts.items():
-                r_idx.append(i)
-                t_idx.append(token)
-                vals.append(-(p.frequency_penalty * count + p.presence_penalty))
-    if not r_idx:
-        return logits
-    rows_a = mx.array(r_idx, dtype=mx.int32)
-    toks_a = mx.array(t_idx, dtype=mx.int32)
-    return logits.at[rows_a, toks_a].add(mx.array(vals, dtype=logits.dtype))
+@dataclass
+class StepResult:
+    """Tokens of one completed decode step, for the rows it ran."""
+
+    rows: list[Sequence]
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+@dataclass
+class _Launch:
+    """A decode step in flight."""
+
+    rows: list[Sequence]
+    tokens: mx.array  # [B]
+    wanted: list[int]  # rows that asked for log-probabilities
+    logprob_arrays: tuple = ()  # (chosen [W], top ids [W, k] | None, top logprobs [W, k] | None)
 
 
 @dataclass
@@ -68,12 +73,18 @@ def merge_caches(caches: list[list]) -> list:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, packs: AdapterPacks):
+    def __init__(self, model: nn.Module, packs: AdapterPacks, vocab_size: int):
         self.model = model
         self.packs = packs
         self.routing = packs.routing
-        self.cache: list | None = None  # decode batch: one batch cache per layer
-        self.keys: mx.array | None = None  # [B, 2] PRNG key per decode row
+        self.vocab_size = vocab_size
+        # Decode rows, aligned with the scheduler's running list:
+        self.cache: list | None = None  # one batch cache per layer
+        self.keys: mx.array | None = None  # [B, 2] PRNG key per row
+        self.inputs: mx.array | None = None  # [B] next input token per row
+        self.counts: mx.array | None = None  # [B, V] generated-token counts (penalties only)
+        self.inflight: _Launch | None = None
+        # The prefill group:
         self.group_cache: list | None = None
         self.group_tokens: mx.array | None = None  # [G, L] right-padded prompts
         self.group_padding: list[int] = []
@@ -85,32 +96,55 @@ class ModelRunner:
         return 0 if self.keys is None else self.keys.shape[0]
 
     def reset(self) -> None:
-        """Drop every cache (after a failed step)."""
-        self.cache = self.keys = self.group_cache = self.group_tokens = None
+        """Drop every cache and the step in flight (after a failed step)."""
+        self.cache = self.keys = self.inputs = self.counts = self.inflight = None
+        self.group_cache = self.group_tokens = None
         self.group_padding = []
         self.routing.clear()
 
-    def run(self, plan: StepPlan) -> StepTokens:
-        """Execute ``plan``; returns one sampled token per decode row, and the
-        log-probabilities of the rows that asked for them."""
+    def run(self, plan: StepPlan) -> StepResult | None:
+        """Execute ``plan``; returns the previous decode step's tokens (None
+        when nothing was in flight)."""
         if plan.keep is not None:
             self._keep_rows(plan.keep)
         if plan.group:
             self._prefill(plan)
+        previous, self.inflight = self.inflight, None
+        if plan.decode:
+            self.inflight = self._launch(plan.decode)
         self.num_steps += 1
         if self.num_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
-        if not plan.decode:
-            return [], []
-        return self._decode(plan.decode)
+        return self._collect(previous) if previous is not None else None
+
+    # ---- rows -------------------------------------------------------------
 
     def _keep_rows(self, keep: list[int]) -> None:
         if not keep:
-            self.cache = self.keys = None
+            self.cache = self.keys = self.inputs = self.counts = None
             return
         for c in self.cache:
             c.filter(keep)
-        self.keys = self.keys[mx.array(keep, dtype=mx.int32)]
+        idx = mx.array(keep, dtype=mx.int32)
+        self.keys, self.inputs = self.keys[idx], self.inputs[idx]
+        if self.counts is not None:
+            self.counts = self.counts[idx]
+
+    def _append_rows(self, cache: list, seqs: list[Sequence]) -> None:
+        keys = make_keys([s.params.seed for s in seqs])
+        inputs = mx.array([s.prompt[-1] for s in seqs], dtype=mx.uint32)
+        if self.cache is None:
+            self.cache, self.keys, self.inputs = cache, keys, inputs
+        else:
+            for mine, theirs in zip(self.cache, cache):
+                mine.extend(theirs)
+            self.keys = mx.concatenate([self.keys, keys])
+            self.inputs = mx.concatenate([self.inputs, inputs])
+        if self.counts is not None:
+            self.counts = mx.concatenate([self.counts, mx.zeros((len(seqs), self.vocab_size))])
+        mx.eval([c.state for c in self.cache], self.keys, self.inputs)
+
+    # ---- prefill ------------------------------------------------------------
 
     def _prefill(self, plan: StepPlan) -> None:
         group = plan.group
@@ -147,57 +181,66 @@ class ModelRunner:
         if len(join) < len(group):
             for c in cache:
                 c.filter(join)
-        keys = make_keys([group[i].params.seed for i in join])
-        if self.cache is None:
-            self.cache, self.keys = cache, keys
-        else:
-            for mine, theirs in zip(self.cache, cache):
-                mine.extend(theirs)
-            self.keys = mx.concatenate([self.keys, keys])
-        mx.eval([c.state for c in self.cache], self.keys)
+        self._append_rows(cache, [group[i] for i in join])
 
-    def _decode(self, rows: list[Sequence]) -> StepTokens:
+    # ---- decode -------------------------------------------------------------
+
+    def _launch(self, rows: list[Sequence]) -> _Launch:
         assert self.num_rows == len(rows), (self.num_rows, len(rows))
-        inputs = mx.array([[s.last_token] for s in rows], dtype=mx.uint32)  # [B, 1]
         slots = [s.slot for s in rows]
         self.routing.set(slots, [s.lora_scale for s in rows])
         self._count_decode(slots)
-        logits = self.model(inputs, cache=self.cache)[:, -1, :]  # [B, V]
+        logits = self.model(self.inputs[:, None], cache=self.cache)[:, -1, :]  # [B, V]
+        processed = add_biases(logits, rows)
+        if any(s.params.has_penalties for s in rows):
+            if self.counts is None:
+                self.counts = mx.zeros((len(rows), self.vocab_size))
+            processed = penalize(processed, self.counts, rows)
+        elif self.counts is not None:
+            self.counts = None  # no row needs them any more
         tokens, _, self.keys = sample(
-            process_logits(logits, rows),
+            processed,
             [s.params.temperature for s in rows],
             [s.params.top_p for s in rows],
             self.keys,
         )
-        wanted = [i for i, s in enumerate(rows) if s.params.logprobs is not None]
-        if not wanted:
-            mx.eval(tokens, self.keys)
-            return tokens.tolist(), [None] * len(rows)
-        return self._with_logprobs(logits, tokens, rows, wanted)
+        if self.counts is not None:
+            self.counts = count_tokens(self.counts, tokens)
+        self.inputs = tokens
+        launch = _Launch(rows, tokens, [i for i, s in enumerate(rows) if s.params.logprobs is not None])
+        if launch.wanted:
+            launch.logprob_arrays = self._logprobs(logits, tokens, rows, launch.wanted)
+        mx.async_eval(tokens, self.keys, *(a for a in launch.logprob_arrays if a is not None),
+                      *([self.counts] if self.counts is not None else []))
+        return launch
 
-    def _with_logprobs(self, logits, tokens, rows, wanted) -> StepTokens:
-        """Tokens plus, for the rows that asked, the model's own log-probability
-        of the sampled token and its top alternatives (before temperature,
-        penalties and biases, as vLLM reports them)."""
+    def _logprobs(self, logits, tokens, rows, wanted) -> tuple:
+        """The model's own log-probability of each sampled token and its top
+        alternatives (before temperature, penalties and biases, as vLLM
+        reports them), for the rows that asked."""
         sel = mx.array(wanted, dtype=mx.int32)
         raw = logits[sel]
         raw = raw - mx.logsumexp(raw, axis=-1, keepdims=True)  # [W, V]
         chosen = mx.take_along_axis(raw, tokens[sel][:, None], axis=-1)[:, 0]  # [W]
         k = max(rows[i].params.logprobs for i in wanted)
-        top_ids = top_lps = None
-        if k > 0:
-            top_ids = mx.argpartition(-raw, kth=k - 1, axis=-1)[:, :k]  # [W, k], unordered
-            top_lps = mx.take_along_axis(raw, top_ids, axis=-1)
-        mx.eval(tokens, self.keys, chosen, *(a for a in (top_ids, top_lps) if a is not None))
-        out: list[TokenLogprobs | None] = [None] * len(rows)
-        chosen = chosen.tolist()
-        ids = top_ids.tolist() if top_ids is not None else None
-        lps = top_lps.tolist() if top_lps is not None else None
-        for j, i in enumerate(wanted):
-            n = rows[i].params.logprobs
-            top = sorted(zip(ids[j], lps[j]), key=lambda p: -p[1])[:n] if n else []
-            out[i] = (chosen[j], top)
-        return tokens.tolist(), out
+        if k == 0:
+            return chosen, None, None
+        top_ids = mx.argpartition(-raw, kth=k - 1, axis=-1)[:, :k]  # [W, k], unordered
+        return chosen, top_ids, mx.take_along_axis(raw, top_ids, axis=-1)
+
+    def _collect(self, launch: _Launch) -> StepResult:
+        tokens = launch.tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(launch.rows)
+        if launch.wanted:
+            chosen, top_ids, top_lps = launch.logprob_arrays
+            chosen = chosen.tolist()
+            ids = top_ids.tolist() if top_ids is not None else None
+            lps = top_lps.tolist() if top_lps is not None else None
+            for j, i in enumerate(launch.wanted):
+                n = launch.rows[i].params.logprobs
+                top = sorted(zip(ids[j], lps[j]), key=lambda p: -p[1])[:n] if n else []
+                logprobs[i] = (chosen[j], top)
+        return StepResult(launch.rows, tokens, logprobs)
 
     def _count_decode(self, slots: list[int]) -> None:
         st = self.stats

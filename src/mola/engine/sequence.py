@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 _seq_ids = itertools.count()
@@ -73,7 +72,6 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length" or "abort"
     arrival_time: float = field(default_factory=time.monotonic)
-    counts: Counter = field(default_factory=Counter)  # output token -> count (penalties only)
 
     def __post_init__(self):
         if not self.prompt:
@@ -102,8 +100,6 @@ class Sequence:
     def append(self, token: int) -> str | None:
         """Record a generated token; returns the finish reason it causes."""
         self.output.append(token)
-        if self.params.has_penalties:
-            self.counts[token] += 1
         if token in self.params.stop_token_ids:
             return "stop"
         if len(self.output) >= self.params.max_tokens:

@@ -46,9 +46,14 @@ class LoRARouting:
     order: mx.array | None = None  # [B] rows sorted by slot (sorted path only)
     inv_order: mx.array | None = None  # [B] inverse permutation of ``order``
     sorted_idx: mx.array | None = None  # [B] idx[order]
+    _key: tuple | None = None  # the arguments of the last set()
 
     def set(self, slots: list[int], scales: list[float] | None = None) -> None:
         """Route row i to ``slots[i]``, its delta multiplied by ``scales[i]``."""
+        key = (tuple(slots), tuple(scales) if scales is not None else None, self.sort_threshold)
+        if key == self._key:
+            return  # the same rows as the last pass: reuse its arrays
+        self._key = key
         self.slots = frozenset(slots)
         self.row_scale = None
         if scales is not None and any(s != 1.0 for s in scales):
@@ -69,6 +74,7 @@ class LoRARouting:
             self.sorted_idx = mx.array([slots[r] for r in order], dtype=mx.uint32)
 
     def clear(self) -> None:
+        self._key = None
         self.set([0])
 
 
@@ -123,6 +129,10 @@ class MultiLoRALinear(nn.Module):
         self._routing = routing
         self._ranks: dict[int, int] = {}  # slot -> rank written in this layer
         self._rank = 0  # max rank over written slots: the part of r the forward uses
+        # Views of the packs the forward reads, made once per write: with them
+        # a decode step runs two matmuls per layer and adapter, no slicing ops.
+        # Dropped before every write, so that the write can update in place.
+        self._views: dict = {}
 
     @property
     def num_slots(self) -> int:
@@ -143,6 +153,7 @@ class MultiLoRALinear(nn.Module):
 
     def write_slot(self, slot: int, a: mx.array, b: mx.array, scale: float) -> None:
         """Store one adapter's factors in ``slot``: a [in, r], b [r, out]."""
+        self._views.clear()
         r = a.shape[1]
         assert 0 < slot < self.num_slots and r <= self.max_rank
         assert a.shape == (self.input_dims, r) and b.shape == (r, self.output_dims)
@@ -157,11 +168,28 @@ class MultiLoRALinear(nn.Module):
         """Zero ``slot`` so that it adds nothing."""
         if slot not in self._ranks:
             return
+        self._views.clear()
         self.lora_a[slot] = mx.zeros(self.lora_a.shape[1:], dtype=self.dtype)
         self.lora_b[slot] = mx.zeros(self.lora_b.shape[1:], dtype=self.dtype)
         self.lora_scale[slot] = 0.0
         del self._ranks[slot]
         self._rank = max(self._ranks.values(), default=0)
+
+    def _slot_view(self, slot: int) -> tuple[mx.array, mx.array]:
+        """(A [in, r], B [r, out]) of one slot, at its own rank."""
+        view = self._views.get(slot)
+        if view is None:
+            r = self._ranks[slot]
+            view = self._views[slot] = (self.lora_a[slot, :r].T, self.lora_b[slot, :r])
+        return view
+
+    def _pack_view(self) -> tuple[mx.array, mx.array]:
+        """(A [S, in, r], B [S, r, out]) of every slot, at the largest rank."""
+        view = self._views.get("all")
+        if view is None:
+            r = self._rank
+            view = self._views["all"] = (self.lora_a[:, :r].swapaxes(1, 2), self.lora_b[:, :r])
+        return view
 
     def __call__(self, x: mx.array) -> mx.array:
         y = self.base(x)  # [B, L, out]
@@ -169,32 +197,39 @@ class MultiLoRALinear(nn.Module):
         if route.single_slot is not None:
             if route.single_slot not in self._ranks:
                 return y  # base model only, or an adapter that skips this layer
-            return y + self._single(x, route.single_slot, route.row_scale)
+            return self._add_single(y, x, route.single_slot, route.row_scale)
         if self._ranks.keys().isdisjoint(route.slots):
             return y
-        return y + self._mixed(x, route)
+        return self._add_mixed(y, x, route)
 
-    def _single(self, x: mx.array, slot: int, row_scale: mx.array | None) -> mx.array:
-        r = self._ranks[slot]
-        z = (x @ self.lora_a[slot, :r].T) @ self.lora_b[slot, :r]  # [B, L, out]
+    def _add_single(self, y: mx.array, x: mx.array, slot: int, row_scale: mx.array | None) -> mx.array:
+        a, b = self._slot_view(slot)
+        z = _cast(x, a.dtype) @ a  # [B, L, r]
         if row_scale is not None:
             z = z * row_scale
-        return z.astype(x.dtype)
+        if y.dtype == b.dtype:
+            return mx.addmm(y, z, b)  # y + z @ b in one op
+        return y + (z @ b).astype(y.dtype)
 
-    def _mixed(self, x: mx.array, route: LoRARouting) -> mx.array:
-        r = self._rank
-        a = self.lora_a[:, :r].swapaxes(1, 2)  # [S, in, r], a view
-        b = self.lora_b[:, :r]  # [S, r, out]
+    def _add_mixed(self, y: mx.array, x: mx.array, route: LoRARouting) -> mx.array:
+        a, b = self._pack_view()
+        x = _cast(x, a.dtype)
         if route.order is not None:
             xs = x[route.order]  # [B, L, in], rows grouped by slot
             idx = route.sorted_idx
             z = mx.gather_mm(xs, a, rhs_indices=idx, sorted_indices=True)  # [B, L, r]
+            if route.row_scale is not None:
+                z = z * route.row_scale[route.order]
             z = mx.gather_mm(z, b, rhs_indices=idx, sorted_indices=True)  # [B, L, out]
             z = z[route.inv_order]
         else:
             idx = route.idx
             z = mx.gather_mm(x, a, rhs_indices=idx)  # [B, L, r]
+            if route.row_scale is not None:
+                z = z * route.row_scale
             z = mx.gather_mm(z, b, rhs_indices=idx)  # [B, L, out]
-        if route.row_scale is not None:
-            z = z * route.row_scale
-        return z.astype(x.dtype)
+        return y + _cast(z, y.dtype)
+
+
+def _cast(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    return x if x.dtype == dtype else x.astype(dtype)

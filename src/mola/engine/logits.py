@@ -1,0 +1,42 @@
+"""Per-row logit processing before sampling: OpenAI's logit_bias and
+frequency/presence penalties, for a whole batch at once.
+
+Penalties need how often each token was generated so far. That count lives
+on the device, one row of [B, V] per decode row, updated from the sampled
+tokens without a round trip through Python, so decode steps can be launched
+before the previous step's tokens are read back.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from .sequence import Sequence
+
+
+def add_biases(logits: mx.array, rows: list[Sequence]) -> mx.array:
+    """logit_bias of every row as one sparse add over [B, V]."""
+    r_idx, t_idx, vals = [], [], []
+    for i, seq in enumerate(rows):
+        for token, bias in seq.params.logit_bias:
+            r_idx.append(i)
+            t_idx.append(token)
+            vals.append(bias)
+    if not r_idx:
+        return logits
+    at = (mx.array(r_idx, dtype=mx.int32), mx.array(t_idx, dtype=mx.int32))
+    return logits.at[at].add(mx.array(vals, dtype=logits.dtype))
+
+
+def penalize(logits: mx.array, counts: mx.array, rows: list[Sequence]) -> mx.array:
+    """logit[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0)."""
+    freq = mx.array([s.params.frequency_penalty for s in rows], dtype=mx.float32)[:, None]
+    pres = mx.array([s.params.presence_penalty for s in rows], dtype=mx.float32)[:, None]
+    penalty = counts * freq + (counts > 0).astype(mx.float32) * pres  # [B, V]
+    return logits - penalty.astype(logits.dtype)
+
+
+def count_tokens(counts: mx.array, tokens: mx.array) -> mx.array:
+    """One more occurrence of each row's sampled token: [B, V] += onehot."""
+    rows = mx.arange(tokens.shape[0])
+    return counts.at[rows, tokens].add(1.0)
