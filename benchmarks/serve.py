@@ -1,14 +1,20 @@
-"""Serving benchmark: mola under mixed-adapter traffic, measured side by side.
+"""Serving benchmark: mola against mlx-lm's server and mlx-lm's in-process
+batch_generate, side by side in one run, on the same model and adapters.
 
-Starts the server itself on 127.0.0.1, drives it with an async load generator
-(httpx, streaming chat completions, fixed output length with EOS ignored), and
-prints one table of medians over interleaved repeats, with JSON beside it.
+    python benchmarks/serve.py [--concurrency 1 8 32] [--repeats 3] [--max-tokens 32]
 
-    python benchmarks/serve.py [--model DIR] [--adapters 8] [--concurrency 8]
-                               [--max-tokens 64] [--requests 32] [--repeats 3]
+It builds (once, into benchmarks/.cache) a float32 llama of ~88M parameters
+with random weights and 64 random rank-16 adapters, starts the servers on
+127.0.0.1 (OpenBLAS preloaded for all, as `mola serve` does by itself),
+drives them with streaming chat requests (greedy, EOS banned by logit_bias
+so every request decodes exactly --max-tokens tokens), interleaving systems
+and workloads within each repeat, and prints medians over repeats, the
+targets of benchmarks/README.md as ratios, and a hot-load measurement. JSON
+and a PNG plot are written beside (benchmarks/results/).
 
-Without --model it builds (once, into benchmarks/.cache) a float32 llama of
-~88M parameters with random weights, and K random rank-16 adapters.
+Workloads: base (every request on the base model), one (every request on
+adapter a0), mixed8 (round robin over 8 adapters), zipf8 (Zipf popularity over
+8 adapters), mixed64 (round robin over 64 adapters, all resident in mola).
 """
 
 from __future__ import annotations
@@ -16,276 +22,215 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import socket
+import random
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
 
-HERE = Path(__file__).resolve().parent
-CACHE = HERE / ".cache"
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loadgen import Request, RunResult, format_table, pct, prompt_for, run_load, summarize  # noqa: E402
+from systems import (HERE, bench_adapters, bench_model, eos_id, mlx_lm_body, mola_body,  # noqa: E402
+                     run_batch_generate, start_mlx_lm, start_mola)
+
+K_MAX = 64
 
 
-# ---- fixtures -------------------------------------------------------------------
-
-
-def bench_model(cache: Path = CACHE) -> Path:
-    from mola.synthetic.model import TinyModelSpec, make_tiny_model
-
-    path = cache / "model-88m"
-    if not (path / "config.json").is_file():
-        spec = TinyModelSpec(hidden_size=768, num_hidden_layers=12, intermediate_size=2048,
-                             num_attention_heads=12, num_key_value_heads=4, vocab_size=8192,
-                             max_position_embeddings=4096, weight_gain=1.0)
-        make_tiny_model(path, spec)
-    return path
-
-
-def bench_adapters(model: Path, k: int, rank: int, cache: Path = CACHE) -> list[Path]:
-    from mola.synthetic.adapter import make_random_adapter
-
-    keys = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-    out = []
-    for i in range(k):
-        path = cache / f"adapter-r{rank}-{i}"
-        if not (path / "adapters.safetensors").is_file():
-            make_random_adapter(path, model, rank=rank, keys=keys, seed=100 + i, std=0.02)
-        out.append(path)
-    return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def bench_env() -> dict:
-    env = dict(os.environ)
-    if sys.platform == "linux" and Path(OPENBLAS).exists():
-        env["LD_PRELOAD"] = OPENBLAS
-    return env
-
-
-# ---- servers --------------------------------------------------------------------
-
-
-@dataclass
-class Server:
-    name: str
-    url: str
-    proc: subprocess.Popen
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, path: str, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("server did not start")
-
-
-def start_mola(model: Path, adapters: list[Path], max_loras: int, max_num_seqs: int, log: Path) -> Server:
-    port = free_port()
-    args = [sys.executable, "-m", "mola", "serve", "--model", str(model), "--host", "127.0.0.1",
-            "--port", str(port), "--served-model-name", "base", "--max-loras", str(max_loras),
-            "--max-lora-rank", "64", "--max-num-seqs", str(max_num_seqs), "--log-level", "warning"]
-    for i, a in enumerate(adapters):
-        args += ["--adapter", f"a{i}={a}"]
-    proc = subprocess.Popen(args, env=bench_env(), stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc, "/health")
-    return Server("mola", url, proc)
-
-
-# ---- load generator -----------------------------------------------------------------
-
-
-@dataclass
-class RunResult:
-    system: str
-    workload: str
-    concurrency: int
-    requests: int
-    output_tokens: int
-    wall_s: float
-    ttft: list[float] = field(default_factory=list)
-    itl: list[float] = field(default_factory=list)
-    e2e: list[float] = field(default_factory=list)
-    errors: int = 0
-
-    @property
-    def tok_s(self) -> float:
-        return self.output_tokens / self.wall_s if self.wall_s else 0.0
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
-
-
-async def one_request(client: httpx.AsyncClient, body: dict, result: RunResult) -> None:
-    t0 = time.perf_counter()
-    last = None
-    tokens = 0
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                result.errors += 1
-                return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                if not chunk.get("choices") or not chunk["choices"][0]["delta"].get("content"):
-                    continue
-                now = time.perf_counter()
-                if last is None:
-                    result.ttft.append(now - t0)
-                else:
-                    result.itl.append(now - last)
-                last = now
-    except httpx.HTTPError:
-        result.errors += 1
-        return
-    result.e2e.append(time.perf_counter() - t0)
-    result.output_tokens += tokens
-
-
-async def run_load(url: str, system: str, workload: str, model_ids: list[str], concurrency: int,
-                   max_tokens: int) -> RunResult:
-    """Send len(model_ids) requests, request i for model_ids[i], at most
-    ``concurrency`` in flight."""
-    result = RunResult(system, workload, concurrency, len(model_ids), 0, 0.0)
-    queue: asyncio.Queue = asyncio.Queue()
-    for m in model_ids:
-        queue.put_nowait(m)
-
-    async def worker(client):
-        while not queue.empty():
-            model = queue.get_nowait()
-            body = {"model": model, "messages": [{"role": "user", "content": PROMPT}],
-                    "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                    "stream_options": {"include_usage": True}, "ignore_eos": True}
-            await one_request(client, body, result)
-
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-        result.wall_s = time.perf_counter() - t0
-    return result
-
-
-def workload_ids(workload: str, n: int, k: int) -> list[str]:
+def workload_adapters(workload: str, n: int) -> list[int | None]:
+    """Adapter index of each request (None: the base model)."""
     if workload == "base":
-        return ["base"] * n
+        return [None] * n
     if workload == "one":
-        return ["a0"] * n
-    if workload == "mixed":
-        return [f"a{i % k}" for i in range(n)]
+        return [0] * n
+    if workload == "mixed8":
+        return [i % 8 for i in range(n)]
+    if workload == "mixed64":
+        return [i % K_MAX for i in range(n)]
+    if workload == "zipf8":
+        rng = random.Random(7)
+        weights = [1 / (k + 1) ** 1.1 for k in range(8)]
+        return rng.choices(range(8), weights=weights, k=n)
     raise ValueError(workload)
 
 
-# ---- report -----------------------------------------------------------------------
+def requests_for(system: str, workload: str, n: int, max_tokens: int, model: Path,
+                 adapters: list[Path], eos: int, offset: int) -> list[Request]:
+    out = []
+    for i, k in enumerate(workload_adapters(workload, n)):
+        prompt = prompt_for(offset + i)
+        if system == "mola":
+            body = mola_body("base" if k is None else f"a{k}", prompt, max_tokens, eos)
+        else:
+            body = mlx_lm_body(model, None if k is None else adapters[k], prompt, max_tokens, eos)
+        out.append(Request(body))
+    return out
 
 
-def summarize(results: list[RunResult]) -> list[dict]:
-    rows = {}
-    for r in results:
-        rows.setdefault((r.system, r.workload, r.concurrency), []).append(r)
-    table = []
-    for (system, workload, conc), runs in rows.items():
-        table.append({
-            "system": system, "workload": workload, "concurrency": conc, "repeats": len(runs),
-            "tok_s": statistics.median(r.tok_s for r in runs),
-            "tok_s_all": [round(r.tok_s, 1) for r in runs],
-            "ttft_p50": statistics.median(pct(r.ttft, 0.5) for r in runs),
-            "ttft_p95": statistics.median(pct(r.ttft, 0.95) for r in runs),
-            "itl_p50": statistics.median(pct(r.itl, 0.5) for r in runs),
-            "itl_p95": statistics.median(pct(r.itl, 0.95) for r in runs),
-            "e2e_p50": statistics.median(pct(r.e2e, 0.5) for r in runs),
-            "e2e_p95": statistics.median(pct(r.e2e, 0.95) for r in runs),
-            "errors": sum(r.errors for r in runs),
-        })
-    return table
+async def hot_load(url: str, adapter: Path, max_tokens: int, eos: int) -> dict:
+    """8 requests decode; a rank-16 adapter is hot-loaded in the middle.
+    Returns the load's latency and how the decoding rows' gaps moved."""
+    reqs = [Request(mola_body(f"a{i}", prompt_for(10_000 + i), max_tokens, eos)) for i in range(8)]
+    result = RunResult("mola", "hotload", 8)
+
+    async def load_in_middle():
+        while min((len(r.timeline) for r in reqs), default=0) < max_tokens // 3:
+            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            t0 = time.perf_counter()
+            r = await c.post("/v1/adapters", json={"name": f"hot-{time.time_ns()}", "path": str(adapter)})
+            t1 = time.perf_counter()
+        assert r.status_code == 200, r.text
+        return t0, t1
+
+    load_task = asyncio.ensure_future(load_in_middle())
+    await run_load(url, reqs, 8, result, 600)
+    t0, t1 = await load_task
+    gaps_before, gaps_during = [], []
+    for r in reqs:
+        for a, b in zip(r.timeline, r.timeline[1:]):
+            (gaps_during if b >= t0 and a <= t1 + 0.001 else gaps_before).append(b - a)
+    step = statistics.median(gaps_before)
+    return {"load_ms": (t1 - t0) * 1e3, "itl_median_ms": step * 1e3,
+            "max_gap_during_load_ms": max(gaps_during, default=0.0) * 1e3,
+            "extra_steps": max(gaps_during, default=step) / step - 1.0}
 
 
-def print_table(table: list[dict]) -> None:
-    head = f"{'system':<8} {'workload':<8} {'conc':>4} {'tok/s':>8} {'ttft p50/p95 ms':>17} " \
-           f"{'itl p50/p95 ms':>16} {'e2e p50/p95 s':>15} {'err':>4}"
-    print(head)
-    print("-" * len(head))
-    for r in table:
-        print(f"{r['system']:<8} {r['workload']:<8} {r['concurrency']:>4} {r['tok_s']:>8.1f} "
-              f"{r['ttft_p50'] * 1e3:>8.0f}/{r['ttft_p95'] * 1e3:<8.0f} "
-              f"{r['itl_p50'] * 1e3:>7.1f}/{r['itl_p95'] * 1e3:<8.1f} "
-              f"{r['e2e_p50']:>7.2f}/{r['e2e_p95']:<7.2f} {r['errors']:>4}")
+def ratios(table: list[dict], hot: dict | None) -> list[dict]:
+    def get(system, workload, conc, key="tok_s"):
+        for r in table:
+            if (r["system"], r["workload"], r["concurrency"]) == (system, workload, conc):
+                return r[key]
+        return None
+
+    concs = sorted({r["concurrency"] for r in table})
+    out = []
+
+    def add(name, target, num, den, lower_is_better=False):
+        if num is None or den is None or not den:
+            return
+        value = num / den
+        ok = value <= target if lower_is_better else value >= target
+        out.append({"target": name, "value": round(value, 3), "goal": f"{'<=' if lower_is_better else '>='} {target}",
+                    "met": ok})
+
+    for c in concs:
+        if c == 1:
+            continue
+        add(f"1. mixed8 / one, c={c}", 0.95, get("mola", "mixed8", c), get("mola", "one", c))
+        add(f"2. one / base, c={c}", 0.95, get("mola", "one", c), get("mola", "base", c))
+        add(f"3. mixed64 / one, c={c}", 0.95, get("mola", "mixed64", c), get("mola", "one", c))
+        add(f"4. mola base / batch_generate, c={c}", 0.90, get("mola", "base", c),
+            get("batch_generate", "base", c))
+        add(f"5. mola mixed8 / mlx_lm.server one, c={c}", 0.95, get("mola", "mixed8", c),
+            get("mlx_lm.server", "one", c))
+    if 1 in concs:
+        for w in ("base", "one"):
+            add(f"7. e2e latency mola / mlx_lm.server, c=1, {w}", 1.0, get("mola", w, 1, "e2e_p50"),
+                get("mlx_lm.server", w, 1, "e2e_p50"), lower_is_better=True)
+    if hot:
+        out.append({"target": "6. hot-load latency (ms)", "value": round(hot["load_ms"], 1),
+                    "goal": "<= 50", "met": hot["load_ms"] <= 50})
+        out.append({"target": "6. worst gap during the load (extra steps)", "value": round(hot["extra_steps"], 2),
+                    "goal": "<= 1", "met": hot["extra_steps"] <= 1})
+    return out
+
+
+def plot(table: list[dict], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for key in sorted({(r["system"], r["workload"]) for r in table}):
+        rows = sorted((r for r in table if (r["system"], r["workload"]) == key), key=lambda r: r["concurrency"])
+        ax.plot([r["concurrency"] for r in rows], [r["tok_s"] for r in rows], marker="o", label=" ".join(key))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent requests")
+    ax.set_ylabel("output tokens / s (median)")
+    ax.set_title("mola vs mlx-lm, 88M float32 model, rank-16 adapters")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, help="model directory (default: build the 88M bench model)")
-    p.add_argument("--adapters", type=int, default=8, help="K adapters for the mixed workload")
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[8])
-    p.add_argument("--workloads", nargs="+", default=["base", "one", "mixed"])
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--requests", type=int, default=32, help="requests per run")
+    p.add_argument("--model", type=Path, help="model directory (default: the 88M bench model)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--workloads", nargs="+", default=["base", "one", "mixed8", "zipf8", "mixed64"])
+    p.add_argument("--mlx-lm-workloads", nargs="+", default=["base", "one", "mixed8"])
+    p.add_argument("--systems", nargs="+", default=["mola", "mlx_lm.server", "batch_generate"])
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--requests-per-slot", type=int, default=2, help="requests per run = this x concurrency (>= 4)")
+    p.add_argument("--max-seconds", type=float, default=45, help="no new request after this, per run")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--no-openblas", action="store_true", help="the reference BLAS of MLX's wheel")
     p.add_argument("--out", type=Path, default=HERE / "results" / "serve.json")
     a = p.parse_args()
 
     model = a.model or bench_model()
-    adapters = bench_adapters(model, a.adapters, a.rank)
+    adapters = bench_adapters(model, K_MAX + 1, a.rank)  # one more for the hot load
+    eos = eos_id(model)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    server = start_mola(model, adapters, max_loras=max(a.adapters, 1),
-                        max_num_seqs=max(a.concurrency), log=a.out.with_suffix(".mola.log"))
-    results = []
+    blas = not a.no_openblas
+    servers = {}
+    results: list[RunResult] = []
+    hot = None
     try:
-        # Warm up (compilation, caches) before anything is measured.
-        asyncio.run(run_load(server.url, "mola", "warmup", ["a0", "base"] * 4, 8, 8))
+        if "mola" in a.systems:
+            servers["mola"] = start_mola(model, adapters[:K_MAX], K_MAX + 1, a.rank, max(a.concurrency),
+                                         a.out.with_suffix(".mola.log"), blas)
+        if "mlx_lm.server" in a.systems:
+            servers["mlx_lm.server"] = start_mlx_lm(model, max(a.concurrency), a.out.with_suffix(".mlx_lm.log"), blas)
+        for name, server in servers.items():  # warm-up, not measured
+            asyncio.run(run_load(server.url, requests_for(name, "mixed8", 8, 8, model, adapters, eos, 50_000),
+                                 8, RunResult(name, "warmup", 8), 120))
+        offset = 0
         for rep in range(a.repeats):
             for conc in a.concurrency:
-                for wl in a.workloads:
-                    ids = workload_ids(wl, a.requests, a.adapters)
-                    r = asyncio.run(run_load(server.url, "mola", wl, ids, conc, a.max_tokens))
-                    print(f"  rep {rep} {wl:<6} c={conc:<3} {r.tok_s:7.1f} tok/s", file=sys.stderr)
-                    results.append(r)
+                n = max(4, a.requests_per_slot * conc)
+                for name, server in servers.items():
+                    for wl in (a.workloads if name == "mola" else a.mlx_lm_workloads):
+                        reqs = requests_for(name, wl, n, a.max_tokens, model, adapters, eos, offset)
+                        offset += n
+                        r = asyncio.run(run_load(server.url, reqs, conc, RunResult(name, wl, conc), a.max_seconds))
+                        results.append(r)
+                        print(f"  rep {rep} {name:<14} {wl:<8} c={conc:<3} {r.tok_s:7.1f} tok/s "
+                              f"({r.completed}/{r.requests} requests)", file=sys.stderr, flush=True)
+                if "batch_generate" in a.systems:
+                    bg = run_batch_generate(model, n, conc, a.max_tokens, blas)
+                    results.append(RunResult("batch_generate", "base", conc, n, n, bg["tokens"], bg["wall_s"]))
+                    print(f"  rep {rep} batch_generate base     c={conc:<3} {bg['tok_s']:7.1f} tok/s",
+                          file=sys.stderr, flush=True)
+        if "mola" in servers:
+            hot = asyncio.run(hot_load(servers["mola"].url, adapters[K_MAX], 96, eos))
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
+
     table = summarize(results)
-    print_table(table)
-    a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
-                                 "table": table, "runs": [asdict(r) for r in results]}, indent=1))
-    print(f"\nwrote {a.out}")
+    print(format_table(table))
+    targets = ratios(table, hot)
+    print("\nTargets (ratios of medians from this run):")
+    for t in targets:
+        print(f"  {t['target']:<48} {t['value']:>8}  (goal {t['goal']}) {'met' if t['met'] else 'MISSED'}")
+    if hot:
+        print(f"\nHot load: {hot}")
+    a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "table": table,
+                                 "targets": targets, "hot_load": hot,
+                                 "runs": [asdict(r) for r in results]}, indent=1))
+    if plot(table, a.out.with_suffix(".png")):
+        print(f"wrote {a.out} and {a.out.with_suffix('.png')}")
     return 0
 
 

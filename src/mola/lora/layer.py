@@ -153,15 +153,28 @@ class MultiLoRALinear(nn.Module):
 
     def write_slot(self, slot: int, a: mx.array, b: mx.array, scale: float) -> None:
         """Store one adapter's factors in ``slot``: a [in, r], b [r, out]."""
-        self._views.clear()
+        self.store_slot(slot, *self.slot_rows(a, b, scale), rank=a.shape[1], scale=scale)
+
+    def slot_rows(self, a: mx.array, b: mx.array, scale: float) -> tuple[mx.array, mx.array]:
+        """What ``slot`` stores for these factors: A^T and scale * B, zero-padded
+        to the full rank ([r_max, in], [r_max, out]). Touches no state, so any
+        thread may compute it."""
         r = a.shape[1]
-        assert 0 < slot < self.num_slots and r <= self.max_rank
+        assert r <= self.max_rank, (r, self.max_rank)
         assert a.shape == (self.input_dims, r) and b.shape == (r, self.output_dims)
         pad = [(0, self.max_rank - r), (0, 0)]
-        self.lora_a[slot] = mx.pad(a.T.astype(self.dtype), pad)
-        self.lora_b[slot] = mx.pad((scale * b.astype(mx.float32)).astype(self.dtype), pad)
+        a_row = mx.pad(a.T.astype(self.dtype), pad)
+        b_row = mx.pad((scale * b.astype(mx.float32)).astype(self.dtype), pad)
+        return a_row, b_row
+
+    def store_slot(self, slot: int, a_row: mx.array, b_row: mx.array, rank: int, scale: float) -> None:
+        """Write rows made by :meth:`slot_rows` into ``slot``."""
+        assert 0 < slot < self.num_slots
+        self._views.clear()  # no other reference: the writes below update in place
+        self.lora_a[slot] = a_row
+        self.lora_b[slot] = b_row
         self.lora_scale[slot] = scale
-        self._ranks[slot] = r
+        self._ranks[slot] = rank
         self._rank = max(self._ranks.values())
 
     def clear_slot(self, slot: int) -> None:

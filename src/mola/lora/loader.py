@@ -57,8 +57,12 @@ class AdapterLoader:
         return await loop.run_in_executor(self._reader, self._compose, parts)
 
     async def write(self, slot: int, weights: LoRAWeights, scale: float = 1.0) -> None:
+        """Pad and cast on the reader thread; only the slot writes themselves
+        run on the engine thread, between two steps."""
         packs = self.engine.engine.packs
-        await self.engine.call(lambda: packs.write(slot, weights, scale))
+        loop = asyncio.get_running_loop()
+        rows = await loop.run_in_executor(self._reader, packs.prepare, weights, scale)
+        await self.engine.call(lambda: packs.store(slot, rows))
 
     async def clear(self, slot: int) -> None:
         packs = self.engine.engine.packs

@@ -66,19 +66,34 @@ class AdapterPacks:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
 
+    def prepare(self, weights: LoRAWeights, scale: float = 1.0) -> dict:
+        """The slot rows of a validated adapter, its scales multiplied by
+        ``scale``, evaluated (see MultiLoRALinear.slot_rows). Any thread."""
+        rows = {}
+        for path, m in weights.modules.items():
+            a_row, b_row = self.layers[path].slot_rows(m.a, m.b, m.scale * scale)
+            rows[path] = (a_row, b_row, m.rank, m.scale * scale)
+        mx.eval([r[:2] for r in rows.values()])
+        return rows
+
+    def store(self, slot: int, rows: dict) -> None:
+        """Write prepared rows into ``slot`` of every layer; layers the adapter
+        does not touch are zeroed there. Engine thread."""
+        if not 0 < slot < self.num_slots:
+            raise ValueError(f"slot {slot} is outside 1..{self.num_slots - 1}")
+        for path, layer in self.layers.items():
+            row = rows.get(path)
+            if row is None:
+                layer.clear_slot(slot)
+            else:
+                layer.store_slot(slot, row[0], row[1], rank=row[2], scale=row[3])
+        mx.eval(self.arrays())
+
     def write(self, slot: int, weights: LoRAWeights, scale: float = 1.0) -> None:
         """Write a validated adapter into ``slot`` of every layer, its scale
         multiplied by ``scale``; layers the adapter does not touch are zeroed
         there."""
-        if not 0 < slot < self.num_slots:
-            raise ValueError(f"slot {slot} is outside 1..{self.num_slots - 1}")
-        for path, layer in self.layers.items():
-            m = weights.modules.get(path)
-            if m is None:
-                layer.clear_slot(slot)
-            else:
-                layer.write_slot(slot, m.a, m.b, m.scale * scale)
-        mx.eval(self.arrays())
+        self.store(slot, self.prepare(weights, scale))
 
     def clear(self, slot: int) -> None:
         """Zero ``slot`` in every layer."""

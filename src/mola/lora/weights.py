@@ -3,6 +3,7 @@ and the checks that decide whether it can be applied exactly to the base."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -86,12 +87,18 @@ def validate(
                 f"Adapter at {where} has rank {r} (in {path}), above the server's "
                 f"--max-lora-rank {max_rank}."
             )
-        if not (mx.isfinite(m.a).all().item() and mx.isfinite(m.b).all().item()):
+        if not math.isfinite(m.scale):
+            raise InvalidAdapter(f"Adapter at {where}: scale {m.scale} of {path} is not finite.")
+    # One evaluation for every factor's check, then name the first bad one.
+    paths = sorted(weights.modules)
+    finite = mx.stack([
+        mx.isfinite(f).all() for p in paths for f in (weights.modules[p].a, weights.modules[p].b)
+    ]).tolist()
+    for i, ok in enumerate(finite):
+        if not ok:
             raise InvalidAdapter(
-                f"Adapter at {where}: {path} contains non-finite values (NaN or Inf)."
+                f"Adapter at {where}: {paths[i // 2]} contains non-finite values (NaN or Inf)."
             )
-        if not mx.isfinite(mx.array(m.scale)).item():
-            raise InvalidAdapter(f"Adapter at {where}: scale {m.scale} is not finite.")
 
 
 def compose(parts: list[tuple[LoRAWeights, float]], max_rank: int) -> LoRAWeights:

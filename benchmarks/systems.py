@@ -1,0 +1,154 @@
+"""The systems a benchmark compares, each started on 127.0.0.1 by the
+benchmark itself: mola, mlx-lm's own server, and mlx-lm's in-process
+batch_generate; plus the bench model and adapters they share."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+HERE = Path(__file__).resolve().parent
+CACHE = HERE / ".cache"
+OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
+ADAPTER_KEYS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def bench_model(cache: Path = CACHE) -> Path:
+    """A float32 llama of ~88M parameters with random weights (built once)."""
+    from mola.synthetic.model import TinyModelSpec, make_tiny_model
+
+    path = cache / "model-88m"
+    if not (path / "config.json").is_file():
+        spec = TinyModelSpec(hidden_size=768, num_hidden_layers=12, intermediate_size=2048,
+                             num_attention_heads=12, num_key_value_heads=4, vocab_size=8192,
+                             max_position_embeddings=4096, weight_gain=1.0)
+        make_tiny_model(path, spec)
+    return path
+
+
+def bench_adapters(model: Path, k: int, rank: int, cache: Path = CACHE) -> list[Path]:
+    """K random adapters of ``rank`` on every linear of every block."""
+    from mola.synthetic.adapter import make_random_adapter
+
+    out = []
+    for i in range(k):
+        path = cache / f"adapter-r{rank}-{i}"
+        if not (path / "adapters.safetensors").is_file():
+            make_random_adapter(path, model, rank=rank, keys=ADAPTER_KEYS, seed=100 + i, std=0.02)
+        out.append(path)
+    return out
+
+
+def eos_id(model: Path) -> int:
+    return json.loads((model / "config.json").read_text())["eos_token_id"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_env(openblas: bool = True) -> dict:
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    env["MOLA_OPENBLAS"] = "0"  # the preload below is the only one, for every system alike
+    if openblas and sys.platform == "linux" and Path(OPENBLAS).exists():
+        env["LD_PRELOAD"] = OPENBLAS
+    return env
+
+
+@dataclass
+class Server:
+    name: str
+    url: str
+    proc: subprocess.Popen
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _wait(url: str, proc: subprocess.Popen, path: str, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def start_mola(model: Path, adapters: list[Path], max_loras: int, max_rank: int, max_num_seqs: int,
+               log: Path, openblas: bool = True) -> Server:
+    port = free_port()
+    args = [sys.executable, "-m", "mola", "serve", "--model", str(model), "--host", "127.0.0.1",
+            "--port", str(port), "--served-model-name", "base", "--max-loras", str(max_loras),
+            "--max-lora-rank", str(max_rank), "--max-num-seqs", str(max_num_seqs),
+            "--log-level", "warning", "--allow-any-adapter-path"]
+    for i, a in enumerate(adapters):
+        args += ["--adapter", f"a{i}={a}"]
+    proc = subprocess.Popen(args, env=bench_env(openblas), stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    _wait(url, proc, "/health")
+    return Server("mola", url, proc)
+
+
+def start_mlx_lm(model: Path, max_num_seqs: int, log: Path, openblas: bool = True) -> Server:
+    port = free_port()
+    args = [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--host", "127.0.0.1",
+            "--port", str(port), "--decode-concurrency", str(max_num_seqs),
+            "--prompt-concurrency", str(min(max_num_seqs, 8)), "--log-level", "WARNING"]
+    proc = subprocess.Popen(args, env=bench_env(openblas), stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    _wait(url, proc, "/health")
+    return Server("mlx_lm.server", url, proc)
+
+
+def mola_body(model_id: str, prompt: str, max_tokens: int, eos: int) -> dict:
+    return {"model": model_id, "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "logit_bias": {str(eos): -100}}
+
+
+def mlx_lm_body(model: Path, adapter: Path | None, prompt: str, max_tokens: int, eos: int) -> dict:
+    """mlx_lm.server loads the model (and adapter) a request names, reloading
+    when they change; "default_model" would ignore the adapter."""
+    body = {"model": str(model), "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "logit_bias": {str(eos): -100}}
+    if adapter is not None:
+        body["adapters"] = str(adapter)
+    return body
+
+
+def run_batch_generate(model: Path, num_requests: int, concurrency: int, max_tokens: int,
+                       openblas: bool = True, timeout: float = 900) -> dict:
+    """mlx-lm's in-process batch_generate on the same prompts (base model)."""
+    r = subprocess.run(
+        [sys.executable, str(HERE / "_batch_generate.py"), str(model), str(num_requests),
+         str(concurrency), str(max_tokens)],
+        env=bench_env(openblas), capture_output=True, text=True, timeout=timeout,
+    )
+    if r.returncode != 0:
+        raise RuntimeError(f"batch_generate failed:\n{r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
