@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
 
 import mlx.core as mx
 import pytest

@@ -76,3 +76,18 @@ def test_one_token_prompts_join_without_prefill():
     s.add(q)
     plan = s.schedule()
     assert (plan.start, plan.end) == (0, 0) and plan.join == [0] and plan.decode == [q]
+
+
+def test_expired_sequences_leave_the_queue_or_stop():
+    s = Scheduler(max_num_seqs=1, prefill_step_size=64)
+    running, queued, fresh = seq(3), seq(3), seq(3)
+    running.deadline, queued.deadline, fresh.deadline = 10.0, 10.0, 99.0
+    for q in (running, queued, fresh):
+        s.add(q)
+    s.schedule()  # `running` takes the only row
+    assert s.expire(now=5.0) == []
+    assert s.expire(now=11.0) == [queued, running]
+    assert queued.finish_reason == "timeout" and running.finish_reason == "length"
+    assert list(s.waiting) == [fresh]
+    plan = s.schedule()
+    assert plan.keep == [] and plan.group == [fresh]

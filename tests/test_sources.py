@@ -60,3 +60,10 @@ def test_hub_id_goes_through_the_hub_cache(tmp_path, adapters, monkeypatch):
     assert s.resolve("someone/my-lora") == str(repo / "snapshots" / commit)
     with pytest.raises(AdapterPathNotFound, match="someone/absent"):
         s.resolve("someone/absent")
+
+
+@pytest.mark.parametrize("given", ["~no-such-user-xyz/adapter", "bad\x00path", "x" * 5000])
+def test_unusable_paths_are_not_found_errors(given):
+    with pytest.raises(AdapterPathNotFound):
+        AdapterSources(allow_any_path=True).resolve(given)
+    assert AdapterSources(adapter_dirs=["/tmp"]).discover(given.replace("/", "")) is None

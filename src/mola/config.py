@@ -56,6 +56,19 @@ class ServeConfig:
     default_max_tokens: int = 2048
     log_level: str = "info"
     cache_dir: Path | None = None  # where the demo is built (default ~/.cache/mola)
+    # Access: with api_key, every /v1 route needs "Authorization: Bearer KEY";
+    # with admin_key, loading and unloading adapters needs that key instead.
+    # /health and /metrics stay open unless protect_metrics.
+    api_key: str | None = field(default=None, repr=False)
+    admin_key: str | None = field(default=None, repr=False)
+    protect_metrics: bool = False
+    # Backpressure: requests waiting beyond the running batch; past it, 429.
+    max_queue: int = 256
+    # A request running longer than this many seconds ends (finish_reason
+    # "length"; one still queued gets a 503). None: no limit.
+    request_timeout: float | None = None
+    # On SIGTERM: stop accepting, let running requests finish up to this long.
+    shutdown_timeout: float = 30.0
     engine: EngineConfig = field(init=False)
 
     def __post_init__(self):
@@ -71,6 +84,16 @@ class ServeConfig:
             raise ValueError(f"adapter names given more than once: {', '.join(dupes)}")
         if self.served_model_name is not None and self.served_model_name in names:
             raise ValueError(f"adapter name '{self.served_model_name}' is also the base model's name")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        for name in ("api_key", "admin_key"):
+            key = getattr(self, name)
+            if key is not None and (not isinstance(key, str) or len(key) < 8):
+                raise ValueError(f"{name} must be a string of at least 8 characters")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ValueError(f"unknown log level {self.log_level!r}")
         # Raises on its own bad values (max_loras, ranks, batch sizes).

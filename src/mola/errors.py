@@ -71,3 +71,19 @@ class ContextLengthExceeded(InvalidRequest):
 
 class EngineUnavailable(MolaError):
     """The engine thread is not running (still loading, stopped, or died)."""
+
+
+class Overloaded(MolaError):
+    """The queue is full (--max-queue): try again later."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class ShuttingDown(MolaError):
+    """The server is draining for shutdown and takes no new generations."""
+
+
+class RequestTimedOut(MolaError):
+    """A request waited in the queue past --request-timeout."""

@@ -82,8 +82,20 @@ async def _serve(config: ServeConfig, engine, loaded) -> int:
         print(f"[mola] error: {e.message}", file=sys.stderr, flush=True)
         return 1
     app = create_app(state)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level)
-    )
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # SIGTERM / SIGINT: take no new generations (503), let running
+            # ones finish within --shutdown-timeout, then exit.
+            if not state.draining:
+                print(f"[mola] shutting down: draining {state.active_sequences} running "
+                      f"sequence(s) for up to {config.shutdown_timeout:g} s", file=sys.stderr, flush=True)
+            state.draining = True
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level,
+        timeout_graceful_shutdown=config.shutdown_timeout,
+    ))
     await server.serve()
     return 0

@@ -15,6 +15,7 @@ import logging
 import queue
 import random
 import threading
+import time
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -234,6 +235,9 @@ class Engine:
             command()
 
     def step(self) -> None:
+        expired = self.scheduler.expire(time.monotonic())
+        if expired:
+            self.on_outputs([SeqOutput(s, [], s.finish_reason) for s in expired])
         plan = self.scheduler.schedule()
         try:
             result = self.runner.run(plan)

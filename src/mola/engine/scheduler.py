@@ -75,6 +75,21 @@ class Scheduler:
                 return seq
         return None
 
+    def expire(self, now: float) -> list[Sequence]:
+        """Finish the sequences past their deadline: "timeout" for those not yet
+        running (they produced nothing), "length" for running ones."""
+        expired = []
+        for seq in list(self.waiting):
+            if seq.deadline is not None and now > seq.deadline:
+                self.waiting.remove(seq)
+                seq.finish("timeout")
+                expired.append(seq)
+        for seq in (*self.group, *self.running):
+            if seq.deadline is not None and now > seq.deadline and not seq.is_finished:
+                seq.finish("timeout" if seq in self.group else "length")
+                expired.append(seq)
+        return expired
+
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         kept = [i for i, s in enumerate(self.running) if not s.is_finished]

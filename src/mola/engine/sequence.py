@@ -70,8 +70,9 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "abort", "timeout" or "error"
     arrival_time: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # time.monotonic() after which the request ends
 
     def __post_init__(self):
         if not self.prompt:

@@ -58,9 +58,13 @@ class AdapterSources:
         """A local path (checked against the policy) or a hub snapshot path."""
         if not isinstance(given, str) or not given.strip():
             raise InvalidRequest("An adapter path must be a non-empty string.", param="path")
-        path = Path(given).expanduser()
-        if path.exists():
-            real = path.resolve()
+        try:
+            path = Path(given).expanduser()
+            exists = path.exists()
+            real = path.resolve() if exists else None
+        except (RuntimeError, OSError, ValueError) as e:  # "~nobody/x", NUL bytes, loops
+            raise AdapterPathNotFound(f"The adapter path {given!r} is not usable: {e}") from None
+        if exists:
             if not self.is_allowed(real):
                 roots = ", ".join(map(str, self.adapter_dirs)) or "none configured"
                 raise AdapterPathNotAllowed(
@@ -90,8 +94,11 @@ class AdapterSources:
             return None
         for root in self.adapter_dirs:
             for candidate in (root / name, root / f"{name}.gguf"):
-                if candidate.exists():
-                    return candidate
+                try:
+                    if candidate.exists():
+                        return candidate
+                except (OSError, ValueError):  # names too long, NUL bytes
+                    return None
         return None
 
     def scan(self) -> dict[str, Path]:

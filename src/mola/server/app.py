@@ -9,7 +9,8 @@ import logging
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..config import ServeConfig
 from ..engine.client import AsyncEngine
@@ -19,6 +20,7 @@ from ..lora.loader import AdapterLoader
 from ..lora.registry import AdapterRegistry
 from ..lora.sources import AdapterSources
 from .errors import error_response, install_error_handlers
+from .middleware import AuthMiddleware, HTTPMetricsMiddleware, RequestIdMiddleware
 from .routes import adapters, chat, completions, models, vllm
 from .state import ServerState
 
@@ -82,6 +84,7 @@ def create_app(state: ServerState) -> FastAPI:
         try:
             yield
         finally:
+            state.draining = True
             state.loader.close()
 
     app = FastAPI(title="mola", version="0.1.0", lifespan=lifespan)
@@ -92,11 +95,25 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(models.router)
     app.include_router(adapters.router)
     app.include_router(vllm.router)
+    state.metrics.watch(state)
 
     @app.get("/health")
     async def health(request: Request):
         if not state.engine.is_alive:
-            return error_response(503, "The engine is not running.", "service_unavailable")
+            return error_response(503, "The engine is not running.", "service_unavailable",
+                                  code="engine_unavailable")
+        if state.draining:
+            return error_response(503, "The server is shutting down.", "service_unavailable",
+                                  code="shutting_down")
         return JSONResponse({"status": "ok"})
 
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    config = state.config
+    app.add_middleware(HTTPMetricsMiddleware, metrics=state.metrics)
+    app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_key=config.admin_key,
+                       protect_metrics=config.protect_metrics)
+    app.add_middleware(RequestIdMiddleware)
     return app

@@ -25,6 +25,9 @@ from ..errors import (
     InvalidRequest,
     ModelNotFound,
     MolaError,
+    Overloaded,
+    RequestTimedOut,
+    ShuttingDown,
 )
 
 log = logging.getLogger("mola.server")
@@ -39,6 +42,9 @@ STATUS: dict[type, tuple[int, str, str | None]] = {
     InvalidAdapter: (400, "invalid_request_error", "invalid_adapter"),
     InvalidRequest: (400, "invalid_request_error", None),
     EngineUnavailable: (503, "service_unavailable", "engine_unavailable"),
+    Overloaded: (429, "rate_limit_error", "queue_full"),
+    ShuttingDown: (503, "service_unavailable", "shutting_down"),
+    RequestTimedOut: (503, "service_unavailable", "request_timeout"),
 }
 
 
@@ -68,7 +74,12 @@ def error_payload(exc: MolaError) -> dict:
 
 def mola_error_response(exc: MolaError) -> JSONResponse:
     status, type_, code = status_of(exc)
-    return error_response(status, exc.message, type_, exc.param, code)
+    headers = None
+    if isinstance(exc, Overloaded):
+        headers = {"Retry-After": str(exc.retry_after)}
+    elif isinstance(exc, (ShuttingDown, EngineUnavailable)):
+        headers = {"Retry-After": "5"}
+    return error_response(status, exc.message, type_, exc.param, code, headers=headers)
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "null"}

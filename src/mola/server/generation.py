@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import Request
 
 from ..engine.sequence import SamplingParams, Sequence
-from ..errors import ContextLengthExceeded, InvalidRequest, MolaError
+from ..errors import (ContextLengthExceeded, InvalidRequest, MolaError, Overloaded, RequestTimedOut,
+                      ShuttingDown)
 from ..lora.registry import Lease
 from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 from .state import ServerState
@@ -134,11 +136,16 @@ class Generation:
     model id back when done, however it ends (``close`` is idempotent)."""
 
     def __init__(self, state: ServerState, seq: Sequence, lease: Lease, stop: list[str],
-                 index: int = 0, tools: list[dict] | None = None):
+                 index: int = 0, tools: list[dict] | None = None, model: str = ""):
         self.state = state
         self.seq = seq
         self.lease = lease
         self.index = index
+        self.model = model
+        self._closed = False
+        self._start = time.perf_counter()
+        self._last: float | None = None  # when the last token arrived
+        state.active_sequences += 1
         self.text = TextStream(state.tokenizer, stop)
         self.tools = ToolCallParser(state.tokenizer, tools) if tools else None
         self.content = ""
@@ -159,8 +166,14 @@ class Generation:
         eos = self.state.tokenizer.eos_token_ids
         try:
             async for out in self.state.engine.generate(self.seq):
+                if out.finish_reason == "timeout":
+                    raise RequestTimedOut(
+                        f"The request waited longer than --request-timeout "
+                        f"({self.state.config.request_timeout:g} s) for the model; try again later."
+                    )
                 if out.finish_reason in ("error", "abort"):
                     raise GenerationFailed(f"Generation failed: {out.error or out.finish_reason}")
+                self._observe(len(out.tokens))
                 self.tokens += out.tokens
                 if out.logprobs:
                     self.logprobs += out.logprobs
@@ -188,8 +201,30 @@ class Generation:
         self.finish_reason = finish
         return Delta(self.index, text, list(tokens), logprobs, calls, finish)
 
+    def _observe(self, n: int) -> None:
+        if not n:
+            return
+        now = time.perf_counter()
+        m = self.state.metrics
+        if self._last is None:
+            m.ttft.observe(now - self._start)
+        else:
+            m.itl.observe(now - self._last)
+        self._last = now
+
     def close(self) -> None:
+        """Give the lease back and account for the request (idempotent)."""
         self.lease.release()
+        if self._closed:
+            return
+        self._closed = True
+        self.state.active_sequences -= 1
+        m = self.state.metrics
+        outcome = self.finish_reason or "incomplete"
+        m.requests.labels(self.model, outcome).inc()
+        m.prompt_tokens.labels(self.model).inc(self.num_prompt_tokens)
+        m.generation_tokens.labels(self.model).inc(self.num_tokens)
+        m.e2e.observe(time.perf_counter() - self._start)
 
 
 async def merge(gens: list[Generation]) -> AsyncIterator[Delta]:
@@ -237,22 +272,55 @@ async def merge(gens: list[Generation]) -> AsyncIterator[Delta]:
 async def start_generations(state: ServerState, body: _Sampling, prompts: list[list[int]],
                             tools: list[dict] | None = None) -> list[Generation]:
     """One Generation per (prompt, choice), each with its own lease."""
+    admit(state, len(prompts) * body.n)
     stack = [(a.name, a.scale) for a in body.adapters] if body.adapters else None
+    timeout = state.config.request_timeout
+    deadline = None if timeout is None else time.monotonic() + timeout
     params = [[sampling_params(state, body, len(p), j) for j in range(body.n)] for p in prompts]
     gens: list[Generation] = []
     try:
         for i, prompt in enumerate(prompts):
             for j in range(body.n):
-                lease = await state.registry.acquire(body.model, body.lora_scale, stack)
+                lease = await _acquire(state, body, stack, deadline)
                 seq = Sequence(prompt=list(prompt), params=params[i][j], slot=lease.slot,
-                               lora_scale=lease.row_scale)
+                               lora_scale=lease.row_scale, deadline=deadline)
                 gens.append(Generation(state, seq, lease, body.stop_strings(),
-                                       index=i * body.n + j, tools=tools))
+                                       index=i * body.n + j, tools=tools, model=body.model))
     except BaseException:
         for g in gens:
             g.close()
         raise
     return gens
+
+
+async def _acquire(state: ServerState, body: _Sampling, stack, deadline: float | None) -> Lease:
+    """A lease on the request's model id; waiting for an adapter slot counts
+    against --request-timeout like waiting in the engine's queue."""
+    acquire = state.registry.acquire(body.model, body.lora_scale, stack)
+    if deadline is None:
+        return await acquire
+    try:
+        return await asyncio.wait_for(acquire, timeout=max(0.0, deadline - time.monotonic()))
+    except asyncio.TimeoutError:
+        raise RequestTimedOut(
+            f"The request waited longer than --request-timeout ({state.config.request_timeout:g} s) "
+            "for an adapter slot; try again later."
+        ) from None
+
+
+def admit(state: ServerState, num_sequences: int) -> None:
+    """Refuse new work while shutting down, or when the queue is full."""
+    if state.draining:
+        state.metrics.rejected.labels("shutdown").inc()
+        raise ShuttingDown("The server is shutting down and takes no new requests.")
+    would_queue = state.active_sequences + num_sequences - state.config.max_num_seqs
+    if would_queue > state.config.max_queue:
+        state.metrics.rejected.labels("queue_full").inc()
+        raise Overloaded(
+            f"The server is at capacity: {state.active_sequences} sequences are running or "
+            f"queued (--max-num-seqs {state.config.max_num_seqs}, --max-queue "
+            f"{state.config.max_queue}); retry later.", retry_after=1,
+        )
 
 
 async def wait_for_disconnect(request: Request) -> None:

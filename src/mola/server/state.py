@@ -10,6 +10,7 @@ from ..config import ServeConfig
 from ..engine.client import AsyncEngine
 from ..lora.loader import AdapterLoader
 from ..lora.registry import AdapterRegistry
+from .metrics import Metrics
 
 
 @dataclass
@@ -23,4 +24,11 @@ class ServerState:
     base_root: str  # where the base model came from
     max_model_len: int | None  # context limit, when known
     vocab_size: int  # rows of the model's output layer
+    metrics: Metrics = field(default_factory=Metrics)
     created: int = field(default_factory=lambda: int(time.time()))
+    active_sequences: int = 0  # generations admitted and not finished (each choice counts)
+    draining: bool = False  # shutting down: no new generations
+
+    def queued(self) -> int:
+        """Sequences waiting beyond what the decode batch holds."""
+        return max(0, self.active_sequences - self.config.max_num_seqs)

@@ -57,8 +57,12 @@ def read_adapter(
     ``model_config`` is the base's whole config (GGUF needs its head counts to
     put llama's q/k rows back in the base's order).
     """
-    path = Path(path).expanduser()
-    if not path.exists():
+    try:
+        path = Path(path).expanduser()
+        exists = path.exists()
+    except (RuntimeError, OSError, ValueError) as e:
+        raise AdapterPathNotFound(f"The adapter path {str(path)!r} is not usable: {e}") from None
+    if not exists:
         raise AdapterPathNotFound(f"The adapter path does not exist: {path}")
     kind = detect_format(path)
     if kind == "gguf":

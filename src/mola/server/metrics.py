@@ -1,0 +1,101 @@
+"""Prometheus metrics at GET /metrics, through prometheus-client, in a
+registry of the app's own (no process globals).
+
+Counted as requests happen: requests by model id and outcome, prompt and
+generated tokens by model id, time to first token, inter-token latency and
+end-to-end latency. Read at scrape time from the engine and the registry:
+running and waiting requests, batch sizes, resident adapters and slot
+occupancy, adapter loads, evictions and load time, memory in use.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux: the peak is what getrusage offers
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+
+class StateCollector:
+    """Gauges and counters read from the engine and registry at scrape time."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def collect(self):
+        import mlx.core as mx
+
+        s = self.state
+        sched = s.engine.engine.scheduler
+        runner = s.engine.engine.runner
+        reg = s.registry
+        g = GaugeMetricFamily
+        yield g("mola_running_requests", "Sequences in the decode batch", value=len(sched.running))
+        yield g("mola_waiting_requests", "Sequences queued or being prefilled",
+                value=len(sched.waiting) + len(sched.group))
+        yield g("mola_engine_alive", "1 while the engine thread runs", value=float(s.engine.is_alive))
+        yield g("mola_adapters_known", "Adapters that can be requested", value=len(reg.adapters()))
+        yield g("mola_adapters_resident", "Adapters (and stacks) in slots", value=reg.num_resident)
+        yield g("mola_adapter_slots", "Adapter slots (--max-loras)", value=reg.max_loras)
+        yield g("mola_adapter_slot_occupancy", "Fraction of slots in use", value=reg.num_resident / reg.max_loras)
+        yield g("mola_memory_active_bytes", "MLX memory in use", value=mx.get_active_memory())
+        yield g("mola_memory_peak_bytes", "MLX peak memory", value=mx.get_peak_memory())
+        yield g("mola_process_resident_bytes", "Resident memory of the process", value=rss_bytes())
+        if runner is not None:
+            st = runner.stats
+            c = CounterMetricFamily
+            yield c("mola_decode_steps", "Decode steps run", value=st.decode_steps)
+            yield c("mola_decode_rows", "Rows decoded, summed over steps (rows / steps = mean batch size)",
+                    value=st.decode_rows)
+            yield c("mola_mixed_decode_steps", "Decode steps whose rows used several slots",
+                    value=st.mixed_steps)
+            yield c("mola_prefill_tokens", "Prompt tokens prefilled", value=st.prefill_tokens)
+            yield g("mola_batch_size_max", "Largest decode batch so far", value=st.max_batch)
+        rs = reg.stats
+        c = CounterMetricFamily
+        yield c("mola_adapter_loads", "Adapters written into a slot", value=rs.loads)
+        yield c("mola_adapter_load_failures", "Adapter loads that failed", value=rs.load_failures)
+        yield c("mola_adapter_evictions", "Resident adapters evicted to make room", value=rs.evictions)
+        yield c("mola_adapter_unloads", "Adapters unloaded", value=rs.unloads)
+        yield c("mola_adapter_load_seconds", "Time spent loading adapters", value=rs.load_seconds)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("mola_requests", "Generation requests by model id and outcome",
+                                ["model", "outcome"], registry=r)
+        self.http = Counter("mola_http_requests", "HTTP requests by route and status",
+                            ["method", "route", "status"], registry=r)
+        self.prompt_tokens = Counter("mola_prompt_tokens", "Prompt tokens by model id", ["model"], registry=r)
+        self.generation_tokens = Counter("mola_generation_tokens", "Generated tokens by model id",
+                                         ["model"], registry=r)
+        self.ttft = Histogram("mola_time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("mola_inter_token_latency_seconds", "Time between tokens of a sequence",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("mola_e2e_request_latency_seconds", "Request latency, start to end",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.rejected = Counter("mola_rejected_requests", "Requests refused for load (429) or shutdown (503)",
+                                ["reason"], registry=r)
+
+    def watch(self, state) -> None:
+        self.registry.register(StateCollector(state))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

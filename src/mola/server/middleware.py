@@ -1,0 +1,138 @@
+"""ASGI middleware: access control and request ids with one log line per
+request. Pure ASGI (no BaseHTTPMiddleware), so streaming responses pass
+through untouched.
+
+Access: with an API key, every /v1 route needs ``Authorization: Bearer KEY``
+(401 in OpenAI's envelope otherwise); with an admin key, the routes that load
+and unload adapters need that key. /health and /metrics stay open unless
+metrics are protected (then they need the API key). Keys are compared in
+constant time and never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import uuid
+
+log = logging.getLogger("mola.access")
+
+ADMIN_ROUTES = {
+    ("POST", "/v1/adapters"),
+    ("POST", "/v1/load_lora_adapter"),
+    ("POST", "/v1/unload_lora_adapter"),
+}
+
+
+def is_admin_route(method: str, path: str) -> bool:
+    return (method, path) in ADMIN_ROUTES or (method == "DELETE" and path.startswith("/v1/adapters/"))
+
+
+def _bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            text = value.decode("latin-1").strip()
+            if text[:7].lower() == "bearer ":
+                return text[7:].strip()
+            return None
+    return None
+
+
+def _matches(given: str | None, key: str) -> bool:
+    return given is not None and hmac.compare_digest(given.encode(), key.encode())
+
+
+async def _send_error(send, status: int, message: str, type_: str, code: str, headers=()) -> None:
+    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class AuthMiddleware:
+    def __init__(self, app, api_key: str | None, admin_key: str | None, protect_metrics: bool):
+        self.app = app
+        self.api_key = api_key
+        self.admin_key = admin_key
+        self.protect_metrics = protect_metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, method = scope["path"], scope["method"]
+        given = _bearer(scope.get("headers", []))
+        if self.admin_key and is_admin_route(method, path):
+            needed = self.admin_key
+        elif path.startswith("/v1") or (self.protect_metrics and path in ("/metrics", "/health")):
+            needed = self.api_key
+        else:
+            needed = None
+        if needed is not None and not _matches(given, needed):
+            which = "an admin key" if needed is self.admin_key and needed != self.api_key else "an API key"
+            reason = "is missing" if given is None else "is not valid"
+            return await _send_error(
+                send, 401, f"This route needs {which} (Authorization: Bearer ...); the one given {reason}.",
+                "authentication_error", "invalid_api_key", [(b"www-authenticate", b"Bearer")],
+            )
+        return await self.app(scope, receive, send)
+
+
+class RequestIdMiddleware:
+    """Gives every request an id (the client's X-Request-Id, or a new one),
+    returns it in the X-Request-Id header, and logs one line per request."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = None
+        for name, value in scope.get("headers", []):
+            if name.lower() == b"x-request-id":
+                request_id = value.decode("latin-1")[:128]
+        request_id = request_id or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        status = {"code": 500}
+        t0 = time.perf_counter()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            log.info("request_id=%s method=%s path=%s status=%d duration_ms=%.1f", request_id,
+                     scope["method"], scope["path"], status["code"], (time.perf_counter() - t0) * 1e3)
+
+
+class HTTPMetricsMiddleware:
+    """Counts HTTP requests by method, route template and status."""
+
+    def __init__(self, app, metrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {"code": 500}
+
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            self.metrics.http.labels(scope["method"], template, str(status["code"])).inc()

@@ -1,0 +1,179 @@
+"""Access control, backpressure, timeouts, metrics, request ids, and a dying
+engine, through real servers on 127.0.0.1 (mola/server/middleware.py,
+metrics.py, generation.py admission; mola/engine/scheduler.py expiry)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from mola.config import AdapterSpec
+
+from helpers import start_server, validate_schema
+
+API, ADMIN = "api-key-123456", "admin-key-654321"
+MSG = [{"role": "user", "content": "Hello there"}]
+
+
+def chat(model="tiny", **extra):
+    return {"model": model, "messages": MSG, "max_tokens": 4, **extra}
+
+
+@pytest.fixture(scope="module")
+def secured(tiny_model, adapters):
+    handle = start_server(model=str(tiny_model), served_model_name="tiny", api_key=API, admin_key=ADMIN,
+                          adapters=(AdapterSpec("a", str(adapters["a"])),), allow_any_adapter_path=True,
+                          max_loras=2, max_lora_rank=16)
+    yield handle
+    handle.stop()
+
+
+def test_api_key_is_required_on_v1(secured):
+    url = secured.url
+    for headers in ({}, {"Authorization": "Bearer wrong-key-000"}, {"Authorization": API}):
+        r = httpx.get(url + "/v1/models", headers=headers)
+        assert r.status_code == 401
+        validate_schema("ErrorResponse", r.json())
+        assert r.json()["error"]["type"] == "authentication_error"
+        assert API not in r.text
+    auth = {"Authorization": f"Bearer {API}"}
+    assert httpx.get(url + "/v1/models", headers=auth).status_code == 200
+    assert httpx.post(url + "/v1/chat/completions", json=chat(), headers=auth).status_code == 200
+    assert httpx.get(url + "/health").status_code == 200  # open
+    assert httpx.get(url + "/metrics").status_code == 200  # open
+    sdk = openai.OpenAI(base_url=url + "/v1", api_key=API, max_retries=0)
+    assert sdk.chat.completions.create(model="a", messages=MSG, max_tokens=2).usage.completion_tokens >= 1
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="nope-nope-nope", max_retries=0).models.list()
+
+
+def test_admin_key_guards_loads_and_unloads(secured, adapters):
+    api = {"Authorization": f"Bearer {API}"}
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    load = {"name": "b", "path": str(adapters["b"])}
+    assert httpx.post(secured.url + "/v1/adapters", json=load, headers=api).status_code == 401
+    assert httpx.post(secured.url + "/v1/load_lora_adapter", headers=api,
+                      json={"lora_name": "b", "lora_path": load["path"]}).status_code == 401
+    assert httpx.post(secured.url + "/v1/adapters", json=load, headers=admin).status_code == 200
+    assert httpx.get(secured.url + "/v1/adapters", headers=api).status_code == 200  # reading is not admin
+    assert httpx.delete(secured.url + "/v1/adapters/b", headers=api).status_code == 401
+    assert httpx.delete(secured.url + "/v1/adapters/b", headers=admin).status_code == 200
+
+
+def test_protected_metrics(tiny_model):
+    handle = start_server(model=str(tiny_model), api_key=API, protect_metrics=True)
+    try:
+        assert httpx.get(handle.url + "/metrics").status_code == 401
+        assert httpx.get(handle.url + "/health").status_code == 401
+        assert httpx.get(handle.url + "/metrics", headers={"Authorization": f"Bearer {API}"}).status_code == 200
+    finally:
+        handle.stop()
+
+
+def test_request_ids(server):
+    r = httpx.get(server.url + "/v1/models")
+    assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat(), headers={"X-Request-Id": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+
+
+def test_metrics(server):
+    before = httpx.get(server.url + "/metrics").text
+    for model in ("tiny", "a", "a"):
+        assert httpx.post(server.url + "/v1/chat/completions", json=chat(model, ignore_eos=True)).status_code == 200
+    text = httpx.get(server.url + "/metrics").text
+
+    def value(name, text=text):
+        m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    assert value('mola_requests_total{model="a",outcome="length"}') - value(
+        'mola_requests_total{model="a",outcome="length"}', before) == 2
+    assert value('mola_generation_tokens_total{model="a"}') - value('mola_generation_tokens_total{model="a"}', before) == 8
+    assert value("mola_time_to_first_token_seconds_count") >= 3
+    assert value("mola_inter_token_latency_seconds_count") >= 9
+    assert value("mola_adapters_resident") == server.state.registry.num_resident
+    assert value("mola_adapter_slots") == server.state.registry.max_loras
+    assert value("mola_adapter_loads_total") >= 3
+    assert value("mola_memory_active_bytes") > 0 and value("mola_process_resident_bytes") > 0
+    assert 'mola_http_requests_total{method="POST",route="/v1/chat/completions",status="200"}' in text
+    assert value("mola_running_requests") == 0
+
+
+def test_queue_limit_answers_429(tiny_model):
+    handle = start_server(model=str(tiny_model), max_num_seqs=2, max_queue=1)
+    try:
+        async def burst():
+            async with httpx.AsyncClient(base_url=handle.url, timeout=60) as c:
+                return await asyncio.gather(*(c.post("/v1/chat/completions", json=chat(
+                    max_tokens=300, ignore_eos=True)) for _ in range(6)))
+
+        codes = [r.status_code for r in asyncio.run(burst())]
+        assert codes.count(200) >= 3 and codes.count(429) >= 1 and set(codes) <= {200, 429}
+        r = next(r for r in asyncio.run(burst()) if r.status_code == 429)
+        assert r.headers["retry-after"] == "1"
+        validate_schema("ErrorResponse", r.json())
+        assert "--max-queue" in r.json()["error"]["message"]
+    finally:
+        handle.stop()
+
+
+def test_request_timeout_cuts_a_running_request(tiny_model):
+    handle = start_server(model=str(tiny_model), request_timeout=0.5)
+    try:
+        t0 = time.monotonic()
+        r = httpx.post(handle.url + "/v1/chat/completions", timeout=60,
+                       json=chat(max_tokens=1800, ignore_eos=True))
+        assert time.monotonic() - t0 < 10
+        body = r.json()
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert 0 < body["usage"]["completion_tokens"] < 1800  # cut by the timeout
+        assert not handle.engine.scheduler.has_work()
+    finally:
+        handle.stop()
+
+
+def test_dying_engine_turns_503_not_a_hang(tiny_model):
+    handle = start_server(model=str(tiny_model))
+    try:
+        with httpx.Client(base_url=handle.url, timeout=30) as c:
+            with c.stream("POST", "/v1/chat/completions",
+                          json=chat(max_tokens=1500, ignore_eos=True, stream=True)) as r:
+                lines = (line for line in r.iter_lines() if line.startswith("data: "))
+                next(lines), next(lines)
+
+                def boom():
+                    raise RuntimeError("injected engine failure")
+
+                handle.engine._commands.put(boom)  # a fault outside any step: the thread dies
+                rest = list(lines)
+            assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2]
+            assert c.get("/health").status_code == 503
+            r = c.post("/v1/chat/completions", json=chat())
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+    finally:
+        handle.stop()
+
+
+def test_waiting_for_an_adapter_slot_counts_against_the_timeout(tiny_model, adapters):
+    handle = start_server(model=str(tiny_model), max_loras=1, max_lora_rank=16, request_timeout=0.3,
+                          adapters=(AdapterSpec("a", str(adapters["a"])), AdapterSpec("b", str(adapters["b"]))))
+    loop = handle.state.engine._loop
+    try:
+        # Hold a lease on "a", pinning the only slot, as a long request would.
+        lease = asyncio.run_coroutine_threadsafe(handle.state.registry.acquire("a"), loop).result(10)
+        t0 = time.monotonic()
+        r = httpx.post(handle.url + "/v1/chat/completions", json=chat("b"), timeout=30)
+        waited = time.monotonic() - t0
+        assert r.status_code == 503 and "adapter slot" in r.json()["error"]["message"]
+        assert 0.25 < waited < 5
+        loop.call_soon_threadsafe(lease.release)
+        assert httpx.post(handle.url + "/v1/chat/completions", json=chat("b"), timeout=30).status_code == 200
+        assert handle.state.registry.get("b").waiting == 0
+    finally:
+        handle.stop()
