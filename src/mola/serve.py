@@ -92,6 +92,9 @@ async def _serve(config: ServeConfig, engine, loaded) -> int:
                       f"sequence(s) for up to {config.shutdown_timeout:g} s", file=sys.stderr, flush=True)
             state.draining = True
             super().handle_exit(sig, frame)
+            # uvicorn re-raises the signal once it has stopped, which would
+            # end the process "killed by SIGTERM"; a drained stop exits 0.
+            self._captured_signals.clear()
 
     server = Server(uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level,
