@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import __version__
@@ -51,6 +52,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--no-openblas", action="store_true",
                        help="on Linux CPU, do not preload the system's OpenBLAS (see mola/blas.py)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route "
+                       "(default: $MOLA_API_KEY)")
+    serve.add_argument("--admin-key", help="require this key to load and unload adapters "
+                       "(default: $MOLA_ADMIN_KEY)")
+    serve.add_argument("--protect-metrics", action="store_true",
+                       help="require the API key on /metrics and /health too")
+    serve.add_argument("--max-queue", type=int,
+                       help="sequences waiting beyond the batch before 429s (default 256)")
+    serve.add_argument("--request-timeout", type=float,
+                       help="seconds a request may run (or wait) before it ends (default: no limit)")
+    serve.add_argument("--shutdown-timeout", type=float,
+                       help="seconds running requests may take to finish on SIGTERM (default 30)")
     return parser
 
 
@@ -66,6 +79,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     if "adapter_dirs" in given:
         given["adapter_dirs"] = tuple(values.get("adapter_dirs", ())) + tuple(given["adapter_dirs"])
     values.update(given)
+    for field, env in (("api_key", "MOLA_API_KEY"), ("admin_key", "MOLA_ADMIN_KEY")):
+        if values.get(field) is None and os.environ.get(env):
+            values[field] = os.environ[env]
     return ServeConfig(**values)
 
 
