@@ -64,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds a request may run (or wait) before it ends (default: no limit)")
     serve.add_argument("--shutdown-timeout", type=float,
                        help="seconds running requests may take to finish on SIGTERM (default 30)")
+    serve.add_argument("--distributed", action="store_true",
+                       help="shard the base over the ranks started by mlx.launch (see README)")
     return parser
 
 

@@ -69,6 +69,9 @@ class ServeConfig:
     request_timeout: float | None = None
     # On SIGTERM: stop accepting, let running requests finish up to this long.
     shutdown_timeout: float = 30.0
+    # Serve a base sharded over the ranks of an mx.distributed group (started
+    # by mlx.launch); rank 0 serves HTTP, the others follow its steps.
+    distributed: bool = False
     engine: EngineConfig = field(init=False)
 
     def __post_init__(self):

@@ -42,6 +42,36 @@ def with_demo(config: ServeConfig) -> ServeConfig:
     )
 
 
+def join_group():
+    """This process's place in the mx.distributed group mlx.launch started."""
+    import mlx.core as mx
+
+    from .engine.distributed import Group
+
+    try:
+        group = mx.distributed.init(strict=True)
+    except Exception as e:
+        print(f"[mola] error: --distributed needs a group started by mlx.launch ({e}); e.g.\n"
+              "  mlx.launch --backend ring -n 2 -- mola serve --distributed --model ...",
+              file=sys.stderr)
+        return None
+    if group.size() < 2:
+        print("[mola] error: --distributed with a group of 1; run without it", file=sys.stderr)
+        return None
+    print(f"[mola] rank {group.rank()} of {group.size()}", file=sys.stderr, flush=True)
+    return Group(group)
+
+
+def follow(config: ServeConfig, group) -> int:
+    """A rank other than 0: hold a shard, replay rank 0's steps, no HTTP."""
+    from .engine.distributed import run_follower
+    from .engine.loader import load_base_model
+    from .lora.loader import read_recipe
+
+    return run_follower(lambda: load_base_model(config.model, group=group.group),
+                        config.engine, group, read_recipe)
+
+
 def serve(config: ServeConfig) -> int:
     from .engine.engine import Engine
     from .engine.loader import load_base_model
@@ -49,9 +79,17 @@ def serve(config: ServeConfig) -> int:
 
     setup_logging(config.log_level)
     config = with_demo(config)
+    group = None
+    if config.distributed:
+        group = join_group()
+        if group is None:
+            return 1
+        if not group.is_leader:
+            return follow(config, group)
     print(f"[mola] loading {config.model} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    engine = Engine(lambda: load_base_model(config.model), config.engine)
+    engine = Engine(lambda: load_base_model(config.model, group=group and group.group), config.engine,
+                    group=group)
     try:
         loaded = engine.start()
     except MolaError as e:

@@ -27,6 +27,7 @@ import mlx.nn as nn
 
 from ..errors import EngineUnavailable
 from ..lora.pack import AdapterPacks
+from .distributed import HEARTBEAT_SECONDS, Group, wire_plan
 from .runner import ModelRunner, StepResult
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
@@ -95,8 +96,10 @@ class Engine:
         loader: Callable[[], LoadedModel],
         config: EngineConfig = EngineConfig(),
         on_outputs: Callable[[list[SeqOutput]], None] | None = None,
+        group: Group | None = None,
     ):
         self.config = config
+        self.group = group  # a tensor-parallel group this engine leads, if any
         self.on_outputs = on_outputs or (lambda outputs: None)
         self._loader = loader
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -222,10 +225,21 @@ class Engine:
                 break
             if self._has_work():
                 self.step()
+        self._tell(("stop",))
         self._fail_all("the server is shutting down")
 
+    def _tell(self, message) -> None:
+        """Send the other ranks of the group what this rank does next."""
+        if self.group is not None:
+            self.group.share(message)
+
     def _drain_commands(self, block: bool) -> None:
-        if block:
+        if block and self.group is not None:
+            try:  # idle: make sure the other ranks are still there
+                self._commands.get(timeout=HEARTBEAT_SECONDS)()
+            except queue.Empty:
+                self._tell(("noop",))
+        elif block:
             self._commands.get()()
         while True:
             try:
@@ -240,8 +254,11 @@ class Engine:
             self.on_outputs([SeqOutput(s, [], s.finish_reason) for s in expired])
         plan = self.scheduler.schedule()
         try:
+            self._tell(("step", wire_plan(plan)))
             result = self.runner.run(plan)
         except Exception as e:
+            if self.group is not None:
+                raise  # a broken group cannot take the next step: the engine stops
             log.error("engine step failed:\n%s", traceback.format_exc())
             self._fail_step(plan, f"{type(e).__name__}: {e}")
             return
@@ -260,6 +277,19 @@ class Engine:
             outputs.append(SeqOutput(seq, [token], reason, logprobs=None if lp is None else [lp]))
         if outputs:
             self.on_outputs(outputs)
+
+    # ---- adapters in slots (engine thread; every rank in a group) ----------
+
+    def store_slot(self, slot: int, rows: dict, recipe: list, scale: float) -> None:
+        """Write prepared rows into ``slot``; the other ranks of a group
+        re-create them from ``recipe`` ((path, scale) parts) at this point of
+        the stream of steps."""
+        self._tell(("write", slot, recipe, scale))
+        self.packs.store(slot, rows)
+
+    def clear_slot(self, slot: int) -> None:
+        self._tell(("clear", slot))
+        self.packs.clear(slot)
 
     # ---- engine-thread helpers --------------------------------------------
 

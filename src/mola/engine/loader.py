@@ -46,15 +46,23 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
         ) from e
 
 
-def load_base_model(model: str, revision: str | None = None) -> LoadedModel:
-    """Load model and tokenizer with mlx-lm. Call on the engine thread."""
-    from mlx_lm.utils import load
+def load_base_model(model: str, revision: str | None = None, group=None) -> LoadedModel:
+    """Load model and tokenizer with mlx-lm; with a distributed ``group``,
+    this rank's tensor-parallel shard (mlx-lm's own sharding). Call on the
+    engine thread."""
+    from mlx_lm.utils import load, sharded_load
 
     path = resolve_model_path(model, revision)
-    log.info("loading model from %s", path)
+    log.info("loading model from %s%s", path, f" (shard {group.rank() + 1} of {group.size()})" if group else "")
     t0 = time.perf_counter()
     try:
-        model_obj, tokenizer, config = load(str(path), return_config=True)
+        if group is not None:
+            model_obj, tokenizer, config = sharded_load(
+                str(path), tensor_group=group, return_config=True,
+                tokenizer_config={"trust_remote_code": False},
+            )
+        else:
+            model_obj, tokenizer, config = load(str(path), return_config=True)
     except Exception as e:
         raise ModelLoadError(f"mlx-lm could not load the model at {path}: {e}") from e
     log.info("model loaded in %.1f s", time.perf_counter() - t0)

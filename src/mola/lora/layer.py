@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx.nn.layers.distributed as dist
 
 # Batches with at least this many rows take the sorted gather_mm path.
 SORT_THRESHOLD = 16
@@ -78,17 +79,57 @@ class LoRARouting:
         self.set([0])
 
 
+# Base layers mola can wrap: plain, quantized, and tensor-parallel shards
+# (mlx.nn.layers.distributed, as mlx-lm's model.shard() makes them).
+COLUMN_SHARDED = (dist.AllToShardedLinear, dist.QuantizedAllToShardedLinear)  # output split
+ROW_SHARDED = (dist.ShardedToAllLinear, dist.QuantizedShardedToAllLinear)  # input split, all-sum
+WRAPPABLE = (nn.Linear, nn.QuantizedLinear, *COLUMN_SHARDED, *ROW_SHARDED)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a base linear is split across a tensor-parallel group."""
+
+    kind: str = "none"  # "none", "column" (output split) or "row" (input split, then all-sum)
+    rank: int = 0
+    size: int = 1
+
+    def part(self, n: int) -> slice:
+        """This rank's part of a dimension of full size ``n``."""
+        step = n // self.size
+        return slice(self.rank * step, (self.rank + 1) * step)
+
+
+def sharding_of(linear: nn.Module) -> Sharding:
+    if isinstance(linear, COLUMN_SHARDED + ROW_SHARDED):
+        group = linear.group
+        kind = "column" if isinstance(linear, COLUMN_SHARDED) else "row"
+        return Sharding(kind, group.rank(), group.size())
+    return Sharding()
+
+
 def linear_dims(linear: nn.Module) -> tuple[int, int]:
-    """(input_dims, output_dims) of an nn.Linear or nn.QuantizedLinear."""
+    """(input_dims, output_dims) of this rank's part of a linear."""
     output_dims, input_dims = linear.weight.shape
-    if isinstance(linear, nn.QuantizedLinear):
+    if hasattr(linear, "bits"):  # quantized: packed input
         input_dims = input_dims * 32 // linear.bits
+    return input_dims, output_dims
+
+
+def full_dims(linear: nn.Module) -> tuple[int, int]:
+    """(input_dims, output_dims) of the whole linear, across shards."""
+    input_dims, output_dims = linear_dims(linear)
+    sh = sharding_of(linear)
+    if sh.kind == "column":
+        output_dims *= sh.size
+    elif sh.kind == "row":
+        input_dims *= sh.size
     return input_dims, output_dims
 
 
 def compute_dtype(linear: nn.Module) -> mx.Dtype:
     """The dtype the base layer computes in (scales' dtype when quantized)."""
-    if isinstance(linear, nn.QuantizedLinear):
+    if hasattr(linear, "scales"):
         return linear.scales.dtype
     return linear.weight.dtype
 
@@ -100,13 +141,15 @@ class MultiLoRALinear(nn.Module):
     def from_base(
         linear: nn.Module, routing: LoRARouting, num_slots: int, max_rank: int
     ) -> "MultiLoRALinear":
-        if not isinstance(linear, (nn.Linear, nn.QuantizedLinear)):
+        if not isinstance(linear, WRAPPABLE):
             raise TypeError(f"Cannot wrap {type(linear).__name__} with LoRA slots")
         input_dims, output_dims = linear_dims(linear)
-        return MultiLoRALinear(
+        layer = MultiLoRALinear(
             linear, routing, input_dims, output_dims, num_slots, max_rank,
             compute_dtype(linear),
         )
+        layer._sharding = sharding_of(linear)
+        return layer
 
     def __init__(
         self,
@@ -127,6 +170,7 @@ class MultiLoRALinear(nn.Module):
         self.lora_b = mx.zeros((num_slots, max_rank, output_dims), dtype=dtype)  # [S, r, out]: scale * B
         self.lora_scale = mx.zeros((num_slots,), dtype=mx.float32)  # [S]
         self._routing = routing
+        self._sharding = Sharding()  # this layer's part of a tensor-parallel base
         self._ranks: dict[int, int] = {}  # slot -> rank written in this layer
         self._rank = 0  # max rank over written slots: the part of r the forward uses
         # Views of the packs the forward reads, made once per write: with them
@@ -146,6 +190,12 @@ class MultiLoRALinear(nn.Module):
     def active_slots(self) -> frozenset[int]:
         return frozenset(self._ranks)
 
+    @property
+    def full_dims(self) -> tuple[int, int]:
+        """(input_dims, output_dims) of the whole linear: what an adapter's
+        factors must fit, whatever this rank holds of them."""
+        return full_dims(self.base)
+
     def factors(self, slot: int) -> tuple[mx.array, mx.array]:
         """The (A [in, r], scale * B [r, out]) stored in ``slot``."""
         r = self._ranks.get(slot, 0)
@@ -161,7 +211,12 @@ class MultiLoRALinear(nn.Module):
         thread may compute it."""
         r = a.shape[1]
         assert r <= self.max_rank, (r, self.max_rank)
-        assert a.shape == (self.input_dims, r) and b.shape == (r, self.output_dims)
+        assert a.shape == (self.full_dims[0], r) and b.shape == (r, self.full_dims[1])
+        sh = self._sharding
+        if sh.kind == "row":  # this rank sees part of the input: its rows of A
+            a = a[sh.part(a.shape[0])]
+        elif sh.kind == "column":  # this rank makes part of the output: its columns of B
+            b = b[:, sh.part(b.shape[1])]
         pad = [(0, self.max_rank - r), (0, 0)]
         a_row = mx.pad(a.T.astype(self.dtype), pad)
         b_row = mx.pad((scale * b.astype(mx.float32)).astype(self.dtype), pad)
@@ -205,15 +260,30 @@ class MultiLoRALinear(nn.Module):
         return view
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = self.base(x)  # [B, L, out]
         route = self._routing
         if route.single_slot is not None:
-            if route.single_slot not in self._ranks:
-                return y  # base model only, or an adapter that skips this layer
-            return self._add_single(y, x, route.single_slot, route.row_scale)
-        if self._ranks.keys().isdisjoint(route.slots):
-            return y
-        return self._add_mixed(y, x, route)
+            slot = route.single_slot
+            if slot not in self._ranks:
+                return self.base(x)  # base model only, or an adapter that skips this layer
+            add = lambda y: self._add_single(y, x, slot, route.row_scale)  # noqa: E731
+        elif self._ranks.keys().isdisjoint(route.slots):
+            return self.base(x)
+        else:
+            add = lambda y: self._add_mixed(y, x, route)  # noqa: E731
+        if self._sharding.kind != "row":
+            return add(self.base(x))  # [B, L, out]
+        # Row-sharded base: each rank adds its partial delta to its partial
+        # product, so that one all-sum carries base and delta together.
+        y = mx.distributed.all_sum(add(self._partial_base(x)), group=self.base.group)
+        return y + self.base["bias"] if "bias" in self.base else y
+
+    def _partial_base(self, x: mx.array) -> mx.array:
+        """x @ W^T of this rank's input part, before the all-sum and the bias."""
+        b = self.base
+        if hasattr(b, "bits"):
+            return mx.quantized_matmul(x, b["weight"], scales=b["scales"], biases=b.get("biases"),
+                                       transpose=True, group_size=b.group_size, bits=b.bits, mode=b.mode)
+        return x @ b["weight"].T
 
     def _add_single(self, y: mx.array, x: mx.array, slot: int, row_scale: mx.array | None) -> mx.array:
         a, b = self._slot_view(slot)

@@ -56,17 +56,20 @@ class AdapterLoader:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._reader, self._compose, parts)
 
-    async def write(self, slot: int, weights: LoRAWeights, scale: float = 1.0) -> None:
+    async def write(self, slot: int, weights: LoRAWeights, scale: float = 1.0,
+                    recipe: list[tuple[str, float]] | None = None) -> None:
         """Pad and cast on the reader thread; only the slot writes themselves
-        run on the engine thread, between two steps."""
-        packs = self.engine.engine.packs
+        run on the engine thread, between two steps. ``recipe`` says how the
+        weights were made ((path, scale) of each part), for the other ranks
+        of a tensor-parallel group."""
+        eng = self.engine.engine
         loop = asyncio.get_running_loop()
-        rows = await loop.run_in_executor(self._reader, packs.prepare, weights, scale)
-        await self.engine.call(lambda: packs.store(slot, rows))
+        rows = await loop.run_in_executor(self._reader, eng.packs.prepare, weights, scale)
+        await self.engine.call(lambda: eng.store_slot(slot, rows, recipe or [], scale))
 
     async def clear(self, slot: int) -> None:
-        packs = self.engine.engine.packs
-        await self.engine.call(lambda: packs.clear(slot))
+        eng = self.engine.engine
+        await self.engine.call(lambda: eng.clear_slot(slot))
 
     def close(self) -> None:
         # MLX wants a thread's streams cleared before the thread ends.
@@ -75,3 +78,20 @@ class AdapterLoader:
         except Exception:
             pass
         self._reader.shutdown(wait=True)
+
+
+def read_recipe(recipe: list[tuple[str, float]], packs, loaded) -> LoRAWeights:
+    """The weights a (path, scale) recipe describes, read and checked the way
+    rank 0 did (used by the other ranks of a tensor-parallel group)."""
+    config = loaded.config
+    max_rank = packs.max_rank
+
+    def read(path: str) -> LoRAWeights:
+        weights = read_adapter(path, dtype=next(iter(packs.layers.values())).dtype,
+                               model_type=config.get("model_type"), model_config=config)
+        validate(weights, packs.targets(), max_rank)
+        return weights
+
+    if len(recipe) == 1 and recipe[0][1] == 1.0:
+        return read(recipe[0][0])
+    return compose([(read(path), scale) for path, scale in recipe], max_rank)

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from .layer import LoRARouting, MultiLoRALinear
+from .layer import WRAPPABLE, LoRARouting, MultiLoRALinear
 from .weights import LoRAWeights
 
 
@@ -26,16 +26,16 @@ class AdapterPacks:
     def install(
         cls, model: nn.Module, *, max_loras: int, max_rank: int
     ) -> "AdapterPacks":
-        """Wrap every nn.Linear / nn.QuantizedLinear inside ``model.layers``
-        (attention and MLP projections) with ``max_loras`` slots of rank up to
-        ``max_rank``, plus the empty slot 0."""
+        """Wrap every linear inside ``model.layers`` (attention and MLP
+        projections; plain, quantized or tensor-parallel parts) with
+        ``max_loras`` slots of rank up to ``max_rank``, plus the empty slot 0."""
         routing = LoRARouting()
         in_blocks = {id(m) for block in model.layers for _, m in block.named_modules()}
         wrapped = []
         for path, module in model.named_modules():
             if id(module) not in in_blocks:
                 continue
-            if isinstance(module, (nn.Linear, nn.QuantizedLinear)):
+            if isinstance(module, WRAPPABLE):
                 layer = MultiLoRALinear.from_base(
                     module, routing, num_slots=max_loras + 1, max_rank=max_rank
                 )
@@ -56,8 +56,9 @@ class AdapterPacks:
         return next(iter(self.layers.values())).max_rank
 
     def targets(self) -> dict[str, tuple[int, int]]:
-        """Module path -> (input_dims, output_dims) of every wrapped linear."""
-        return {p: (l.input_dims, l.output_dims) for p, l in self.layers.items()}
+        """Module path -> (input_dims, output_dims) of every wrapped linear
+        (whole, also when this rank holds a tensor-parallel part of it)."""
+        return {p: l.full_dims for p, l in self.layers.items()}
 
     def arrays(self) -> list[mx.array]:
         return [a for l in self.layers.values() for a in (l.lora_a, l.lora_b, l.lora_scale)]

@@ -39,7 +39,8 @@ _uids = itertools.count(1)
 class SlotBackend(Protocol):
     async def read(self, path: str) -> LoRAWeights: ...
     async def compose(self, parts: list[tuple[str, float]]) -> LoRAWeights: ...
-    async def write(self, slot: int, weights: LoRAWeights, scale: float) -> None: ...
+    async def write(self, slot: int, weights: LoRAWeights, scale: float,
+                    recipe: list[tuple[str, float]] | None = None) -> None: ...
     async def clear(self, slot: int) -> None: ...
 
 
@@ -354,8 +355,10 @@ class AdapterRegistry:
     async def _install(self, record: AdapterRecord, slot: int, weights: LoRAWeights,
                        t0: float | None = None) -> None:
         t0 = time.perf_counter() if t0 is None else t0
+        recipe = list(record.parts) if record.parts is not None else [(record.path, 1.0)]
+        scale = 1.0 if record.parts is not None else record.scale
         try:
-            await self.backend.write(slot, weights, record.scale)
+            await self.backend.write(slot, weights, scale, recipe)
         except BaseException:
             self._slots[slot] = None
             await self._notify()

@@ -1,0 +1,130 @@
+"""Serving one base model sharded over several processes (mx.distributed).
+
+Started by ``mlx.launch ... -- mola serve --distributed``: every rank loads
+its tensor-parallel shard of the base with mlx-lm's own sharding; rank 0 runs
+the HTTP server, the registry and the scheduler. Before each thing rank 0's
+engine does to the model -- a step of the batch, an adapter written into or
+cleared from a slot -- it sends every other rank a message saying exactly
+that, over mx.distributed itself (pickled, through an all-sum, as mlx-lm's
+server shares requests). The other ranks (followers) replay the messages in
+order, so every rank runs the same forward passes, whose collectives keep
+them in lockstep, and no step ever mixes adapter versions.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from dataclasses import asdict
+
+import mlx.core as mx
+
+from .scheduler import StepPlan
+from .sequence import SamplingParams, Sequence, SequenceStatus
+
+log = logging.getLogger("mola.distributed")
+
+HEARTBEAT_SECONDS = 2.0  # an idle rank 0 checks its followers this often
+
+
+class Group:
+    """A tensor-parallel group, and the one way rank 0 talks to the others."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank = group.rank()
+        self.size = group.size()
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def share(self, message=None):
+        """Rank 0's ``message``, on every rank (others pass nothing)."""
+        if self.is_leader:
+            data = mx.array(bytearray(pickle.dumps(message)), dtype=mx.uint8)
+            mx.eval(mx.distributed.all_sum(mx.array(data.size), group=self.group))
+            mx.eval(mx.distributed.all_sum(data, group=self.group))
+            return message
+        size = mx.distributed.all_sum(mx.array(0), group=self.group).item()
+        data = mx.distributed.all_sum(mx.zeros(size, dtype=mx.uint8), group=self.group)
+        return pickle.loads(bytes(memoryview(data)))
+
+
+# ---- plans on the wire -------------------------------------------------------------
+
+
+def _spec(seq: Sequence) -> tuple:
+    return (seq.seq_id, seq.prompt, seq.slot, seq.lora_scale, asdict(seq.params))
+
+
+def wire_plan(plan: StepPlan) -> dict:
+    """A StepPlan as plain data: new sequences in full, known ones by id."""
+    return {
+        "keep": plan.keep,
+        "group": [_spec(s) if plan.group_is_new else s.seq_id for s in plan.group],
+        "new": plan.group_is_new,
+        "start": plan.start,
+        "end": plan.end,
+        "join": plan.join,
+        "decode": [s.seq_id for s in plan.decode],
+    }
+
+
+def unwire_plan(data: dict, seqs: dict[int, Sequence]) -> StepPlan:
+    """The StepPlan rank 0 ran, with this rank's own Sequence objects."""
+    if data["new"]:
+        group = []
+        for seq_id, prompt, slot, scale, params in data["group"]:
+            seq = Sequence(prompt=prompt, params=SamplingParams(**params), slot=slot,
+                           lora_scale=scale, seq_id=seq_id, status=SequenceStatus.PREFILLING)
+            seqs[seq_id] = seq
+            group.append(seq)
+    else:
+        group = [seqs[i] for i in data["group"]]
+    plan = StepPlan(keep=data["keep"], group=group, group_is_new=data["new"], start=data["start"],
+                    end=data["end"], join=data["join"], decode=[seqs[i] for i in data["decode"]])
+    alive = set(data["decode"]) | {s.seq_id for s in group}
+    for seq_id in list(seqs):
+        if seq_id not in alive:
+            del seqs[seq_id]
+    return plan
+
+
+# ---- the other ranks ---------------------------------------------------------------
+
+
+def run_follower(loader, config, group: Group, read_recipe) -> int:
+    """A rank other than 0: load the shard, then replay rank 0's messages
+    until it says stop (or the group breaks). ``read_recipe(recipe, packs,
+    loaded)`` re-creates the LoRAWeights rank 0 wrote."""
+    from ..lora.pack import AdapterPacks
+    from .runner import ModelRunner
+
+    stream = mx.new_stream(mx.default_device())
+    try:
+        with mx.stream(stream):
+            loaded = loader()
+            packs = AdapterPacks.install(loaded.model, max_loras=config.max_loras,
+                                         max_rank=config.max_lora_rank)
+            runner = ModelRunner(loaded.model, packs, loaded.vocab_size)
+            seqs: dict[int, Sequence] = {}
+            log.info("rank %d of %d ready", group.rank, group.size)
+            while True:
+                message = group.share()
+                kind = message[0]
+                if kind == "stop":
+                    return 0
+                if kind == "step":
+                    runner.run(unwire_plan(message[1], seqs))
+                elif kind == "write":
+                    _, slot, recipe, scale = message
+                    packs.write(slot, read_recipe(recipe, packs, loaded), scale)
+                elif kind == "clear":
+                    packs.clear(message[1])
+    except Exception:
+        log.exception("rank %d stops: the group broke or a step failed", group.rank)
+        return 1
+    finally:
+        mx.synchronize(stream)
+        mx.clear_streams()
