@@ -1,0 +1,239 @@
+"""Serving a sharded base over 2 ranks (mlx.launch, ring backend, loopback):
+the same outputs as one process, hot loads and unloads in order with the
+batch, and a dead rank answered with 503s, not a hang
+(mola/engine/distributed.py, the shard-aware MultiLoRALinear)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from mola.synthetic.adapter import make_random_adapter
+from mola.synthetic.model import TinyModelSpec, make_tiny_model
+
+from helpers import free_port
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("mlx.launch") is None or not sys.platform.startswith("linux"),
+    reason="needs mlx.launch, and /proc to find the ranks",
+)
+
+QUESTIONS = ["Hello there", "What is the capital of France?", "Tell me a story about the sea"]
+KEYS = [("self_attn.q_proj", "self_attn.o_proj"), ("mlp.down_proj", "mlp.up_proj", "self_attn.v_proj"),
+        ("self_attn.k_proj", "mlp.gate_proj", "self_attn.o_proj", "mlp.down_proj")]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    # 4 heads / 2 kv heads / 128-wide MLP: every sharded dimension splits in two.
+    model = make_tiny_model(root / "model", TinyModelSpec())
+    adapters = {f"d{i}": make_random_adapter(root / f"d{i}", model, rank=2 + 2 * i, keys=KEYS[i],
+                                             num_layers=1 + i % 2, seed=70 + i) for i in range(3)}
+    return model, adapters
+
+
+def launch(args: list[str], distributed: bool):
+    port = free_port()
+    serve = [sys.executable, "-m", "mola", "serve", "--host", "127.0.0.1", "--port", str(port),
+             "--log-level", "warning", *args]
+    if distributed:
+        cmd = ["mlx.launch", "--backend", "ring", "-n", "2", "--", *serve, "--distributed"]
+    else:
+        cmd = serve
+    env = {**os.environ, "MOLA_OPENBLAS": "0"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            kill(proc)
+            raise AssertionError("server did not start")
+        time.sleep(0.3)
+
+
+def kill(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def answers(url, models):
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            jobs = [(m, q) for q in QUESTIONS for m in models]
+            rs = await asyncio.gather(*(c.post("/v1/chat/completions", json={
+                "model": m, "messages": [{"role": "user", "content": q}], "max_tokens": 12,
+                "temperature": 0, "ignore_eos": True}) for m, q in jobs))
+            return {job: r.json()["choices"][0]["message"]["content"] for job, r in zip(jobs, rs)}
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def single(setup):
+    model, adapters = setup
+    proc, url = launch(["--model", str(model), "--allow-any-adapter-path", "--max-lora-rank", "16",
+                        *sum((["--adapter", f"{n}={p}"] for n, p in adapters.items()), [])], False)
+    try:
+        yield answers(url, ["model", *adapters])
+    finally:
+        kill(proc)
+
+
+@pytest.fixture(scope="module")
+def group(setup):
+    model, adapters = setup
+    proc, url = launch(["--model", str(model), "--allow-any-adapter-path", "--max-lora-rank", "16",
+                        "--adapter", f"d0={adapters['d0']}"], True)
+    yield proc, url, adapters
+    kill(proc)
+
+
+def test_two_ranks_answer_like_one_process(group, single):
+    proc, url, adapters = group
+    for name in ("d1", "d2"):  # hot-loaded: reaches both ranks
+        assert httpx.post(url + "/v1/adapters", json={"name": name, "path": str(adapters[name])}).status_code == 200
+    got = answers(url, ["model", *adapters])  # base and three adapters, mixed in one batch
+    assert got == single
+    assert len(set(got.values())) == len(got)  # every model id answered differently
+
+
+def test_hot_load_and_unload_during_traffic(group, single, setup):
+    proc, url, adapters = group
+    model, _ = setup
+    extra = make_random_adapter(model.parent / "hot", model, rank=8, seed=99)
+
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            async def ask(m):
+                return await c.post("/v1/chat/completions", json={
+                    "model": m, "messages": [{"role": "user", "content": QUESTIONS[1]}],
+                    "max_tokens": 40, "temperature": 0, "ignore_eos": True})
+
+            traffic = [asyncio.ensure_future(ask(m)) for m in ("model", "d0", "d1", "d2") * 3]
+            await asyncio.sleep(0.2)
+            load = await c.post("/v1/adapters", json={"name": "hot", "path": str(extra)})
+            hot = await ask("hot")
+            unload = await c.delete("/v1/adapters/d1")
+            return await asyncio.gather(*traffic), load, hot, unload
+
+    traffic, load, hot, unload = asyncio.run(go())
+    assert load.status_code == 200 and hot.status_code == 200 and unload.status_code == 200
+    assert all(r.status_code == 200 for r in traffic)
+    by_model = {}
+    for r in traffic:
+        by_model.setdefault(r.json()["model"], set()).add(r.json()["choices"][0]["message"]["content"])
+    assert all(len(v) == 1 for v in by_model.values())  # no request saw a mixed-up slot
+    assert httpx.post(url + "/v1/chat/completions", json={
+        "model": "d1", "messages": [{"role": "user", "content": "x"}]}).status_code == 404
+    # The base and the remaining adapters still answer exactly as one process does.
+    assert answers(url, ["model", "d0", "d2"]) == {k: v for k, v in single.items() if k[0] != "d1"}
+
+
+def start_ranks(model, tmp_path) -> tuple[list[subprocess.Popen], str]:
+    """The two ranks started by hand, as mlx.launch starts them (a ring
+    hostfile and MLX_RANK), but with no launcher to tear the group down."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
+    port = free_port()
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "MOLA_OPENBLAS": "0", "MLX_HOSTFILE": str(hostfile), "MLX_RANK": str(rank)}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "mola", "serve", "--distributed", "--model", str(model),
+             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return procs, url
+        except httpx.HTTPError:
+            pass
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "ranks did not start"
+        time.sleep(0.3)
+
+
+def test_a_dead_rank_gives_503s_not_a_hang(setup, tmp_path):
+    model, _ = setup
+    (leader, follower), url = start_ranks(model, tmp_path)
+    try:
+        body = {"model": "model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
+        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+        follower.kill()
+        follower.wait(timeout=30)
+        t0 = time.monotonic()
+        while httpx.get(url + "/health", timeout=10).status_code == 200:
+            assert time.monotonic() - t0 < 30, "rank 0 did not notice the dead rank"
+            time.sleep(0.5)
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+        assert leader.poll() is None  # still answering: 503s, not a hang or a vanished port
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
+
+
+def test_under_mlx_launch_a_dead_rank_ends_the_group(setup):
+    """mlx.launch stops the other ranks when one dies: the group goes away
+    promptly (for a supervisor to restart), it does not hang."""
+    model, _ = setup
+    proc, url = launch(["--model", str(model)], True)
+    try:
+        followers = [pid for pid in descendants(proc.pid) if b"MLX_RANK=1" in environ(pid)]
+        assert followers
+        for pid in followers:
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=60)  # the whole group went away, promptly
+    finally:
+        kill(proc)
+    with pytest.raises(httpx.ConnectError):  # and nothing is left holding the port
+        httpx.get(url + "/health", timeout=5)
+
+
+def descendants(root: int) -> list[int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                parents[int(entry)] = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                pass
+    out = []
+    for pid in parents:
+        p = pid
+        while p > 1:
+            p = parents.get(p, 0)
+            if p == root:
+                out.append(pid)
+                break
+    return out
+
+
+def environ(pid: int) -> bytes:
+    try:
+        return open(f"/proc/{pid}/environ", "rb").read()
+    except OSError:
+        return b""
