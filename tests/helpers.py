@@ -178,3 +178,83 @@ def reference_decode(model, prompt: list[int], max_tokens: int, bias=None, frequ
         counts[token] = counts.get(token, 0) + 1
         logits = model(mx.array([[token]]), cache=cache)[0, -1]
     return tokens, lps
+
+
+# ---- an engine without the server ----------------------------------------------
+
+
+class EngineRunner:
+    """A real engine on a model directory, adapters in slots, and a blocking
+    way to run sequences to the end."""
+
+    def __init__(self, model_dir, adapters=(), max_tokens: int = 10, **config):
+        from mola.engine.engine import EngineConfig
+
+        self.max_tokens = max_tokens
+        self.done: dict = {}
+        self.cond = threading.Condition()
+        self.engine = Engine(
+            lambda: load_base_model(str(model_dir)),
+            EngineConfig(**{"max_loras": 4, "max_lora_rank": 16, **config}),
+            self._on_outputs,
+        )
+        self.loaded = self.engine.start()
+        self.slots: dict[str, int] = {}
+        for name, path in adapters:
+            self.add(name, read_adapter(path, dtype=self.engine.dtype))
+
+    def add(self, name: str, weights) -> None:
+        """Validate ``weights`` (LoRAWeights) and write them into the next slot."""
+        from mola.lora.weights import validate
+
+        validate(weights, self.engine.targets, self.engine.config.max_lora_rank)
+        slot = len(self.slots) + 1
+        self.engine.call(lambda: self.engine.packs.write(slot, weights)).result()
+        self.slots[name] = slot
+
+    def _on_outputs(self, outputs):
+        with self.cond:
+            for out in outputs:
+                if out.finish_reason is not None:
+                    self.done[out.seq.seq_id] = out.seq
+            self.cond.notify_all()
+
+    def submit(self, prompt, adapter=None, **params):
+        from mola.engine.sequence import SamplingParams, Sequence
+
+        params = {"max_tokens": self.max_tokens, "temperature": 0.0, **params}
+        seq = Sequence(prompt=list(prompt), params=SamplingParams(**params), slot=self.slots.get(adapter, 0))
+        self.engine.add(seq)
+        return seq
+
+    def wait(self, seqs, timeout=60):
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not all(s.seq_id in self.done for s in seqs):
+                assert self.cond.wait(deadline - time.monotonic()), "engine timed out"
+        return [s.output for s in seqs]
+
+    def run(self, prompt, adapter=None, **params):
+        return self.wait([self.submit(prompt, adapter, **params)])[0]
+
+    def prompt(self, question):
+        return self.loaded.tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True
+        )
+
+    def stop(self):
+        self.engine.stop()
+
+
+def detokenize(tokenizer, tokens, stop_at_eos=True) -> str:
+    """Text of ``tokens`` as mlx-lm's streaming detokenizer makes it, EOS
+    tokens left out (and, with stop_at_eos, everything after the first)."""
+    detok = tokenizer.detokenizer
+    for t in tokens:
+        if t in tokenizer.eos_token_ids:
+            if stop_at_eos:
+                break
+            continue
+        detok.add_token(t)
+    detok.finalize()
+    return detok.text

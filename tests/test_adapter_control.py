@@ -12,7 +12,7 @@ import pytest
 from mola.lora.formats import read_adapter
 from mola.lora.weights import compose
 
-from helpers import merged_model, reference_decode
+from helpers import detokenize, merged_model, reference_decode
 
 QUESTION = "Where do rivers go?"
 MAX_TOKENS = 10
@@ -37,12 +37,7 @@ def expected(server, tiny_model, adapter_dirs=(), scales=None):
     tok = server.state.tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
     tokens, _ = reference_decode(model, prompt, MAX_TOKENS)
-    detok = tok.detokenizer
-    for t in tokens:
-        if t not in tok.eos_token_ids:
-            detok.add_token(t)
-    detok.finalize()
-    return detok.text
+    return detokenize(tok, tokens, stop_at_eos=False)
 
 
 def test_compose_is_the_sum_of_deltas(adapters):

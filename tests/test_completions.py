@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from helpers import merged_model, reference_decode, sse_events, validate_schema
+from helpers import detokenize, merged_model, reference_decode, sse_events, validate_schema
 
 PROMPT = "The capital of France is"
 
@@ -25,12 +25,7 @@ def models(tiny_model, adapters):
 
 
 def detok(tok, tokens):
-    d = tok.detokenizer
-    for t in tokens:
-        if t not in tok.eos_token_ids:
-            d.add_token(t)
-    d.finalize()
-    return d.text
+    return detokenize(tok, tokens, stop_at_eos=False)  # ignore_eos requests
 
 
 def complete(client, **body):

@@ -3,19 +3,13 @@ weights (mola/engine/engine.py, runner.py)."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 from mlx_lm import load
 from mlx_lm.tuner.utils import load_adapters
 
-from mola.engine.engine import Engine, EngineConfig
-from mola.engine.loader import load_base_model
-from mola.engine.sequence import SamplingParams, Sequence
-from mola.lora.formats import read_adapter
-from mola.lora.weights import validate
-
+from helpers import EngineRunner as Runner
 from helpers import greedy_tokens, merged_model
 
 QUESTIONS = [
@@ -27,61 +21,9 @@ QUESTIONS = [
 MAX_TOKENS = 10
 
 
-class Runner:
-    """An engine plus a blocking way to run sequences to the end."""
-
-    def __init__(self, model_dir, adapters=(), **config):
-        self.done: dict[int, Sequence] = {}
-        self.cond = threading.Condition()
-        self.engine = Engine(
-            lambda: load_base_model(str(model_dir)),
-            EngineConfig(**{"max_loras": 4, "max_lora_rank": 16, **config}),
-            self._on_outputs,
-        )
-        self.loaded = self.engine.start()
-        self.slots = {}
-        for slot, (name, path) in enumerate(adapters, start=1):
-            weights = read_adapter(path, dtype=self.engine.dtype)
-            validate(weights, self.engine.targets, self.engine.config.max_lora_rank)
-            self.engine.call(lambda s=slot, w=weights: self.engine.packs.write(s, w)).result()
-            self.slots[name] = slot
-
-    def _on_outputs(self, outputs):
-        with self.cond:
-            for out in outputs:
-                if out.finish_reason is not None:
-                    self.done[out.seq.seq_id] = out.seq
-            self.cond.notify_all()
-
-    def submit(self, prompt, adapter=None, **params):
-        params = {"max_tokens": MAX_TOKENS, "temperature": 0.0, **params}
-        seq = Sequence(prompt=list(prompt), params=SamplingParams(**params),
-                       slot=self.slots.get(adapter, 0))
-        self.engine.add(seq)
-        return seq
-
-    def wait(self, seqs, timeout=60):
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while not all(s.seq_id in self.done for s in seqs):
-                assert self.cond.wait(deadline - time.monotonic()), "engine timed out"
-        return [s.output for s in seqs]
-
-    def run(self, prompt, adapter=None, **params):
-        return self.wait([self.submit(prompt, adapter, **params)])[0]
-
-    def prompt(self, question):
-        return self.loaded.tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True
-        )
-
-    def stop(self):
-        self.engine.stop()
-
-
 @pytest.fixture(scope="module")
 def runner(tiny_model, adapters):
-    r = Runner(tiny_model, adapters=list(adapters.items()))
+    r = Runner(tiny_model, adapters=list(adapters.items()), max_tokens=MAX_TOKENS)
     yield r
     r.stop()
 
@@ -121,7 +63,7 @@ def test_output_does_not_depend_on_the_batch(runner, adapters):
 
 
 def test_chunked_prefill_matches_reference(tiny_model, adapters, references):
-    r = Runner(tiny_model, adapters=[("c", adapters["c"])], prefill_step_size=5)
+    r = Runner(tiny_model, adapters=[("c", adapters["c"])], max_tokens=MAX_TOKENS, prefill_step_size=5)
     try:
         for name in (None, "c"):
             q = QUESTIONS[3]
@@ -167,7 +109,7 @@ def test_quantized_base_matches_mlx_lm_lora(quantized_model, tmp_path):
 
     adapter = make_random_adapter(tmp_path / "qa", quantized_model, rank=8,
                                   keys=("self_attn.q_proj", "mlp.up_proj"), seed=5)
-    r = Runner(quantized_model, adapters=[("qa", adapter)])
+    r = Runner(quantized_model, adapters=[("qa", adapter)], max_tokens=MAX_TOKENS)
     try:
         model, _ = load(str(quantized_model))
         base_ref = {q: greedy_tokens(model, r.prompt(q), MAX_TOKENS) for q in QUESTIONS}

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import gguf
@@ -15,9 +13,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mola.engine.engine import Engine, EngineConfig
-from mola.engine.loader import load_base_model
-from mola.engine.sequence import SamplingParams, Sequence
 from mola.errors import InvalidAdapter
 from mola.lora.formats import detect_format, read_adapter
 from mola.lora.formats.gguf import is_gguf_file, read_gguf_adapter
@@ -25,6 +20,7 @@ from mola.lora.weights import LoRAWeights, ModuleLoRA, validate
 from mola.synthetic.adapter import linear_shapes, read_model_config
 from mola.synthetic.gguf import save_gguf_adapter
 
+from helpers import EngineRunner as Runner
 from helpers import greedy_tokens, merged_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,56 +137,6 @@ def write_raw_gguf(path, *, general_type="adapter", adapter_type="lora", arch="l
     return path
 
 
-class Runner:
-    """An engine serving already-read adapters, plus a blocking way to run
-    sequences to the end (as in test_engine.py)."""
-
-    def __init__(self, model_dir, **config):
-        self.done: dict[int, Sequence] = {}
-        self.cond = threading.Condition()
-        self.engine = Engine(
-            lambda: load_base_model(str(model_dir)),
-            EngineConfig(**{"max_loras": 4, "max_lora_rank": 16, **config}),
-            self._on_outputs,
-        )
-        self.loaded = self.engine.start()
-        self.slots: dict[str, int] = {}
-
-    def add(self, name: str, weights: LoRAWeights) -> None:
-        validate(weights, self.engine.targets, self.engine.config.max_lora_rank)
-        slot = len(self.slots) + 1
-        self.engine.call(lambda: self.engine.packs.write(slot, weights)).result()
-        self.slots[name] = slot
-
-    def _on_outputs(self, outputs):
-        with self.cond:
-            for out in outputs:
-                if out.finish_reason is not None:
-                    self.done[out.seq.seq_id] = out.seq
-            self.cond.notify_all()
-
-    def submit(self, prompt, adapter=None):
-        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-        seq = Sequence(prompt=list(prompt), params=params, slot=self.slots.get(adapter, 0))
-        self.engine.add(seq)
-        return seq
-
-    def wait(self, seqs, timeout=60):
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while not all(s.seq_id in self.done for s in seqs):
-                assert self.cond.wait(deadline - time.monotonic()), "engine timed out"
-        return [s.output for s in seqs]
-
-    def prompt(self, question):
-        return self.loaded.tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True
-        )
-
-    def stop(self):
-        self.engine.stop()
-
-
 # ---- 1. round trip at the weights level ----------------------------------------
 
 
@@ -292,7 +238,7 @@ def test_qwen_lora_b_is_not_permuted(adapters, tmp_path, arch):
 
 @pytest.fixture(scope="module")
 def runner(tiny_model):
-    r = Runner(tiny_model)
+    r = Runner(tiny_model, max_tokens=MAX_TOKENS)
     yield r
     r.stop()
 

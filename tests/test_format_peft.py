@@ -9,17 +9,12 @@ import json
 import math
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from mola.engine.engine import Engine, EngineConfig
-from mola.engine.loader import load_base_model
-from mola.engine.sequence import SamplingParams, Sequence
 from mola.errors import InvalidAdapter
 from mola.lora.formats import detect_format, read_adapter
 from mola.lora.formats.peft import is_peft_adapter, looks_like_peft_config, read_peft_adapter
@@ -27,6 +22,7 @@ from mola.lora.weights import LoRAWeights, ModuleLoRA, validate
 from mola.synthetic.adapter import linear_shapes, read_model_config
 from mola.synthetic.peft import save_peft_adapter
 
+from helpers import EngineRunner as Runner
 from helpers import greedy_tokens, merged_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,56 +194,6 @@ def test_devtools_converter(adapters, tmp_path):
 # ---- 2. twins at the output level, on the real engine --------------------------------
 
 
-class Runner:
-    """An engine with adapters in slots, and a blocking way to run sequences
-    (the pattern of tests/test_engine.py)."""
-
-    def __init__(self, model_dir, adapters=(), **config):
-        self.done: dict[int, Sequence] = {}
-        self.cond = threading.Condition()
-        self.engine = Engine(
-            lambda: load_base_model(str(model_dir)),
-            EngineConfig(**{"max_loras": 4, "max_lora_rank": 16, **config}),
-            self._on_outputs,
-        )
-        self.loaded = self.engine.start()
-        self.slots = {}
-        for slot, (name, path) in enumerate(adapters, start=1):
-            weights = read_adapter(path, dtype=self.engine.dtype)
-            validate(weights, self.engine.targets, self.engine.config.max_lora_rank)
-            self.engine.call(lambda s=slot, w=weights: self.engine.packs.write(s, w)).result()
-            self.slots[name] = slot
-
-    def _on_outputs(self, outputs):
-        with self.cond:
-            for out in outputs:
-                if out.finish_reason is not None:
-                    self.done[out.seq.seq_id] = out.seq
-            self.cond.notify_all()
-
-    def submit(self, prompt, adapter=None, max_tokens=8):
-        seq = Sequence(prompt=list(prompt),
-                       params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
-                       slot=self.slots[adapter] if adapter else 0)
-        self.engine.add(seq)
-        return seq
-
-    def wait(self, seqs, timeout=60):
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while not all(s.seq_id in self.done for s in seqs):
-                assert self.cond.wait(deadline - time.monotonic()), "engine timed out"
-        return [s.output for s in seqs]
-
-    def prompt(self, question):
-        return self.loaded.tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True
-        )
-
-    def stop(self):
-        self.engine.stop()
-
-
 QUESTIONS = ["Hello there", "What is the capital of France? Please answer in one word."]
 MAX_TOKENS = 8
 
@@ -258,7 +204,7 @@ def test_peft_twins_serve_like_their_mlx_lm_originals(tiny_model, adapters, twin
     both equal plain mlx-lm on merged weights."""
     slots = [("a", adapters["a"]), ("a-peft", twins["a", "plain"]),
              ("c", adapters["c"]), ("c-peft", twins["c", "rslora"])]
-    runner = Runner(tiny_model, adapters=slots)
+    runner = Runner(tiny_model, adapters=slots, max_tokens=MAX_TOKENS)
     try:
         prompts = {q: runner.prompt(q) for q in QUESTIONS}
         refs = {}
@@ -267,7 +213,7 @@ def test_peft_twins_serve_like_their_mlx_lm_originals(tiny_model, adapters, twin
             for q in QUESTIONS:
                 refs[name, q] = greedy_tokens(model, prompts[q], MAX_TOKENS)
         jobs = [(n, q) for q in QUESTIONS for n in (None, "a", "a-peft", "c", "c-peft")]
-        seqs = [runner.submit(prompts[q], n, MAX_TOKENS) for n, q in jobs]
+        seqs = [runner.submit(prompts[q], n) for n, q in jobs]
         outputs = dict(zip(jobs, runner.wait(seqs)))
     finally:
         runner.stop()

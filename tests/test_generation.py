@@ -9,7 +9,7 @@ import math
 import httpx
 import pytest
 
-from helpers import merged_model, reference_decode, sse_events, validate_schema
+from helpers import detokenize, merged_model, reference_decode, sse_events, validate_schema
 
 QUESTION = "Tell me about the mountains."
 
@@ -41,12 +41,7 @@ def chat(client, **extra):
 
 
 def text_of(tok, tokens):
-    d = tok.detokenizer
-    for t in tokens:
-        if t not in tok.eos_token_ids:
-            d.add_token(t)
-    d.finalize()
-    return d.text
+    return detokenize(tok, tokens, stop_at_eos=False)  # ignore_eos requests
 
 
 def test_n_choices(client):

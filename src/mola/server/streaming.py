@@ -4,6 +4,10 @@ followed by a blank line, and a final `data: [DONE]`."""
 from __future__ import annotations
 
 import json
+from typing import AsyncIterator, Callable
+
+from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
 
 
 def sse(payload: dict) -> str:
@@ -12,3 +16,14 @@ def sse(payload: dict) -> str:
 
 def sse_done() -> str:
     return "data: [DONE]\n\n"
+
+
+def event_stream(events: AsyncIterator[str], on_close: Callable[[], None]) -> StreamingResponse:
+    """An SSE response of ``events``; ``on_close`` runs when it ends, however
+    it ends (client gone included)."""
+    return StreamingResponse(
+        events,
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        background=BackgroundTask(on_close),
+    )

@@ -10,34 +10,20 @@ delta(x) = scale * (x @ lora_a) @ lora_b, as mlx-lm's LoRALinear computes it.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import mlx.core as mx
 
 from ...errors import InvalidAdapter
+from .common import CONFIG_FILE, read_config
 from ..weights import LoRAWeights, ModuleLoRA
 
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapters.safetensors"
 
 
 def is_mlx_lm_adapter(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
-
-
-def read_config(path: Path) -> dict:
-    config_file = path / CONFIG_FILE
-    try:
-        config = json.loads(config_file.read_text())
-    except FileNotFoundError:
-        raise InvalidAdapter(f"Adapter at {path} has no {CONFIG_FILE}.") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidAdapter(f"{config_file} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise InvalidAdapter(f"{config_file} must hold a JSON object.")
-    return config
 
 
 def adapter_scale(config: dict, where: Path) -> float:

@@ -31,11 +31,11 @@ from pathlib import Path
 import mlx.core as mx
 
 from ...errors import InvalidAdapter
+from .common import CONFIG_FILE, read_config
 from ..weights import LoRAWeights, ModuleLoRA
 
 log = logging.getLogger("mola.adapters")
 
-CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_WEIGHTS_FILE = "adapter_model.bin"
 PREFIX = "base_model.model."
@@ -104,19 +104,6 @@ def is_peft_adapter(path: Path) -> bool:
 
 
 # ---- config -----------------------------------------------------------------------
-
-
-def read_config(path: Path) -> dict:
-    config_file = path / CONFIG_FILE
-    try:
-        config = json.loads(config_file.read_text())
-    except FileNotFoundError:
-        raise InvalidAdapter(f"Adapter at {path} has no {CONFIG_FILE}.") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InvalidAdapter(f"{config_file} is not valid JSON: {e}") from None
-    if not isinstance(config, dict):
-        raise InvalidAdapter(f"{config_file} must hold a JSON object.")
-    return config
 
 
 def _positive_number(value, what: str, where: Path, *, integer: bool) -> float | int:

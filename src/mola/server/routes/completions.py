@@ -7,8 +7,7 @@ import contextlib
 from typing import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from starlette.background import BackgroundTask
+from fastapi.responses import JSONResponse
 
 from ...errors import MolaError
 from .. import responses as r
@@ -16,7 +15,7 @@ from ..errors import error_payload
 from ..generation import Generation, encode_prompts, merge, run_until_disconnect, start_generations
 from ..protocol import CompletionRequest
 from ..state import ServerState
-from ..streaming import sse, sse_done
+from ..streaming import event_stream, sse, sse_done
 
 router = APIRouter()
 
@@ -28,12 +27,7 @@ async def create_completion(body: CompletionRequest, request: Request):
     prompts = encode_prompts(state.tokenizer, body, state.vocab_size)
     gens = await start_generations(state, body, prompts)
     if body.stream:
-        return StreamingResponse(
-            _stream(state, gens, body, request),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            background=BackgroundTask(lambda: [g.close() for g in gens]),
-        )
+        return event_stream(_stream(state, gens, body, request), lambda: [g.close() for g in gens])
     result = await run_until_disconnect(_complete(state, gens, body, prompts), request)
     return JSONResponse(result) if result is not None else None
 
