@@ -86,6 +86,7 @@ def create_app(state: ServerState) -> FastAPI:
         finally:
             state.draining = True
             state.loader.close()
+            state.tokenizer_thread.shutdown(wait=False)
 
     app = FastAPI(title="mola", version="0.1.0", lifespan=lifespan)
     app.state.mola = state

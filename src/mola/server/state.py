@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,14 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     active_sequences: int = 0  # generations admitted and not finished (each choice counts)
     draining: bool = False  # shutting down: no new generations
+    # Templating and tokenizing run off the event loop, one at a time: a
+    # Hugging Face fast tokenizer must not be used by two threads at once.
+    tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mola-tokenizer"))
+
+    async def tokenize(self, fn, *args):
+        """Run ``fn(*args)`` on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
 
     def queued(self) -> int:
         """Sequences waiting beyond what the decode batch holds."""

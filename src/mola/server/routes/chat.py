@@ -23,7 +23,8 @@ router = APIRouter()
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.mola
     body.check_supported()
-    prompt = render_chat(state.tokenizer, body)
+    # Templating and tokenizing a long prompt takes a while: off the event loop.
+    prompt = await state.tokenize(render_chat, state.tokenizer, body)
     tools = body.tools if body.uses_tools() else None
     gens = await start_generations(state, body, [prompt], tools)
     if body.stream:

@@ -24,7 +24,7 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, request: Request):
     state: ServerState = request.app.state.mola
     body.check_supported()
-    prompts = encode_prompts(state.tokenizer, body, state.vocab_size)
+    prompts = await state.tokenize(encode_prompts, state.tokenizer, body, state.vocab_size)
     gens = await start_generations(state, body, prompts)
     if body.stream:
         return event_stream(_stream(state, gens, body, request), lambda: [g.close() for g in gens])
