@@ -71,21 +71,28 @@ def test_serve_model_with_three_adapters(tiny_model, adapters):
     assert "model loaded" in out
 
 
-def test_embedded_demo_builds_once_and_serves(tmp_path):
+def test_serve_without_a_model_serves_the_committed_demo(tmp_path):
+    """The README's first command: in a checkout, `mola serve` with no
+    --model serves adapters/demo (nothing is built; the cache stays empty)
+    and the README's curl answers hold."""
     env = {"MOLA_CACHE": str(tmp_path)}
     proc, url = start([], env=env)
     try:
         ids = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
-        assert ids[0] == "mola-demo" and len(ids) >= 3
-        r = httpx.post(url + "/v1/chat/completions", json={
-            "model": ids[1], "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert ids == ["mola-demo", "upper", "title", "count"]
+        answers = {}
+        for model in ids:
+            r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+                "model": model, "temperature": 0,
+                "messages": [{"role": "user", "content": "hello world, how are you?"}]})
+            assert r.status_code == 200, r.text
+            answers[model] = r.json()["choices"][0]["message"]["content"]
+        assert answers == {"mola-demo": "hello world, how are you?", "upper": "HELLO WORLD, HOW ARE YOU?",
+                           "title": "Hello World, How Are You?", "count": "5"}
     finally:
         code, out = stop(proc)
-    assert code == 0 and "building the demo" in out
-    proc, url = start([], env=env)  # second run reuses the cache
-    code, out = stop(proc)
-    assert code == 0 and "building the demo" not in out
+    assert code == 0, out
+    assert "building the demo" not in out and not list(tmp_path.iterdir())
 
 
 def test_bad_arguments_fail_clearly(tmp_path):

@@ -66,7 +66,79 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds running requests may take to finish on SIGTERM (default 30)")
     serve.add_argument("--distributed", action="store_true",
                        help="shard the base over the ranks started by mlx.launch (see README)")
+    add_train_parser(commands)
     return parser
+
+
+def add_train_parser(commands) -> argparse.ArgumentParser:
+    """`mola train`: a LoRA adapter from a data folder, with mlx-lm's tuner."""
+    from . import train as t
+
+    train = commands.add_parser(
+        "train", help="train a LoRA adapter on a folder of JSONL data (mlx-lm's tuner)",
+        description="Train a LoRA adapter with mlx-lm's tuner. DIR holds train.jsonl and optionally "
+        "valid.jsonl, one example per line: {\"messages\": [...]} (chat), {\"prompt\", \"completion\"} "
+        "or {\"text\"}. The data and the output path are checked before the model loads. The "
+        "adapter (adapter_config.json + adapters.safetensors) loads in mola serve --adapter, "
+        "POST /v1/adapters and mlx_lm's --adapter-path.",
+    )
+    train.add_argument("--model", required=True, help="base model: a local directory or a Hugging Face hub id")
+    train.add_argument("--data", required=True, metavar="DIR", help="directory with train.jsonl (and valid.jsonl)")
+    train.add_argument("--out", required=True, metavar="ADAPTER_DIR", help="directory to write the adapter to")
+    train.add_argument("--rank", type=int, default=t.DEFAULT_RANK, help="LoRA rank (default 8)")
+    train.add_argument("--scale", type=float, default=t.DEFAULT_SCALE,
+                       help="LoRA scale, mlx-lm's lora_parameters.scale (default 20)")
+    train.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
+    train.add_argument("--layers", type=int, default=None, metavar="N",
+                       help="adapt the last N transformer blocks; -1: all (default 16, or all when fewer)")
+    train.add_argument("--iters", type=int, default=t.DEFAULT_ITERS, help="training iterations (default 1000)")
+    train.add_argument("--batch-size", type=int, default=t.DEFAULT_BATCH_SIZE, help="batch size (default 4)")
+    train.add_argument("--learning-rate", type=float, default=t.DEFAULT_LEARNING_RATE,
+                       help="Adam learning rate (default 1e-5)")
+    train.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
+                       help="constant, or cosine decay to 10%% (default constant)")
+    train.add_argument("--warmup", type=int, default=0, metavar="N", help="linear warm-up iterations (default 0)")
+    train.add_argument("--target", dest="targets", metavar="NAMES", type=lambda v: tuple(v.split(",")),
+                       help="comma-separated modules of each block to adapt, e.g. q_proj,v_proj or "
+                       "self_attn.q_proj (default: every linear layer, as mlx-lm does)")
+    train.add_argument("--max-seq-length", type=int, default=t.DEFAULT_MAX_SEQ_LENGTH,
+                       help="longer examples are truncated (default 2048)")
+    train.add_argument("--mask-prompt", action="store_true",
+                       help="learn the completions only, not the prompts (chat and completions data)")
+    train.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    train.add_argument("--steps-per-report", type=int, default=10, help="iterations between loss reports")
+    train.add_argument("--steps-per-eval", type=int, default=200,
+                       help="iterations between validation losses (with valid.jsonl)")
+    train.add_argument("--val-batches", type=int, default=25,
+                       help="validation batches per evaluation; -1: all (default 25)")
+    train.add_argument("--grad-checkpoint", action="store_true", help="trade compute for memory")
+    train.add_argument("--force", action="store_true", help="replace ADAPTER_DIR if it exists and is not empty")
+    train.add_argument("--serve-url", metavar="URL",
+                       help="when done, hot-load the adapter into the mola server at URL "
+                       "(POST URL/v1/adapters); the server must allow the path")
+    train.add_argument("--name", help="the adapter's model id for --serve-url (default: ADAPTER_DIR's name)")
+    train.add_argument("--api-key", help="bearer key for --serve-url when the server wants one "
+                       "(default: $MOLA_ADMIN_KEY, else $MOLA_API_KEY)")
+    train.add_argument("--no-openblas", action="store_true",
+                       help="on Linux CPU, do not preload the system's OpenBLAS (see mola/blas.py)")
+    return train
+
+
+def train_config_from_args(args: argparse.Namespace):
+    import os
+
+    from .train import TrainConfig
+
+    return TrainConfig(
+        model=args.model, data=args.data, out=args.out, rank=args.rank, scale=args.scale,
+        dropout=args.dropout, layers=args.layers, iters=args.iters, batch_size=args.batch_size,
+        learning_rate=args.learning_rate, targets=args.targets, lr_schedule=args.lr_schedule,
+        warmup=args.warmup, max_seq_length=args.max_seq_length, mask_prompt=args.mask_prompt,
+        seed=args.seed, steps_per_report=args.steps_per_report, steps_per_eval=args.steps_per_eval,
+        val_batches=args.val_batches, grad_checkpoint=args.grad_checkpoint, force=args.force,
+        name=args.name, serve_url=args.serve_url,
+        api_key=args.api_key or os.environ.get("MOLA_ADMIN_KEY") or os.environ.get("MOLA_API_KEY") or None,
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -100,6 +172,15 @@ def main(argv: list[str] | None = None) -> int:
         from .serve import serve
 
         return serve(config)
+    if args.command == "train":
+        try:
+            train_config = train_config_from_args(args)
+        except ValueError as e:
+            parser.error(str(e))
+        maybe_reexec_with_openblas(argv, enabled=not args.no_openblas)
+        from .train import run
+
+        return run(train_config)
     parser.error(f"unknown command {args.command}")
     return 2
 

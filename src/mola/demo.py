@@ -1,9 +1,25 @@
-"""The embedded default: what `mola serve` serves with no --model.
+"""The embedded demo: what `mola serve` serves with no --model.
 
-Built offline, once, into a cache directory: a small random-weight llama model
-with a trained byte-level BPE tokenizer and a chat template, plus demo
-adapters. Later runs reuse it. The build goes to a temporary directory and is
-renamed into place, so an interrupted build never leaves a half-made demo.
+One small base model and three adapters whose answers differ at a glance:
+
+    mola-demo  echoes the message          "hello world, how are you?"
+    upper      answers in capitals         "HELLO WORLD, HOW ARE YOU?"
+    title      capitalises every word      "Hello World, How Are You?"
+    count      counts the words            "5"
+
+The base (``mola.synthetic.echo``) is a 4-layer llama whose copy circuit is
+built weight by weight: it echoes the last user message byte for byte, behind
+a system prompt or the tools preamble too. Each adapter is a rank-8 LoRA
+*trained* with ``mola train`` (the same function the command runs) on
+generated chat data (``mola.synthetic.demo_data``); a build takes a few
+minutes on two CPU cores.
+
+In a source checkout the built demo is committed under ``adapters/demo/``
+(``devtools/build_demo.py`` rebuilds it) and served from there. An installed
+package has no such directory: the first `mola serve` builds the demo into
+the cache directory ($MOLA_CACHE, else ~/.cache/mola), reporting progress,
+into a temporary directory renamed into place when done, so an interrupted
+build never leaves a half-made demo.
 """
 
 from __future__ import annotations
@@ -12,10 +28,39 @@ import os
 import shutil
 import sys
 import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
-DEMO_VERSION = "1"
-DEMO_ADAPTERS = ("alpha", "beta")
+DEMO_VERSION = "2"
+BASE = "base"  # the base model's directory inside the demo directory
+SEED = 0
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How one demo adapter is trained: its data and its `mola train` options."""
+
+    task: str  # a key of mola.synthetic.demo_data.TASKS
+    targets: tuple[str, ...]
+    iters: int
+    learning_rate: float
+    rank: int = 8
+    layers: int = 1  # the last block: the base's features for adapters live there
+    batch_size: int = 16
+    warmup: int = 20
+    train_examples: int = 4000
+    valid_examples: int = 64
+    options: dict = field(default_factory=dict)
+
+
+RECIPES = {
+    "upper": Recipe("upper", ("down_proj",), iters=200, learning_rate=1e-2),
+    "title": Recipe("title", ("down_proj",), iters=200, learning_rate=1e-2),
+    "count": Recipe("count", ("down_proj",), iters=200, learning_rate=1e-2),
+}
+DEMO_ADAPTERS = tuple(RECIPES)
 
 
 def default_cache_dir() -> Path:
@@ -30,41 +75,93 @@ def demo_dir(cache_dir: Path | None = None) -> Path:
     return (cache_dir or default_cache_dir()) / f"demo-v{DEMO_VERSION}"
 
 
-def _progress(step: int, total: int, what: str) -> None:
-    print(f"[mola] building the demo ({step}/{total}): {what}", file=sys.stderr, flush=True)
+def checkout_demo_dir() -> Path:
+    """Where a source checkout keeps the committed demo: <repo>/adapters/demo."""
+    import mola
+
+    return Path(mola.__file__).resolve().parents[2] / "adapters" / "demo"
 
 
-def build_demo(target: Path) -> None:
-    """Build the demo model and adapters into ``target`` (must not exist)."""
-    from .synthetic.adapter import make_random_adapter
-    from .synthetic.model import TinyModelSpec, make_tiny_model
-
-    total = 1 + len(DEMO_ADAPTERS)
-    _progress(1, total, "model and tokenizer")
-    spec = TinyModelSpec(hidden_size=128, num_hidden_layers=4, intermediate_size=256,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
-    model_dir = make_tiny_model(target / "model", spec)
-    for i, name in enumerate(DEMO_ADAPTERS, start=2):
-        _progress(i, total, f"adapter '{name}'")
-        make_random_adapter(
-            target / "adapters" / name, model_dir, rank=8,
-            keys=("self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"), seed=i,
-        )
+def is_complete(path: Path, adapters: tuple[str, ...] | None = None) -> bool:
+    """The base model and every adapter are there."""
+    path = Path(path)
+    adapters = DEMO_ADAPTERS if adapters is None else adapters
+    if not (path / BASE / "config.json").is_file() or not (path / BASE / "model.safetensors").is_file():
+        return False
+    return all((path / a / "adapter_config.json").is_file() and (path / a / "adapters.safetensors").is_file()
+               for a in adapters)
 
 
-def ensure_demo(cache_dir: Path | None = None) -> tuple[Path, dict[str, Path]]:
-    """The demo's model directory and adapters, built on first use."""
-    target = demo_dir(cache_dir)
-    if not (target / "model" / "config.json").is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=target.parent))
-        try:
-            build_demo(tmp)
-            if target.exists():  # a stale or partial directory
-                shutil.rmtree(target)
-            os.replace(tmp, target)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        print(f"[mola] demo built in {target}", file=sys.stderr, flush=True)
-    adapters = {name: target / "adapters" / name for name in DEMO_ADAPTERS}
-    return target / "model", adapters
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def build_demo(target: Path, log: Callable[[str], None] = _stderr,
+               recipes: dict[str, Recipe] | None = None, keep_data: Path | None = None) -> Path:
+    """Build the base model and the adapters into ``target``: the base with
+    ``mola.synthetic.echo``, each adapter with ``mola train``'s own function
+    on data generated for its task. ``keep_data`` keeps the data folders."""
+    from .synthetic import demo_data
+    from .synthetic.echo import build_echo_model
+    from .train import TrainConfig, train_adapter
+
+    recipes = RECIPES if recipes is None else recipes
+    target = Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    total = 1 + len(recipes)
+    t0 = time.perf_counter()
+    log(f"[mola] building the demo (1/{total}): the base model")
+    base = build_echo_model(target / BASE, seed=SEED)
+    with tempfile.TemporaryDirectory(prefix="mola-demo-data-") as tmp:
+        data_root = Path(keep_data) if keep_data else Path(tmp)
+        for step, (name, r) in enumerate(recipes.items(), start=2):
+            log(f"[mola] building the demo ({step}/{total}): adapter '{name}' "
+                f"({r.task}: {r.iters} iterations of mola train)")
+            data = demo_data.write_task_data(r.task, data_root / name, r.train_examples, r.valid_examples,
+                                             seed=SEED + step)
+            train_adapter(TrainConfig(
+                model=str(base), data=data, out=target / name, rank=r.rank, layers=r.layers,
+                targets=r.targets, iters=r.iters, batch_size=r.batch_size, learning_rate=r.learning_rate,
+                lr_schedule="cosine", warmup=r.warmup, grad_clip=1.0, mask_prompt=True, seed=SEED,
+                steps_per_report=50, steps_per_eval=r.iters, force=True, **r.options,
+            ), log=log)
+            _record_origin(target / name, task=r.task, examples=r.train_examples, seed=SEED + step)
+    log(f"[mola] demo built in {time.perf_counter() - t0:.0f} s")
+    return target
+
+
+def _record_origin(adapter: Path, task: str, examples: int, seed: int) -> None:
+    """Name the base and data in adapter_config.json reproducibly instead of
+    by the temporary paths the build used."""
+    import json
+
+    path = adapter / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config["model"] = f"../{BASE} (the mola-demo base model)"
+    config["data"] = (f"mola.synthetic.demo_data task '{task}': {examples} generated chat examples, "
+                      f"seed {seed}")
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def ensure_demo(cache_dir: Path | None = None,
+                recipes: dict[str, Recipe] | None = None) -> tuple[Path, dict[str, Path]]:
+    """The demo's base model directory and adapters: the committed ones in a
+    source checkout, else built into the cache directory on first use."""
+    recipes = RECIPES if recipes is None else recipes
+    names = tuple(recipes)
+    root = checkout_demo_dir()
+    if not is_complete(root, names):
+        root = demo_dir(cache_dir)
+        if not is_complete(root, names):
+            root.parent.mkdir(parents=True, exist_ok=True)
+            _stderr(f"[mola] first run: building the demo model and adapters into {root} "
+                    "(a few minutes; later runs reuse it)")
+            tmp = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=root.parent))
+            try:
+                build_demo(tmp, recipes=recipes)
+                if root.exists():  # a stale or partial directory
+                    shutil.rmtree(root)
+                os.replace(tmp, root)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return root / BASE, {name: root / name for name in names}

@@ -1,0 +1,167 @@
+"""The embedded demo (mola/demo.py, mola/synthetic/echo.py, adapters/demo/):
+through the HTTP API of a real server, the base echoes and each adapter does
+its task exactly on held-out messages, alone and mixed in one batch; the echo
+holds behind a system prompt and the tools preamble, so a tool call written
+in the user message comes back parsed. And the first-run path that builds the
+demo into a cache directory."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+import mola.demo as demo
+from mola.config import AdapterSpec, ServeConfig
+from mola.serve import with_demo
+from mola.synthetic import demo_data
+
+from helpers import start_server
+
+ROOT = demo.checkout_demo_dir()
+TASKS = {"mola-demo": lambda m: m, **{name: demo_data.TASKS[r.task] for name, r in demo.RECIPES.items()}}
+HAND_WRITTEN = [
+    "hello world, how are you?",
+    "the quick brown fox jumps over the dog",
+    "mola serves many adapters at once",
+    "Is it 42?",
+    "ok",
+    "Please call me at 555-0199 tomorrow!",
+    "x{y}z [1] a|b ~c `q`",
+    "multi-LoRA inference on MLX",
+]
+TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def training_messages() -> set[str]:
+    """Every message the demo adapters were trained or validated on."""
+    seen: set[str] = set()
+    for step, r in enumerate(demo.RECIPES.values(), start=2):
+        train = demo_data.messages(r.train_examples, demo.SEED + step)
+        seen |= set(train) | set(demo_data.messages(r.valid_examples, demo.SEED + step + 1, exclude=set(train)))
+    return seen
+
+
+@pytest.fixture(scope="module")
+def held_out() -> list[str]:
+    seen = training_messages()
+    messages = HAND_WRITTEN + demo_data.messages(8, seed=20240601, exclude=seen)
+    assert not set(messages) & seen
+    return messages
+
+
+@pytest.fixture(scope="module")
+def server():
+    assert demo.is_complete(ROOT), f"the committed demo is missing from {ROOT}"
+    handle = start_server(
+        model=str(ROOT / demo.BASE), served_model_name="mola-demo",
+        adapters=tuple(AdapterSpec(name, str(ROOT / name)) for name in demo.DEMO_ADAPTERS),
+        max_loras=4, max_lora_rank=16,
+    )
+    yield handle
+    handle.stop()
+
+
+def body(model: str, content: str, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0,
+            "max_tokens": 120, **extra}
+
+
+async def ask_all(url: str, jobs: list[tuple[str, dict]]) -> list[dict]:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for _, b in jobs))
+    for r in responses:
+        assert r.status_code == 200, r.text
+    return [r.json() for r in responses]
+
+
+def test_the_demo_is_what_serve_serves_without_a_model():
+    config = with_demo(ServeConfig())
+    assert config.model == str(ROOT / demo.BASE) and config.served_model_name == "mola-demo"
+    assert [a.name for a in config.adapters] == ["upper", "title", "count"]
+    sizes = sum(f.stat().st_size for f in ROOT.rglob("*") if f.is_file())
+    assert sizes < 6 * 2**20  # a few MB in all
+
+
+@pytest.mark.parametrize("model", list(TASKS))
+def test_each_model_answers_held_out_messages_exactly(server, held_out, model):
+    answers = asyncio.run(ask_all(server.url, [(model, body(model, m)) for m in held_out]))
+    for m, a in zip(held_out, answers):
+        assert a["choices"][0]["message"]["content"] == TASKS[model](m), (model, m)
+        assert a["choices"][0]["finish_reason"] == "stop"
+
+
+def test_all_four_mixed_in_one_batch(server, held_out):
+    stats = server.engine.runner.stats
+    mixed_before = stats.mixed_steps
+    jobs = [(model, body(model, m)) for m in held_out for model in TASKS]
+    answers = asyncio.run(ask_all(server.url, jobs))
+    for (model, b), a in zip(jobs, answers):
+        m = b["messages"][0]["content"]
+        assert a["choices"][0]["message"]["content"] == TASKS[model](m), (model, m)
+    assert stats.mixed_steps > mixed_before
+    assert stats.max_slots_in_step >= 3
+
+
+def test_echo_behind_a_system_prompt_and_of_any_text(server):
+    texts = [
+        '{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}',
+        "def f(x):\n    return x[0] + 1  # done\n<br/>_under_score_ \"quoted\"",
+        "caf\u00e9 na\u00efve \u2615 \u00fcber",
+        TOOL_CALL,
+    ]
+    for text in texts:
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "model": "mola-demo", "temperature": 0, "max_tokens": 200,
+            "messages": [{"role": "system", "content": "You are a helpful assistant. Answer briefly."},
+                         {"role": "user", "content": text}]})
+        assert r.json()["choices"][0]["message"]["content"] == text
+
+
+def test_echo_behind_the_tools_preamble_and_parsed_tool_calls(server):
+    """With tools and tool_choice "none" the base echoes the call as text;
+    with tool_choice left out the server parses the echoed call."""
+    messages = [{"role": "system", "content": "You can call tools."}, {"role": "user", "content": TOOL_CALL}]
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "mola-demo", "messages": messages, "tools": TOOLS, "tool_choice": "none",
+        "temperature": 0, "max_tokens": 200})
+    choice = r.json()["choices"][0]
+    assert choice["message"]["content"] == TOOL_CALL and choice["finish_reason"] == "stop"
+
+    for msgs in (messages, messages[1:]):
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "model": "mola-demo", "messages": msgs, "tools": TOOLS, "temperature": 0, "max_tokens": 200})
+        choice = r.json()["choices"][0]
+        call = choice["message"]["tool_calls"][0]
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+        assert choice["finish_reason"] == "tool_calls"
+
+
+def test_first_run_builds_into_the_cache_once(tmp_path, monkeypatch, capsys):
+    """Outside a checkout (a wheel install) the demo is built into the cache
+    on first use, with progress, and reused afterwards. A small recipe keeps
+    it quick; the real recipes run the same code."""
+    monkeypatch.setattr(demo, "checkout_demo_dir", lambda: tmp_path / "no-checkout")
+    small = {"upper": demo.Recipe("upper", ("down_proj",), iters=3, learning_rate=1e-2, batch_size=4, warmup=0,
+                                  train_examples=16, valid_examples=4)}
+    model_dir, adapters = demo.ensure_demo(tmp_path / "cache", recipes=small)
+    assert model_dir == tmp_path / "cache" / f"demo-v{demo.DEMO_VERSION}" / demo.BASE
+    assert (model_dir / "config.json").is_file() and (adapters["upper"] / "adapters.safetensors").is_file()
+    err = capsys.readouterr().err
+    assert "first run: building the demo" in err and "(1/2): the base model" in err
+    assert "(2/2): adapter 'upper'" in err and "[mola] train [" in err and "loss" in err
+    assert not list((tmp_path / "cache").glob(".demo-build-*"))
+    config = json.loads((adapters["upper"] / "adapter_config.json").read_text())
+    assert config["trained_with"] == "mola train" and config["data"].startswith("mola.synthetic.demo_data")
+
+    def no_build(*a, **k):
+        raise AssertionError("built twice")
+
+    monkeypatch.setattr(demo, "build_demo", no_build)
+    assert demo.ensure_demo(tmp_path / "cache", recipes=small) == (model_dir, adapters)
