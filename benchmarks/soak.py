@@ -37,6 +37,20 @@ def memory(url: str) -> dict:
     return out
 
 
+def completion_usage(text: str, stream: bool) -> int | None:
+    """completion_tokens of a whole response; a stream must end with [DONE]."""
+    if not stream:
+        return (json.loads(text).get("usage") or {}).get("completion_tokens")
+    events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    if not events or events[-1] != "[DONE]":
+        return None
+    for event in reversed(events[:-1]):
+        usage = json.loads(event).get("usage")
+        if usage:
+            return usage["completion_tokens"]
+    return None
+
+
 async def soak(url: str, adapters: list[Path], minutes: float, concurrency: int, eos: int) -> dict:
     stats = {"requests": 0, "ok": 0, "errors": 0, "tokens": 0, "loads": 0, "unloads": 0,
              "admin_errors": 0, "error_samples": []}
@@ -50,12 +64,20 @@ async def soak(url: str, adapters: list[Path], minutes: float, concurrency: int,
             body = {"model": model, "messages": [{"role": "user", "content": prompt_for(k * 100000 + i)}],
                     "max_tokens": rng.choice([8, 16, 32, 64]), "temperature": rng.choice([0, 0.8]),
                     "stream": rng.random() < 0.5, "logit_bias": {str(eos): -100}}
+            if body["stream"]:
+                body["stream_options"] = {"include_usage": True}
             i += 1
             stats["requests"] += 1
             try:
                 r = await c.post("/v1/chat/completions", json=body)
                 if r.status_code == 200:
+                    usage = completion_usage(r.text, body["stream"])
+                    if usage is None:  # a stream cut short, or a body without usage
+                        stats["errors"] += 1
+                        stats["error_samples"] = (stats["error_samples"] + [r.text[-200:]])[-5:]
+                        continue
                     stats["ok"] += 1
+                    stats["tokens"] += usage
                 elif r.status_code == 404 and model == "hot":
                     stats["ok"] += 1  # the hot adapter is unloaded half the time: a 404 is right
                 else:
