@@ -18,7 +18,7 @@ from mola.config import AdapterSpec, ServeConfig
 from mola.serve import with_demo
 from mola.synthetic import demo_data
 
-from helpers import start_server
+from helpers import sse_events, start_server, validate_schema
 
 ROOT = demo.checkout_demo_dir()
 TASKS = {"mola-demo": lambda m: m, **{name: demo_data.TASKS[r.task] for name, r in demo.RECIPES.items()}}
@@ -165,3 +165,28 @@ def test_first_run_builds_into_the_cache_once(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(demo, "build_demo", no_build)
     assert demo.ensure_demo(tmp_path / "cache", recipes=small) == (model_dir, adapters)
+
+
+def test_streamed_tool_call_from_the_model(server):
+    """The echoed call, streamed: OpenAI-shaped chunks whose tool_calls
+    deltas add up to the call, no call markup leaking into content, and
+    finish_reason tool_calls."""
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+        "model": "mola-demo", "messages": [{"role": "user", "content": TOOL_CALL}], "tools": TOOLS,
+        "temperature": 0, "max_tokens": 200, "stream": True})
+    assert r.status_code == 200
+    events = sse_events(r.text)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    for chunk in chunks:
+        validate_schema("CreateChatCompletionStreamResponse", chunk)
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert "<tool_call>" not in content and not content.strip()
+    name, arguments = "", ""
+    for c in chunks:
+        for call in (c["choices"][0]["delta"].get("tool_calls") or []) if c["choices"] else []:
+            assert call["index"] == 0
+            name += call.get("function", {}).get("name") or ""
+            arguments += call.get("function", {}).get("arguments") or ""
+    assert name == "get_weather" and json.loads(arguments) == {"city": "Paris"}
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"

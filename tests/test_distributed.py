@@ -17,6 +17,7 @@ import time
 import httpx
 import pytest
 
+from mola.engine.distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS
 from mola.synthetic.adapter import make_random_adapter
 from mola.synthetic.model import TinyModelSpec, make_tiny_model
 
@@ -151,7 +152,8 @@ def test_hot_load_and_unload_during_traffic(group, single, setup):
 
 def start_ranks(model, tmp_path) -> tuple[list[subprocess.Popen], str]:
     """The two ranks started by hand, as mlx.launch starts them (a ring
-    hostfile and MLX_RANK), but with no launcher to tear the group down."""
+    hostfile and MLX_RANK), but with no launcher to tear the group down.
+    Their output goes to rank0.log and rank1.log in tmp_path."""
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
     port = free_port()
@@ -161,7 +163,7 @@ def start_ranks(model, tmp_path) -> tuple[list[subprocess.Popen], str]:
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "mola", "serve", "--distributed", "--model", str(model),
              "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            env=env, stdout=(tmp_path / f"rank{rank}.log").open("w"), stderr=subprocess.STDOUT))
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -170,30 +172,69 @@ def start_ranks(model, tmp_path) -> tuple[list[subprocess.Popen], str]:
                 return procs, url
         except httpx.HTTPError:
             pass
-        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "ranks did not start"
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
+            f"ranks did not start:\n{rank_logs(tmp_path)}"
         time.sleep(0.3)
+
+
+def rank_logs(tmp_path) -> str:
+    return "\n".join(f"--- rank {r} ---\n" + (tmp_path / f"rank{r}.log").read_text()[-3000:] for r in (0, 1))
+
+
+def wait_for_health(url: str, status: int, within: float, tmp_path) -> float:
+    """Seconds until /health answers ``status``; fails after ``within``."""
+    t0 = time.monotonic()
+    while httpx.get(url + "/health", timeout=10).status_code != status:
+        assert time.monotonic() - t0 < within, f"/health did not turn {status} in {within} s:\n{rank_logs(tmp_path)}"
+        time.sleep(0.5)
+    return time.monotonic() - t0
+
+
+def stop_ranks(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        p.wait(timeout=30)
+
+
+BODY = {"model": "model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
 
 
 def test_a_dead_rank_gives_503s_not_a_hang(setup, tmp_path):
     model, _ = setup
     (leader, follower), url = start_ranks(model, tmp_path)
     try:
-        body = {"model": "model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3}
-        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
+        assert httpx.post(url + "/v1/chat/completions", json=BODY, timeout=30).status_code == 200
         follower.kill()
         follower.wait(timeout=30)
-        t0 = time.monotonic()
-        while httpx.get(url + "/health", timeout=10).status_code == 200:
-            assert time.monotonic() - t0 < 30, "rank 0 did not notice the dead rank"
-            time.sleep(0.5)
-        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+        wait_for_health(url, 503, 30, tmp_path)
+        r = httpx.post(url + "/v1/chat/completions", json=BODY, timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
         assert leader.poll() is None  # still answering: 503s, not a hang or a vanished port
     finally:
-        for p in (leader, follower):
-            if p.poll() is None:
-                p.kill()
-            p.wait(timeout=30)
+        stop_ranks((leader, follower))
+
+
+def test_a_stuck_rank_gives_503s_until_it_answers_again(setup, tmp_path):
+    """A rank that stops answering without closing its sockets (here:
+    SIGSTOP) is never reported by the collective backend; rank 0 notices
+    that its message has not got through for SHARE_TIMEOUT_SECONDS and turns
+    unhealthy, and turns healthy again when the rank answers."""
+    model, _ = setup
+    (leader, follower), url = start_ranks(model, tmp_path)
+    try:
+        assert httpx.post(url + "/v1/chat/completions", json=BODY, timeout=30).status_code == 200
+        follower.send_signal(signal.SIGSTOP)
+        waited = wait_for_health(url, 503, SHARE_TIMEOUT_SECONDS + 3 * HEARTBEAT_SECONDS + 10, tmp_path)
+        assert waited >= SHARE_TIMEOUT_SECONDS - HEARTBEAT_SECONDS - 1  # not before the timeout
+        r = httpx.post(url + "/v1/chat/completions", json=BODY, timeout=30)
+        assert r.status_code == 503 and "has not answered" in r.json()["error"]["message"]
+        follower.send_signal(signal.SIGCONT)
+        wait_for_health(url, 200, 30, tmp_path)
+        assert httpx.post(url + "/v1/chat/completions", json=BODY, timeout=30).status_code == 200
+    finally:
+        stop_ranks((leader, follower))
 
 
 def test_under_mlx_launch_a_dead_rank_ends_the_group(setup):

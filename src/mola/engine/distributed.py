@@ -25,6 +25,7 @@ from .sequence import SamplingParams, Sequence, SequenceStatus
 log = logging.getLogger("mola.distributed")
 
 HEARTBEAT_SECONDS = 2.0  # an idle rank 0 checks its followers this often
+SHARE_TIMEOUT_SECONDS = 10.0  # a rank that takes longer to hear rank 0 counts as lost
 
 
 class Group:

@@ -27,7 +27,7 @@ import mlx.nn as nn
 
 from ..errors import EngineUnavailable
 from ..lora.pack import AdapterPacks
-from .distributed import HEARTBEAT_SECONDS, Group, wire_plan
+from .distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS, Group, wire_plan
 from .runner import ModelRunner, StepResult
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
@@ -115,6 +115,11 @@ class Engine:
         self.targets: dict[str, tuple[int, int]] = {}  # module path -> (in, out)
         self.dtype: mx.Dtype | None = None
         self.num_steps = 0
+        # When rank 0 began telling the group its next action (None: not now).
+        # The message is small and every rank answers between two steps, so a
+        # share that outlasts SHARE_TIMEOUT_SECONDS means a rank is gone or
+        # stuck, whether or not the collective backend ever reports it.
+        self._sharing_since: float | None = None
 
     # ---- lifecycle (any thread) -------------------------------------------
 
@@ -142,7 +147,14 @@ class Engine:
             and self._thread.is_alive()
             and self.loaded is not None
             and self.error is None
+            and not self.stalled
         )
+
+    @property
+    def stalled(self) -> bool:
+        """A tensor-parallel group has not answered rank 0 in time."""
+        since = self._sharing_since
+        return since is not None and time.monotonic() - since > SHARE_TIMEOUT_SECONDS
 
     # ---- commands (any thread) --------------------------------------------
 
@@ -176,6 +188,8 @@ class Engine:
     def _check_alive(self) -> None:
         if not self.is_alive:
             reason = f": {self.error}" if self.error is not None else ""
+            if self.stalled:
+                reason = f": another rank of the group has not answered for over {SHARE_TIMEOUT_SECONDS:g} s"
             raise EngineUnavailable(f"The engine is not running{reason}")
 
     # ---- the thread --------------------------------------------------------
@@ -231,7 +245,11 @@ class Engine:
     def _tell(self, message) -> None:
         """Send the other ranks of the group what this rank does next."""
         if self.group is not None:
-            self.group.share(message)
+            self._sharing_since = time.monotonic()
+            try:
+                self.group.share(message)
+            finally:
+                self._sharing_since = None
 
     def _drain_commands(self, block: bool) -> None:
         if block and self.group is not None:
