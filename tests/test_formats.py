@@ -124,6 +124,25 @@ def test_non_finite_values(broken, targets):
         load_and_validate(broken, targets)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_the_finiteness_check_in_every_float_dtype(dtype):
+    """One bad value anywhere is found; the largest finite values are not
+    mistaken for infinities (compared with MLX's own isfinite)."""
+    from mola.lora.weights import all_finite
+
+    big = {mx.float32: 3.0e38, mx.float16: 65504.0, mx.bfloat16: 3.0e38}[dtype]
+    x = mx.random.normal((37, 16)).astype(dtype)
+    x[5, 3] = big
+    x[6, 4] = -big
+    x[7, 5] = 0.0
+    assert all_finite(x) and mx.isfinite(x).all().item()
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = mx.array(x)
+        y[36, 15] = bad
+        mx.eval(y)
+        assert not all_finite(y) and not mx.isfinite(y).all().item()
+
+
 def test_truncated_safetensors(broken):
     data = (broken / "adapters.safetensors").read_bytes()
     (broken / "adapters.safetensors").write_bytes(data[: len(data) // 2])
