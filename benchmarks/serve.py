@@ -69,33 +69,60 @@ def requests_for(system: str, workload: str, n: int, max_tokens: int, model: Pat
     return out
 
 
-async def hot_load(url: str, adapter: Path, max_tokens: int, eos: int) -> dict:
-    """8 requests decode; a rank-16 adapter is hot-loaded in the middle.
-    Returns the load's latency and how the decoding rows' gaps moved."""
+async def hot_load(url: str, adapter: Path, max_tokens: int, eos: int, loads: int = 5) -> dict:
+    """8 requests decode; a rank-16 adapter is hot-loaded ``loads`` times while
+    they do (each load unloaded again, a few steps later, so that the next
+    one also finds a free slot). Returns the median and worst load latency
+    and how much the decoding rows' inter-token gaps grew during the loads,
+    in steps (the median gap outside the loads)."""
     reqs = [Request(mola_body(f"a{i}", prompt_for(10_000 + i), max_tokens, eos)) for i in range(8)]
     result = RunResult("mola", "hotload", 8)
+    windows: list[tuple[float, float]] = []
 
-    async def load_in_middle():
-        while min((len(r.timeline) for r in reqs), default=0) < max_tokens // 3:
+    def progress() -> int:
+        return min((len(r.timeline) for r in reqs), default=0)
+
+    async def load_while_decoding():
+        while progress() < max_tokens // 6:
             await asyncio.sleep(0.01)
         async with httpx.AsyncClient(base_url=url, timeout=60) as c:
-            t0 = time.perf_counter()
-            r = await c.post("/v1/adapters", json={"name": f"hot-{time.time_ns()}", "path": str(adapter)})
-            t1 = time.perf_counter()
-        assert r.status_code == 200, r.text
-        return t0, t1
+            for i in range(loads):
+                if progress() > max_tokens * 0.85:
+                    break
+                name = f"hot-{i}-{time.time_ns()}"
+                t0 = time.perf_counter()
+                r = await c.post("/v1/adapters", json={"name": name, "path": str(adapter)})
+                t1 = time.perf_counter()
+                assert r.status_code == 200, r.text
+                windows.append((t0, t1))
+                mark = progress()
+                while progress() < mark + 3:  # a few undisturbed steps between loads
+                    await asyncio.sleep(0.005)
+                assert (await c.delete(f"/v1/adapters/{name}")).status_code == 200
+                mark = progress()
+                while progress() < mark + 3:
+                    await asyncio.sleep(0.005)
 
-    load_task = asyncio.ensure_future(load_in_middle())
+    load_task = asyncio.ensure_future(load_while_decoding())
     await run_load(url, reqs, 8, result, 600)
-    t0, t1 = await load_task
-    gaps_before, gaps_during = [], []
+    await load_task
+    if not windows:
+        raise RuntimeError("the requests finished before any load")
+    gaps_outside, worst = [], [0.0] * len(windows)
     for r in reqs:
         for a, b in zip(r.timeline, r.timeline[1:]):
-            (gaps_during if b >= t0 and a <= t1 + 0.001 else gaps_before).append(b - a)
-    step = statistics.median(gaps_before)
-    return {"load_ms": (t1 - t0) * 1e3, "itl_median_ms": step * 1e3,
-            "max_gap_during_load_ms": max(gaps_during, default=0.0) * 1e3,
-            "extra_steps": max(gaps_during, default=step) / step - 1.0}
+            hit = [i for i, (t0, t1) in enumerate(windows) if b >= t0 and a <= t1 + 0.001]
+            for i in hit:
+                worst[i] = max(worst[i], b - a)
+            if not hit:
+                gaps_outside.append(b - a)
+    step = statistics.median(gaps_outside)
+    load_ms = [(t1 - t0) * 1e3 for t0, t1 in windows]
+    extra = [max(w, step) / step - 1.0 for w in worst]
+    return {"loads": len(windows), "load_ms": statistics.median(load_ms), "load_ms_max": max(load_ms),
+            "load_ms_all": [round(x, 1) for x in load_ms], "itl_median_ms": step * 1e3,
+            "extra_steps": statistics.median(extra), "extra_steps_max": max(extra),
+            "extra_steps_all": [round(x, 2) for x in extra]}
 
 
 def ratios(table: list[dict], hot: dict | None) -> list[dict]:
@@ -131,10 +158,10 @@ def ratios(table: list[dict], hot: dict | None) -> list[dict]:
             add(f"7. e2e latency mola / mlx_lm.server, c=1, {w}", 1.0, get("mola", w, 1, "e2e_p50"),
                 get("mlx_lm.server", w, 1, "e2e_p50"), lower_is_better=True)
     if hot:
-        out.append({"target": "6. hot-load latency (ms)", "value": round(hot["load_ms"], 1),
-                    "goal": "<= 50", "met": hot["load_ms"] <= 50})
-        out.append({"target": "6. worst gap during the load (extra steps)", "value": round(hot["extra_steps"], 2),
-                    "goal": "<= 1", "met": hot["extra_steps"] <= 1})
+        out.append({"target": f"6. hot-load latency, median of {hot['loads']} (ms)",
+                    "value": round(hot["load_ms"], 1), "goal": "<= 50", "met": hot["load_ms"] <= 50})
+        out.append({"target": "6. worst decode gap during a load (extra steps)",
+                    "value": round(hot["extra_steps_max"], 2), "goal": "<= 1", "met": hot["extra_steps_max"] <= 1})
     return out
 
 
@@ -213,7 +240,7 @@ def main() -> int:
                     print(f"  rep {rep} batch_generate base     c={conc:<3} {bg['tok_s']:7.1f} tok/s",
                           file=sys.stderr, flush=True)
         if "mola" in servers:
-            hot = asyncio.run(hot_load(servers["mola"].url, adapters[K_MAX], 96, eos))
+            hot = asyncio.run(hot_load(servers["mola"].url, adapters[K_MAX], 192, eos))
     finally:
         for server in servers.values():
             server.stop()
