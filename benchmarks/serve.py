@@ -10,7 +10,8 @@ drives them with streaming chat requests (greedy, EOS banned by logit_bias
 so every request decodes exactly --max-tokens tokens), interleaving systems
 and workloads within each repeat, and prints medians over repeats, the
 targets of benchmarks/README.md as ratios, and a hot-load measurement. JSON
-and a PNG plot are written beside (benchmarks/results/).
+(the summary, and every request's timeline in *.runs.json) and a PNG plot are written beside
+(benchmarks/results/).
 
 Workloads: base (every request on the base model), one (every request on
 adapter a0), mixed8 (round robin over 8 adapters), zipf8 (Zipf popularity over
@@ -32,7 +33,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loadgen import Request, RunResult, format_table, pct, prompt_for, run_load, summarize  # noqa: E402
+from loadgen import Request, RunResult, format_table, prompt_for, run_load, summarize  # noqa: E402
 from systems import (HERE, bench_adapters, bench_model, eos_id, mlx_lm_body, mola_body,  # noqa: E402
                      run_batch_generate, start_mlx_lm, start_mola)
 
@@ -254,8 +255,9 @@ def main() -> int:
     if hot:
         print(f"\nHot load: {hot}")
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "table": table,
-                                 "targets": targets, "hot_load": hot,
-                                 "runs": [asdict(r) for r in results]}, indent=1))
+                                 "targets": targets, "hot_load": hot}, indent=1))
+    # every request's timeline: megabytes, so beside the summary and not committed
+    a.out.with_suffix(".runs.json").write_text(json.dumps([asdict(r) for r in results]))
     if plot(table, a.out.with_suffix(".png")):
         print(f"wrote {a.out} and {a.out.with_suffix('.png')}")
     return 0

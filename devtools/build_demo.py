@@ -1,11 +1,13 @@
-"""Build the embedded demo (base model + adapters) and write it to adapters/demo/.
+"""Build the embedded demo and write its adapters to adapters/demo/.
 
     python devtools/build_demo.py [--out adapters/demo] [--keep-data DIR] [--check N]
 
 The base model is built by mola.synthetic.echo; each adapter is trained with
 `mola train`'s own function (mola.train.train_adapter) on data from
 mola.synthetic.demo_data (see mola/demo.py for the recipes). The build goes
-to a temporary directory that replaces --out when done. On Linux, preload
+to a temporary directory; the adapters and the SHA-256 of the base they were
+trained on (base.sha256) then replace --out. The base itself is not kept
+there: `mola serve` rebuilds it into its cache in seconds. On Linux, preload
 OpenBLAS for speed (mola serve and mola train do it by themselves):
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python devtools/build_demo.py
@@ -69,28 +71,30 @@ def main() -> int:
     p.add_argument("--check", type=int, default=0, metavar="N", help="check N held-out messages per model")
     a = p.parse_args()
 
-    from mola.demo import build_demo
+    from mola.demo import BASE, BASE_HASH_FILE, DEMO_ADAPTERS, base_hash, build_demo
 
     out = a.out.resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=out.parent))
     t0 = time.perf_counter()
-    try:
+    with tempfile.TemporaryDirectory(prefix=".demo-build-", dir=out.parent) as tmp:
+        tmp = Path(tmp)
         build_demo(tmp, keep_data=a.keep_data)
+        ok = check(tmp, a.check) if a.check else True
+        done = tmp / "out"
+        done.mkdir()
+        for name in DEMO_ADAPTERS:
+            os.replace(tmp / name, done / name)
+        (done / BASE_HASH_FILE).write_text(base_hash(tmp / BASE) + "\n")
         if out.exists():
             shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        os.replace(done, out)
     total = 0
     for f in sorted(out.rglob("*")):
         if f.is_file():
             total += f.stat().st_size
             print(f"{f.relative_to(out)}  {f.stat().st_size / 1024:.0f} KiB")
-    print(f"built {out} in {time.perf_counter() - t0:.0f} s, {total / 2**20:.2f} MiB in all")
-    if a.check:
-        return 0 if check(out, a.check) else 1
-    return 0
+    print(f"built {out} in {time.perf_counter() - t0:.0f} s, {total / 1024:.0f} KiB in all")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

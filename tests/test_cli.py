@@ -13,6 +13,8 @@ import httpx
 import openai
 import pytest
 
+from mola.demo import DEMO_VERSION
+
 from helpers import free_port
 
 
@@ -73,8 +75,9 @@ def test_serve_model_with_three_adapters(tiny_model, adapters):
 
 def test_serve_without_a_model_serves_the_committed_demo(tmp_path):
     """The README's first command: in a checkout, `mola serve` with no
-    --model serves adapters/demo (nothing is built; the cache stays empty)
-    and the README's curl answers hold."""
+    --model serves the adapters of adapters/demo on a base it builds into the
+    cache (only the base: the adapters are not trained again), and the
+    README's curl answers hold."""
     env = {"MOLA_CACHE": str(tmp_path)}
     proc, url = start([], env=env)
     try:
@@ -92,7 +95,8 @@ def test_serve_without_a_model_serves_the_committed_demo(tmp_path):
     finally:
         code, out = stop(proc)
     assert code == 0, out
-    assert "building the demo" not in out and not list(tmp_path.iterdir())
+    assert "building the demo base model" in out and "first run" not in out and "warning" not in out
+    assert [p.name for p in (tmp_path / f"demo-v{DEMO_VERSION}").iterdir()] == ["base"]
 
 
 def test_bad_arguments_fail_clearly(tmp_path):

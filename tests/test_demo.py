@@ -56,11 +56,18 @@ def held_out() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def server():
-    assert demo.is_complete(ROOT), f"the committed demo is missing from {ROOT}"
+def cache(tmp_path_factory):
+    """A cache directory of this module's own (the base is built there)."""
+    return tmp_path_factory.mktemp("mola-cache")
+
+
+@pytest.fixture(scope="module")
+def server(cache):
+    assert demo.adapters_are_built(ROOT), f"the committed demo adapters are missing from {ROOT}"
+    model_dir, adapters = demo.ensure_demo(cache)
     handle = start_server(
-        model=str(ROOT / demo.BASE), served_model_name="mola-demo",
-        adapters=tuple(AdapterSpec(name, str(ROOT / name)) for name in demo.DEMO_ADAPTERS),
+        model=str(model_dir), served_model_name="mola-demo",
+        adapters=tuple(AdapterSpec(name, str(path)) for name, path in adapters.items()),
         max_loras=4, max_lora_rank=16,
     )
     yield handle
@@ -80,12 +87,28 @@ async def ask_all(url: str, jobs: list[tuple[str, dict]]) -> list[dict]:
     return [r.json() for r in responses]
 
 
-def test_the_demo_is_what_serve_serves_without_a_model():
-    config = with_demo(ServeConfig())
-    assert config.model == str(ROOT / demo.BASE) and config.served_model_name == "mola-demo"
-    assert [a.name for a in config.adapters] == ["upper", "title", "count"]
+def test_the_demo_is_what_serve_serves_without_a_model(server, cache):
+    """Committed adapters on a base built into the cache: the very base they
+    were trained on (its hash is committed beside them), and only the
+    adapters (a few KB) are in the checkout."""
+    config = with_demo(ServeConfig(cache_dir=cache))
+    base = cache / f"demo-v{demo.DEMO_VERSION}" / demo.BASE
+    assert config.model == str(base) and config.served_model_name == "mola-demo"
+    assert [(a.name, a.path) for a in config.adapters] == [(n, str(ROOT / n)) for n in ("upper", "title", "count")]
+    assert demo.base_hash(base) == (ROOT / demo.BASE_HASH_FILE).read_text().strip()
+    assert not (ROOT / demo.BASE).exists()
     sizes = sum(f.stat().st_size for f in ROOT.rglob("*") if f.is_file())
-    assert sizes < 6 * 2**20  # a few MB in all
+    assert sizes < 100 * 2**10
+
+
+def test_a_different_base_is_reported(server, cache, capsys):
+    """A base that is not the one the adapters were trained on is served with
+    a warning that says how to rebuild, not silently."""
+    demo.ensure_base(cache, expected_hash="0" * 64)
+    err = capsys.readouterr().err
+    assert "differs from the one the demo adapters were trained on" in err and "build_demo.py" in err
+    demo.ensure_base(cache, expected_hash=demo.base_hash(cache / f"demo-v{demo.DEMO_VERSION}" / demo.BASE))
+    assert "warning" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("model", list(TASKS))

@@ -14,16 +14,20 @@ a system prompt or the tools preamble too. Each adapter is a rank-8 LoRA
 generated chat data (``mola.synthetic.demo_data``); a build takes a few
 minutes on two CPU cores.
 
-In a source checkout the built demo is committed under ``adapters/demo/``
-(``devtools/build_demo.py`` rebuilds it) and served from there. An installed
-package has no such directory: the first `mola serve` builds the demo into
-the cache directory ($MOLA_CACHE, else ~/.cache/mola), reporting progress,
-into a temporary directory renamed into place when done, so an interrupted
-build never leaves a half-made demo.
+A source checkout commits the trained adapters under ``adapters/demo/``
+(30 KB; ``devtools/build_demo.py`` retrains them) with the SHA-256 of the base
+they were trained on; the base itself (4 MB) is not committed: the first
+`mola serve` builds it into the cache directory ($MOLA_CACHE, else
+~/.cache/mola) in a few seconds and checks it against that hash. An installed
+package has no such directory: the first `mola serve` builds base and
+adapters there (a few minutes, reporting progress). Every build goes to a
+temporary directory renamed into place when done, so an interrupted build
+never leaves a half-made demo.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import sys
@@ -82,14 +86,28 @@ def checkout_demo_dir() -> Path:
     return Path(mola.__file__).resolve().parents[2] / "adapters" / "demo"
 
 
-def is_complete(path: Path, adapters: tuple[str, ...] | None = None) -> bool:
-    """The base model and every adapter are there."""
+BASE_HASH_FILE = "base.sha256"  # beside the committed adapters: the base they were trained on
+
+
+def base_is_built(path: Path) -> bool:
+    return (Path(path) / "config.json").is_file() and (Path(path) / "model.safetensors").is_file()
+
+
+def adapters_are_built(path: Path, adapters: tuple[str, ...] | None = None) -> bool:
     path = Path(path)
     adapters = DEMO_ADAPTERS if adapters is None else adapters
-    if not (path / BASE / "config.json").is_file() or not (path / BASE / "model.safetensors").is_file():
-        return False
     return all((path / a / "adapter_config.json").is_file() and (path / a / "adapters.safetensors").is_file()
                for a in adapters)
+
+
+def is_complete(path: Path, adapters: tuple[str, ...] | None = None) -> bool:
+    """The base model and every adapter are there."""
+    return base_is_built(Path(path) / BASE) and adapters_are_built(path, adapters)
+
+
+def base_hash(base: Path) -> str:
+    """SHA-256 of the base's weights file."""
+    return hashlib.sha256((Path(base) / "model.safetensors").read_bytes()).hexdigest()
 
 
 def _stderr(line: str) -> None:
@@ -137,31 +155,58 @@ def _record_origin(adapter: Path, task: str, examples: int, seed: int) -> None:
 
     path = adapter / "adapter_config.json"
     config = json.loads(path.read_text())
-    config["model"] = f"../{BASE} (the mola-demo base model)"
+    config["model"] = f"the mola-demo base model (mola.synthetic.echo, seed {SEED})"
     config["data"] = (f"mola.synthetic.demo_data task '{task}': {examples} generated chat examples, "
                       f"seed {seed}")
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
+def _build_into(target: Path, build: Callable[[Path], object]) -> None:
+    """Run ``build(tmp)`` on a temporary directory beside ``target`` and rename
+    it into place (replacing a stale or partial ``target``)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=target.parent))
+    try:
+        build(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure_base(cache_dir: Path | None = None, expected_hash: str | None = None) -> Path:
+    """The demo's base model, built into the cache on first use (seconds).
+    Warns when it differs from ``expected_hash``, the base the committed
+    adapters were trained on."""
+    from .synthetic.echo import build_echo_model
+
+    base = demo_dir(cache_dir) / BASE
+    if not base_is_built(base):
+        _stderr(f"[mola] building the demo base model into {base} (a few seconds; later runs reuse it)")
+        _build_into(base, lambda tmp: build_echo_model(tmp, seed=SEED))
+    if expected_hash is not None and base_hash(base) != expected_hash:
+        _stderr(f"[mola] warning: the demo base built here differs from the one the demo adapters were "
+                f"trained on (sha256 {expected_hash[:12]}...); their answers may differ. "
+                f"Rebuild them with: python devtools/build_demo.py")
+    return base
+
+
 def ensure_demo(cache_dir: Path | None = None,
                 recipes: dict[str, Recipe] | None = None) -> tuple[Path, dict[str, Path]]:
-    """The demo's base model directory and adapters: the committed ones in a
-    source checkout, else built into the cache directory on first use."""
+    """The demo's base model directory and adapters: in a source checkout the
+    committed adapters, on a base built into the cache; elsewhere base and
+    adapters built into the cache on first use."""
     recipes = RECIPES if recipes is None else recipes
     names = tuple(recipes)
-    root = checkout_demo_dir()
+    checkout = checkout_demo_dir()
+    if adapters_are_built(checkout, names):
+        hash_file = checkout / BASE_HASH_FILE
+        expected = hash_file.read_text().strip() if hash_file.is_file() else None
+        return ensure_base(cache_dir, expected), {name: checkout / name for name in names}
+    root = demo_dir(cache_dir)
     if not is_complete(root, names):
-        root = demo_dir(cache_dir)
-        if not is_complete(root, names):
-            root.parent.mkdir(parents=True, exist_ok=True)
-            _stderr(f"[mola] first run: building the demo model and adapters into {root} "
-                    "(a few minutes; later runs reuse it)")
-            tmp = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=root.parent))
-            try:
-                build_demo(tmp, recipes=recipes)
-                if root.exists():  # a stale or partial directory
-                    shutil.rmtree(root)
-                os.replace(tmp, root)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+        _stderr(f"[mola] first run: building the demo model and adapters into {root} "
+                "(a few minutes; later runs reuse it)")
+        _build_into(root, lambda tmp: build_demo(tmp, recipes=recipes))
     return root / BASE, {name: root / name for name in names}

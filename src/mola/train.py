@@ -37,7 +37,7 @@ import sys
 import tempfile
 import time
 import types
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -642,12 +642,6 @@ def hot_load(url: str, name: str, path: Path, api_key: str | None = None, timeou
         reason = getattr(e, "reason", e)
         raise TrainError(f"the adapter was written to {path}, but {endpoint} could not be reached: "
                          f"{reason}") from None
-
-
-def config_dict(config: TrainConfig) -> dict:
-    d = asdict(config)
-    d.pop("api_key", None)
-    return d
 
 
 def run(config: TrainConfig) -> int:

@@ -97,15 +97,3 @@ def write_task_data(task: str, folder: Path, n_train: int, n_valid: int, seed: i
             for m in items:
                 f.write(json.dumps(chat_example(m, fn(m))) + "\n")
     return folder
-
-
-def training_messages(folder: Path) -> set[str]:
-    """The user messages of a data folder's train.jsonl and valid.jsonl."""
-    out = set()
-    for name in ("train.jsonl", "valid.jsonl"):
-        p = Path(folder) / name
-        if p.is_file():
-            for line in p.read_text().splitlines():
-                if line.strip():
-                    out.add(json.loads(line)["messages"][0]["content"])
-    return out

@@ -85,23 +85,12 @@ RECENCY_PAIR = 6
 CONTENT_DIMS = [m for m in range(13, HEAD_DIM // 2)] + [m + HEAD_DIM // 2 for m in range(13, HEAD_DIM // 2)]
 
 
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table (the ByteLevel alphabet)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 def token_codes(tokenizer) -> np.ndarray:
     """[vocab, 11]: each token's code (byte sign bits, or a special flag)."""
     vocab = len(tokenizer)
     codes = np.zeros((vocab, CODE))
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's ByteLevel alphabet
+
     char_to_byte = {c: b for b, c in bytes_to_unicode().items()}
     for tid in range(vocab):
         tok = tokenizer.convert_ids_to_tokens(tid)
