@@ -42,7 +42,7 @@ def bench(in_dims, out_dims, slots, batch, rank, max_rank, iters, repeats) -> di
     routing = LoRARouting()
     layer = MultiLoRALinear.from_base(base, routing, num_slots=slots, max_rank=max_rank)
     for s in range(1, slots):
-        layer.write_slot(s, mx.random.normal((in_dims, rank)) * 0.02,
+        layer.set_factors(s, mx.random.normal((in_dims, rank)) * 0.02,
                          mx.random.normal((rank, out_dims)) * 0.02, 2.0)
     mx.eval(layer.parameters())
     x = mx.random.normal((batch, 1, in_dims))

@@ -201,15 +201,16 @@ class EngineRunner:
         self.loaded = self.engine.start()
         self.slots: dict[str, int] = {}
         for name, path in adapters:
-            self.add(name, read_adapter(path, dtype=self.engine.dtype))
+            self.add(name, read_adapter(path, dtype=self.engine.geometry.dtype))
 
     def add(self, name: str, weights) -> None:
         """Validate ``weights`` (LoRAWeights) and write them into the next slot."""
         from mola.lora.weights import validate
 
-        validate(weights, self.engine.targets, self.engine.config.max_lora_rank)
+        geometry = self.engine.geometry
+        validate(weights, geometry.dims, geometry.max_rank)
         slot = len(self.slots) + 1
-        self.engine.call(lambda: self.engine.packs.write(slot, weights)).result()
+        self.engine.call(lambda: self.engine.packs.fill_from(slot, weights)).result()
         self.slots[name] = slot
 
     def _on_outputs(self, outputs):

@@ -122,3 +122,24 @@ def test_quantized_base_matches_mlx_lm_lora(quantized_model, tmp_path):
         assert lora_ref != base_ref
     finally:
         r.stop()
+
+
+def test_the_engine_publishes_an_immutable_snapshot(runner):
+    """Other threads read the engine's state from a snapshot the engine thread
+    replaces after each step, never from the scheduler or runner."""
+    import dataclasses
+
+    before = runner.engine.snapshot
+    runner.run(runner.prompt(QUESTIONS[0]), max_tokens=4)
+    after = runner.engine.snapshot
+    assert after.num_steps > before.num_steps
+    assert after.stats.decode_steps >= before.stats.decode_steps + 3
+    deadline = time.monotonic() + 10  # the finished row leaves the batch at the next step
+    while runner.engine.snapshot.num_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    idle = runner.engine.snapshot
+    assert idle.num_running == idle.num_waiting == idle.num_prefilling == 0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        after.num_steps = 0
+    runner.run(runner.prompt(QUESTIONS[2]), max_tokens=3)
+    assert runner.engine.snapshot.stats.decode_steps > after.stats.decode_steps  # a copy, not a view

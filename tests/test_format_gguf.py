@@ -244,8 +244,8 @@ def runner(tiny_model):
 
 
 def test_gguf_twin_serves_like_its_mlx_lm_original_in_a_mixed_batch(runner, tiny_model, adapters, twins):
-    mlx_weights = read_adapter(adapters["c"], dtype=runner.engine.dtype)
-    gguf_weights = read_gguf_adapter(twins["c"], runner.engine.dtype, model_config=runner.loaded.config)
+    mlx_weights = read_adapter(adapters["c"], dtype=runner.engine.geometry.dtype)
+    gguf_weights = read_gguf_adapter(twins["c"], runner.engine.geometry.dtype, model_config=runner.loaded.config)
     # Negative control: the same file with llama.cpp's q/k row order left as stored.
     raw = raw_tensors(twins["c"])
     alpha = field(twins["c"], "adapter.lora.alpha")

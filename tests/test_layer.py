@@ -24,7 +24,7 @@ def fill(layer, ranks: dict[int, int], seed=0):
         a = mx.random.normal((layer.input_dims, r)) * 0.3
         b = mx.random.normal((r, layer.output_dims)) * 0.3
         scale = 0.5 + slot
-        layer.write_slot(slot, a, b, scale)
+        layer.set_factors(slot, a, b, scale)
         written[slot] = (a, b, scale)
     mx.eval(layer.parameters())
     return written
@@ -102,7 +102,7 @@ def test_subset_layers_and_cleared_slots_add_nothing():
     # A slot never written in this layer (an adapter that skips it): base only.
     routing.set([3, 3, 3])
     assert mx.array_equal(layer(x), base(x)).item()
-    layer.clear_slot(2)
+    layer.zero_rows(2)
     assert mx.array_equal(layer.lora_a[2], mx.zeros_like(layer.lora_a[2])).item()
     assert mx.array_equal(layer.lora_b[2], mx.zeros_like(layer.lora_b[2])).item()
     routing.set([2, 1, 0])
@@ -127,7 +127,7 @@ def test_packs_take_the_base_compute_dtype():
     lin.set_dtype(mx.bfloat16)
     layer, routing = make_layer(lin)
     assert layer.lora_a.dtype == mx.bfloat16
-    layer.write_slot(1, mx.ones((IN, 2)), mx.ones((2, OUT)), 1.0)
+    layer.set_factors(1, mx.ones((IN, 2)), mx.ones((2, OUT)), 1.0)
     assert layer.lora_a.dtype == mx.bfloat16
     routing.set([1])
     assert layer(mx.ones((1, 1, IN), dtype=mx.bfloat16)).dtype == mx.bfloat16

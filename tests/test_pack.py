@@ -39,8 +39,8 @@ def test_write_zero_pads_and_leaves_untargeted_layers_zero(tiny_model, adapters)
     model, _ = load(str(tiny_model))
     packs = AdapterPacks.install(model, max_loras=2, max_rank=16)
     weights = read_adapter(adapters["b"])  # rank 8, q_proj + down_proj, last layer only
-    validate(weights, packs.targets(), 16)
-    packs.write(2, weights)
+    validate(weights, packs.geometry.dims, 16)
+    packs.fill_from(2, weights)
     for path, layer in packs.layers.items():
         m = weights.modules.get(path)
         if m is None:
@@ -53,7 +53,7 @@ def test_write_zero_pads_and_leaves_untargeted_layers_zero(tiny_model, adapters)
         assert mx.all(layer.lora_a[2, 8:] == 0).item()  # the rank is zero-padded
         assert mx.all(layer.lora_b[2, 8:] == 0).item()
         assert layer.lora_scale[2].item() == m.scale
-    packs.clear(2)
+    packs.empty(2)
     assert all(mx.all(l.lora_a == 0).item() and not l.active_slots for l in packs.layers.values())
 
 
@@ -61,9 +61,9 @@ def test_rewriting_a_slot_replaces_every_layer(tiny_model, adapters):
     """A slot reused by an adapter with other targets keeps nothing of the old one."""
     model, _ = load(str(tiny_model))
     packs = AdapterPacks.install(model, max_loras=1, max_rank=16)
-    packs.write(1, read_adapter(adapters["c"]))  # all modules, rank 16
+    packs.fill_from(1, read_adapter(adapters["c"]))  # all modules, rank 16
     small = read_adapter(adapters["b"])
-    packs.write(1, small)
+    packs.fill_from(1, small)
     for path, layer in packs.layers.items():
         if path not in small.modules:
             assert mx.all(layer.lora_a[1] == 0).item() and 1 not in layer.active_slots

@@ -91,3 +91,20 @@ def test_expired_sequences_leave_the_queue_or_stop():
     assert list(s.waiting) == [fresh]
     plan = s.schedule()
     assert plan.keep == [] and plan.group == [fresh]
+
+
+def test_take_batch_and_take_all_empty_what_they_say():
+    s = Scheduler(max_num_seqs=8, prefill_step_size=4)
+    running, long, queued = seq(3), seq(20), seq(2)
+    s.add(running)
+    s.schedule()  # running joins the batch
+    s.add(long)
+    s.schedule()  # long is prefilling (20 tokens in chunks of 4)
+    s.add(queued)
+    running_done = seq(2)
+    running_done.finish("stop")
+    s.running.append(running_done)  # a finished row not yet dropped is not handed back
+    assert s.take_batch() == [long, running]
+    assert not s.running and not s.group and list(s.waiting) == [queued]
+    s.schedule()
+    assert s.take_all() == [queued] and not s.has_work()

@@ -87,3 +87,15 @@ class ShuttingDown(MolaError):
 
 class RequestTimedOut(MolaError):
     """A request waited in the queue past --request-timeout."""
+
+
+class TrainError(MolaError):
+    """`mola train` cannot go on: bad data, output path, model or setting."""
+
+
+class DataError(TrainError):
+    """A data file is missing, unreadable or not in a format mlx-lm reads."""
+
+
+class OutputPathError(TrainError):
+    """The output path cannot take the adapter."""

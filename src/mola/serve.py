@@ -66,10 +66,8 @@ def follow(config: ServeConfig, group) -> int:
     """A rank other than 0: hold a shard, replay rank 0's steps, no HTTP."""
     from .engine.distributed import run_follower
     from .engine.loader import load_base_model
-    from .lora.loader import read_recipe
 
-    return run_follower(lambda: load_base_model(config.model, group=group.group),
-                        config.engine, group, read_recipe)
+    return run_follower(lambda: load_base_model(config.model, group=group.group), config.engine, group)
 
 
 def serve(config: ServeConfig) -> int:

@@ -1,5 +1,6 @@
 """The event loop's side of the engine: submit a sequence, iterate over its
-outputs, abort it, run a function on the engine thread. Never touches arrays.
+outputs, abort it, run a function on the engine thread, write and clear
+adapter slots (the loader's SlotPort). Never touches arrays.
 
 The engine calls back once per step from its own thread; the outputs cross to
 the event loop with a single ``call_soon_threadsafe`` per step.
@@ -10,7 +11,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Callable
 
-from .engine import Engine, SeqOutput
+from ..lora.pack import SlotGeometry, SlotRows
+from ..lora.recipe import Recipe
+from .engine import Engine
+from .outputs import EngineSnapshot, SeqOutput
 from .sequence import Sequence
 
 
@@ -55,3 +59,20 @@ class AsyncEngine:
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` on the engine thread between steps and await its result."""
         return await asyncio.wrap_future(self.engine.call(fn))
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's state as of its last step (immutable)."""
+        return self.engine.snapshot
+
+    # ---- the slot port (mola.lora.loader.SlotPort) --------------------------
+
+    @property
+    def geometry(self) -> SlotGeometry:
+        return self.engine.geometry
+
+    async def write_slot(self, slot: int, rows: SlotRows, recipe: Recipe) -> None:
+        await self.call(lambda: self.engine.write_slot(slot, rows, recipe))
+
+    async def clear_slot(self, slot: int) -> None:
+        await self.call(lambda: self.engine.clear_slot(slot))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import time
 from dataclasses import asdict
 
 import mlx.core as mx
@@ -50,6 +51,34 @@ class Group:
         size = mx.distributed.all_sum(mx.array(0), group=self.group).item()
         data = mx.distributed.all_sum(mx.zeros(size, dtype=mx.uint8), group=self.group)
         return pickle.loads(bytes(memoryview(data)))
+
+
+class Leader:
+    """Rank 0's side of a group: it tells the other ranks each thing it does
+    to the model, and notices when they stop answering. Without a group,
+    telling does nothing."""
+
+    def __init__(self, group: Group | None):
+        self.group = group
+        # When rank 0 began telling the group its next action (None: not now).
+        # The message is small and every rank answers between two steps, so a
+        # share that outlasts SHARE_TIMEOUT_SECONDS means a rank is gone or
+        # stuck, whether or not the collective backend ever reports it.
+        self._sharing_since: float | None = None
+
+    @property
+    def stalled(self) -> bool:
+        since = self._sharing_since
+        return since is not None and time.monotonic() - since > SHARE_TIMEOUT_SECONDS
+
+    def tell(self, message) -> None:
+        if self.group is None:
+            return
+        self._sharing_since = time.monotonic()
+        try:
+            self.group.share(message)
+        finally:
+            self._sharing_since = None
 
 
 # ---- plans on the wire -------------------------------------------------------------
@@ -95,11 +124,12 @@ def unwire_plan(data: dict, seqs: dict[int, Sequence]) -> StepPlan:
 # ---- the other ranks ---------------------------------------------------------------
 
 
-def run_follower(loader, config, group: Group, read_recipe) -> int:
+def run_follower(loader, config, group: Group) -> int:
     """A rank other than 0: load the shard, then replay rank 0's messages
-    until it says stop (or the group breaks). ``read_recipe(recipe, packs,
-    loaded)`` re-creates the LoRAWeights rank 0 wrote."""
+    until it says stop (or the group breaks). Adapters are re-created from
+    the recipe rank 0 wrote, read and checked the way rank 0 did."""
     from ..lora.pack import AdapterPacks
+    from ..lora.recipe import read_recipe
     from .runner import ModelRunner
 
     stream = mx.new_stream(mx.default_device())
@@ -119,10 +149,10 @@ def run_follower(loader, config, group: Group, read_recipe) -> int:
                 if kind == "step":
                     runner.run(unwire_plan(message[1], seqs))
                 elif kind == "write":
-                    _, slot, recipe, scale = message
-                    packs.write(slot, read_recipe(recipe, packs, loaded), scale)
+                    _, slot, recipe = message
+                    packs.fill_from(slot, read_recipe(recipe, packs.geometry, loaded.config), recipe.scale)
                 elif kind == "clear":
-                    packs.clear(message[1])
+                    packs.empty(message[1])
     except Exception:
         log.exception("rank %d stops: the group broke or a step failed", group.rank)
         return 1

@@ -19,15 +19,16 @@ import time
 import traceback
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from ..errors import EngineUnavailable
-from ..lora.pack import AdapterPacks
-from .distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS, Group, wire_plan
+from ..lora.pack import AdapterPacks, SlotGeometry, SlotRows
+from ..lora.recipe import Recipe
+from .distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS, Group, Leader, wire_plan
+from .model import LoadedModel
+from .outputs import EngineSnapshot, SeqOutput
 from .runner import ModelRunner, StepResult
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
@@ -53,43 +54,6 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
-@dataclass
-class LoadedModel:
-    """What the loader hands the engine: the mlx-lm model and what the
-    frontend needs to know about it."""
-
-    model: nn.Module
-    tokenizer: Any  # mlx_lm TokenizerWrapper
-    config: dict  # the model's config.json
-    path: Path | None = None  # the local directory it came from
-
-    @property
-    def vocab_size(self) -> int:
-        size = self.config.get("vocab_size") or self.config.get("text_config", {}).get("vocab_size")
-        return int(size) if size else len(self.tokenizer)
-
-    @property
-    def max_model_len(self) -> int | None:
-        for key in ("max_position_embeddings", "max_sequence_length", "seq_length", "n_ctx"):
-            value = self.config.get(key)
-            if isinstance(value, int) and value > 0:
-                return value
-        return None
-
-
-@dataclass
-class SeqOutput:
-    """New tokens of one sequence after one step."""
-
-    seq: Sequence
-    tokens: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"
-    error: str | None = None
-    # Per token, when the sequence asked for them: (log-probability,
-    # [(token id, log-probability)] of the top alternatives).
-    logprobs: list | None = None
-
-
 class Engine:
     def __init__(
         self,
@@ -112,14 +76,10 @@ class Engine:
         self.loaded: LoadedModel | None = None
         self.packs: AdapterPacks | None = None  # engine thread only
         self.runner: ModelRunner | None = None  # engine thread only
-        self.targets: dict[str, tuple[int, int]] = {}  # module path -> (in, out)
-        self.dtype: mx.Dtype | None = None
+        self.geometry: SlotGeometry | None = None  # fixed once loaded: any thread may read it
+        self.snapshot = EngineSnapshot()  # replaced, never mutated, by the engine thread
         self.num_steps = 0
-        # When rank 0 began telling the group its next action (None: not now).
-        # The message is small and every rank answers between two steps, so a
-        # share that outlasts SHARE_TIMEOUT_SECONDS means a rank is gone or
-        # stuck, whether or not the collective backend ever reports it.
-        self._sharing_since: float | None = None
+        self._leader = Leader(group)  # tells the other ranks of a group what this one does
 
     # ---- lifecycle (any thread) -------------------------------------------
 
@@ -153,8 +113,7 @@ class Engine:
     @property
     def stalled(self) -> bool:
         """A tensor-parallel group has not answered rank 0 in time."""
-        since = self._sharing_since
-        return since is not None and time.monotonic() - since > SHARE_TIMEOUT_SECONDS
+        return self._leader.stalled
 
     # ---- commands (any thread) --------------------------------------------
 
@@ -224,8 +183,7 @@ class Engine:
         self.packs = AdapterPacks.install(
             loaded.model, max_loras=self.config.max_loras, max_rank=self.config.max_lora_rank
         )
-        self.targets = self.packs.targets()
-        self.dtype = next(iter(self.packs.layers.values())).dtype
+        self.geometry = self.packs.geometry
         self.runner = ModelRunner(loaded.model, self.packs, loaded.vocab_size)
         self.loaded = loaded
 
@@ -239,24 +197,23 @@ class Engine:
                 break
             if self._has_work():
                 self.step()
-        self._tell(("stop",))
+            self._publish()
+        self._leader.tell(("stop",))
         self._fail_all("the server is shutting down")
 
-    def _tell(self, message) -> None:
-        """Send the other ranks of the group what this rank does next."""
-        if self.group is not None:
-            self._sharing_since = time.monotonic()
-            try:
-                self.group.share(message)
-            finally:
-                self._sharing_since = None
+    def _publish(self) -> None:
+        s = self.scheduler
+        self.snapshot = EngineSnapshot(
+            num_running=len(s.running), num_prefilling=len(s.group), num_waiting=len(s.waiting),
+            num_steps=self.num_steps, stats=replace(self.runner.stats),
+        )
 
     def _drain_commands(self, block: bool) -> None:
         if block and self.group is not None:
             try:  # idle: make sure the other ranks are still there
                 self._commands.get(timeout=HEARTBEAT_SECONDS)()
             except queue.Empty:
-                self._tell(("noop",))
+                self._leader.tell(("noop",))
         elif block:
             self._commands.get()()
         while True:
@@ -267,22 +224,32 @@ class Engine:
             command()
 
     def step(self) -> None:
+        self._expire()
+        plan = self.scheduler.schedule()
+        result = self._run(plan)
+        if result is not None:
+            self._postprocess(result)
+
+    def _expire(self) -> None:
+        """End the sequences past their --request-timeout deadline."""
         expired = self.scheduler.expire(time.monotonic())
         if expired:
             self.on_outputs([SeqOutput(s, [], s.finish_reason) for s in expired])
-        plan = self.scheduler.schedule()
+
+    def _run(self, plan: StepPlan) -> StepResult | None:
+        """Tell the group, then run the plan; a failed forward pass fails the
+        batch's sequences (the engine goes on) unless a group is broken."""
         try:
-            self._tell(("step", wire_plan(plan)))
+            self._leader.tell(("step", wire_plan(plan)))
             result = self.runner.run(plan)
         except Exception as e:
             if self.group is not None:
                 raise  # a broken group cannot take the next step: the engine stops
             log.error("engine step failed:\n%s", traceback.format_exc())
             self._fail_step(plan, f"{type(e).__name__}: {e}")
-            return
+            return None
         self.num_steps += 1
-        if result is not None:
-            self._postprocess(result)
+        return result
 
     def _postprocess(self, result: StepResult) -> None:
         outputs = []
@@ -298,16 +265,15 @@ class Engine:
 
     # ---- adapters in slots (engine thread; every rank in a group) ----------
 
-    def store_slot(self, slot: int, rows: dict, recipe: list, scale: float) -> None:
+    def write_slot(self, slot: int, rows: SlotRows, recipe: Recipe) -> None:
         """Write prepared rows into ``slot``; the other ranks of a group
-        re-create them from ``recipe`` ((path, scale) parts) at this point of
-        the stream of steps."""
-        self._tell(("write", slot, recipe, scale))
-        self.packs.store(slot, rows)
+        re-create them from ``recipe`` at this point of the stream of steps."""
+        self._leader.tell(("write", slot, recipe))
+        self.packs.fill(slot, rows)
 
     def clear_slot(self, slot: int) -> None:
-        self._tell(("clear", slot))
-        self.packs.clear(slot)
+        self._leader.tell(("clear", slot))
+        self.packs.empty(slot)
 
     # ---- engine-thread helpers --------------------------------------------
 
@@ -330,24 +296,12 @@ class Engine:
         batch (its KV cache is gone) and start over with an empty batch."""
         inflight = self.runner.inflight.rows if self.runner.inflight else []
         victims = [s for s in (*plan.decode, *plan.group, *inflight) if not s.is_finished]
-        victims = list(dict.fromkeys(victims))
-        victims += [s for s in self.scheduler.group if s not in victims]
-        self.scheduler.running, self.scheduler.group = [], []
+        victims += self.scheduler.take_batch()
         self.runner.reset()
-        for seq in victims:
-            seq.finish("error")
-        if victims:
-            self.on_outputs([SeqOutput(s, [], "error", message) for s in victims])
+        self._fail(list(dict.fromkeys(victims)), message)
 
     def _fail_all(self, message: str) -> None:
-        s = self.scheduler
-        victims = [q for q in (*s.waiting, *s.group, *s.running) if not q.is_finished]
-        s.waiting.clear()
-        s.running, s.group = [], []
-        for seq in victims:
-            seq.finish("error")
-        if victims:
-            self.on_outputs([SeqOutput(q, [], "error", message) for q in victims])
+        self._fail(self.scheduler.take_all(), message)
         # Answer the commands still queued (they see the engine stopped), so
         # that no caller waits forever.
         while True:
@@ -355,3 +309,9 @@ class Engine:
                 self._commands.get_nowait()()
             except queue.Empty:
                 break
+
+    def _fail(self, victims: list[Sequence], message: str) -> None:
+        for seq in victims:
+            seq.finish("error")
+        if victims:
+            self.on_outputs([SeqOutput(s, [], "error", message) for s in victims])

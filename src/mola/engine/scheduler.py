@@ -75,6 +75,20 @@ class Scheduler:
                 return seq
         return None
 
+    def take_batch(self) -> list[Sequence]:
+        """Empty the decode batch and the prefill group (their KV caches are
+        gone after a failed step); returns their unfinished sequences."""
+        taken = [s for s in (*self.group, *self.running) if not s.is_finished]
+        self.group, self.group_done, self.running = [], 0, []
+        return taken
+
+    def take_all(self) -> list[Sequence]:
+        """Empty every collection (the engine is stopping); returns the
+        unfinished sequences, queued ones first."""
+        taken = [s for s in self.waiting if not s.is_finished]
+        self.waiting.clear()
+        return taken + self.take_batch()
+
     def expire(self, now: float) -> list[Sequence]:
         """Finish the sequences past their deadline: "timeout" for those not yet
         running (they produced nothing), "length" for running ones."""

@@ -127,6 +127,49 @@ def full_dims(linear: nn.Module) -> tuple[int, int]:
     return input_dims, output_dims
 
 
+@dataclass(frozen=True)
+class TargetGeometry:
+    """One linear that can carry LoRA: its whole dimensions and how this rank
+    holds it."""
+
+    input_dims: int  # of the whole linear, across shards
+    output_dims: int
+    sharding: Sharding = Sharding()
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        return self.input_dims, self.output_dims
+
+
+@dataclass(frozen=True)
+class ModuleRows:
+    """What one slot of one MultiLoRALinear stores for an adapter."""
+
+    a: mx.array  # [r_max, in_part]: A^T, zero-padded to the slot's rank
+    b: mx.array  # [r_max, out_part]: scale * B, zero-padded
+    rank: int  # the adapter's own rank in this module
+    scale: float  # the scale folded into b (kept for reading)
+
+
+def module_rows(target: TargetGeometry, max_rank: int, dtype: mx.Dtype, a: mx.array, b: mx.array,
+                scale: float) -> ModuleRows:
+    """The rows a slot stores for factors a [in, r], b [r, out]: A^T and
+    scale * B, cut to this rank's part and zero-padded to ``max_rank``. Pure:
+    any thread may compute them."""
+    r = a.shape[1]
+    assert r <= max_rank, (r, max_rank)
+    assert a.shape == (target.input_dims, r) and b.shape == (r, target.output_dims)
+    sh = target.sharding
+    if sh.kind == "row":  # this rank sees part of the input: its rows of A
+        a = a[sh.part(a.shape[0])]
+    elif sh.kind == "column":  # this rank makes part of the output: its columns of B
+        b = b[:, sh.part(b.shape[1])]
+    pad = [(0, max_rank - r), (0, 0)]
+    a_row = mx.pad(a.T.astype(dtype), pad)  # [r_max, in_part]
+    b_row = mx.pad((scale * b.astype(mx.float32)).astype(dtype), pad)  # [r_max, out_part]
+    return ModuleRows(a_row, b_row, r, scale)
+
+
 def compute_dtype(linear: nn.Module) -> mx.Dtype:
     """The dtype the base layer computes in (scales' dtype when quantized)."""
     if hasattr(linear, "scales"):
@@ -201,38 +244,28 @@ class MultiLoRALinear(nn.Module):
         r = self._ranks.get(slot, 0)
         return self.lora_a[slot, :r].T, self.lora_b[slot, :r]
 
-    def write_slot(self, slot: int, a: mx.array, b: mx.array, scale: float) -> None:
-        """Store one adapter's factors in ``slot``: a [in, r], b [r, out]."""
-        self.store_slot(slot, *self.slot_rows(a, b, scale), rank=a.shape[1], scale=scale)
+    @property
+    def geometry(self) -> "TargetGeometry":
+        """What an adapter's factors for this linear must fit, and how this
+        rank's part of them is cut (any thread may read it)."""
+        input_dims, output_dims = self.full_dims
+        return TargetGeometry(input_dims, output_dims, self._sharding)
 
-    def slot_rows(self, a: mx.array, b: mx.array, scale: float) -> tuple[mx.array, mx.array]:
-        """What ``slot`` stores for these factors: A^T and scale * B, zero-padded
-        to the full rank ([r_max, in], [r_max, out]). Touches no state, so any
-        thread may compute it."""
-        r = a.shape[1]
-        assert r <= self.max_rank, (r, self.max_rank)
-        assert a.shape == (self.full_dims[0], r) and b.shape == (r, self.full_dims[1])
-        sh = self._sharding
-        if sh.kind == "row":  # this rank sees part of the input: its rows of A
-            a = a[sh.part(a.shape[0])]
-        elif sh.kind == "column":  # this rank makes part of the output: its columns of B
-            b = b[:, sh.part(b.shape[1])]
-        pad = [(0, self.max_rank - r), (0, 0)]
-        a_row = mx.pad(a.T.astype(self.dtype), pad)
-        b_row = mx.pad((scale * b.astype(mx.float32)).astype(self.dtype), pad)
-        return a_row, b_row
+    def set_factors(self, slot: int, a: mx.array, b: mx.array, scale: float) -> None:
+        """Put one adapter's factors (a [in, r], b [r, out]) into ``slot``."""
+        self.set_rows(slot, module_rows(self.geometry, self.max_rank, self.dtype, a, b, scale))
 
-    def store_slot(self, slot: int, a_row: mx.array, b_row: mx.array, rank: int, scale: float) -> None:
-        """Write rows made by :meth:`slot_rows` into ``slot``."""
+    def set_rows(self, slot: int, rows: "ModuleRows") -> None:
+        """Write rows made by :func:`module_rows` into ``slot``."""
         assert 0 < slot < self.num_slots
         self._views.clear()  # no other reference: the writes below update in place
-        self.lora_a[slot] = a_row
-        self.lora_b[slot] = b_row
-        self.lora_scale[slot] = scale
-        self._ranks[slot] = rank
+        self.lora_a[slot] = rows.a
+        self.lora_b[slot] = rows.b
+        self.lora_scale[slot] = rows.scale
+        self._ranks[slot] = rows.rank
         self._rank = max(self._ranks.values())
 
-    def clear_slot(self, slot: int) -> None:
+    def zero_rows(self, slot: int) -> None:
         """Zero ``slot`` so that it adds nothing."""
         if slot not in self._ranks:
             return

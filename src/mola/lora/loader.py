@@ -1,21 +1,38 @@
 """Moves adapters between disk and slots.
 
-Files are read and checked on a reader thread of their own (with its own MLX
-stream), so a hot load costs the decode loop only the slot write itself, which
-runs on the engine thread between two steps.
+Files are read, checked and turned into slot rows on a reader thread of its
+own (with its own MLX stream), so a hot load costs the decode loop only the
+slot write itself, which the engine runs between two steps. The engine is
+reached through a narrow :class:`SlotPort` (write a slot, clear a slot, the
+slot geometry); the wiring of the two lives above both, in the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from pathlib import Path
+from typing import Protocol
 
 import mlx.core as mx
 
-from ..engine.client import AsyncEngine
-from .formats import read_adapter
-from .weights import LoRAWeights, compose, validate
+from .pack import SlotGeometry, SlotRows, prepare_rows
+from .recipe import Recipe, read_checked, read_recipe
+from .weights import LoRAWeights
+
+
+class SlotPort(Protocol):
+    """What the loader needs of the engine (mola.engine.client.AsyncEngine
+    provides it)."""
+
+    @property
+    def geometry(self) -> SlotGeometry: ...
+
+    async def write_slot(self, slot: int, rows: SlotRows, recipe: Recipe) -> None:
+        """Write ``rows`` into ``slot`` between two steps; ``recipe`` says how
+        they were made, for the other ranks of a tensor-parallel group."""
+
+    async def clear_slot(self, slot: int) -> None:
+        """Zero ``slot`` between two steps."""
 
 
 def _reader_init() -> None:
@@ -23,53 +40,43 @@ def _reader_init() -> None:
 
 
 class AdapterLoader:
-    def __init__(self, engine: AsyncEngine):
-        self.engine = engine
+    def __init__(self, port: SlotPort, model_config: dict | None = None):
+        self.port = port
+        self.model_config = model_config or {}
         self._reader = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="mola-adapter-reader", initializer=_reader_init
         )
 
     @property
+    def geometry(self) -> SlotGeometry:
+        return self.port.geometry
+
+    @property
     def max_rank(self) -> int:
-        return self.engine.engine.config.max_lora_rank
+        return self.geometry.max_rank
 
-    def _read(self, path: Path) -> LoRAWeights:  # reader thread
-        eng = self.engine.engine
-        config = eng.loaded.config if eng.loaded else None
-        weights = read_adapter(path, dtype=eng.dtype, model_type=(config or {}).get("model_type"),
-                               model_config=config)
-        validate(weights, eng.targets, self.max_rank)
-        return weights
+    async def _off_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._reader, fn, *args)
 
-    async def read(self, path: str | Path) -> LoRAWeights:
-        """Read and validate the adapter at ``path``; raises InvalidAdapter or
+    async def read(self, path: str) -> LoRAWeights:
+        """Read and check the adapter at ``path``; raises InvalidAdapter or
         AdapterPathNotFound with a message that names the problem."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._reader, self._read, Path(path))
+        return await self._off_thread(read_checked, str(path), self.geometry, self.model_config)
 
-    def _compose(self, parts: list[tuple[str, float]]) -> LoRAWeights:  # reader thread
-        weights = [(self._read(Path(path)), scale) for path, scale in parts]
-        return compose(weights, self.max_rank)
+    async def build(self, recipe: Recipe) -> LoRAWeights:
+        """The weights of ``recipe``: one adapter, or several stacked into one
+        LoRA (see weights.compose)."""
+        return await self._off_thread(read_recipe, recipe, self.geometry, self.model_config)
 
-    async def compose(self, parts: list[tuple[str, float]]) -> LoRAWeights:
-        """Read the parts and stack them into one LoRA (see weights.compose)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._reader, self._compose, parts)
+    async def place(self, slot: int, weights: LoRAWeights, recipe: Recipe) -> None:
+        """Put ``weights`` (made from ``recipe``) into ``slot``: padded and cast
+        on the reader thread; only the copy runs on the engine thread."""
+        rows = await self._off_thread(prepare_rows, weights, self.geometry, recipe.scale)
+        await self.port.write_slot(slot, rows, recipe)
 
-    async def write(self, slot: int, weights: LoRAWeights, scale: float = 1.0,
-                    recipe: list[tuple[str, float]] | None = None) -> None:
-        """Pad and cast on the reader thread; only the slot writes themselves
-        run on the engine thread, between two steps. ``recipe`` says how the
-        weights were made ((path, scale) of each part), for the other ranks
-        of a tensor-parallel group."""
-        eng = self.engine.engine
-        loop = asyncio.get_running_loop()
-        rows = await loop.run_in_executor(self._reader, eng.packs.prepare, weights, scale)
-        await self.engine.call(lambda: eng.store_slot(slot, rows, recipe or [], scale))
-
-    async def clear(self, slot: int) -> None:
-        eng = self.engine.engine
-        await self.engine.call(lambda: eng.clear_slot(slot))
+    async def remove(self, slot: int) -> None:
+        """Empty ``slot``."""
+        await self.port.clear_slot(slot)
 
     def close(self) -> None:
         # MLX wants a thread's streams cleared before the thread ends.
@@ -78,20 +85,3 @@ class AdapterLoader:
         except Exception:
             pass
         self._reader.shutdown(wait=True)
-
-
-def read_recipe(recipe: list[tuple[str, float]], packs, loaded) -> LoRAWeights:
-    """The weights a (path, scale) recipe describes, read and checked the way
-    rank 0 did (used by the other ranks of a tensor-parallel group)."""
-    config = loaded.config
-    max_rank = packs.max_rank
-
-    def read(path: str) -> LoRAWeights:
-        weights = read_adapter(path, dtype=next(iter(packs.layers.values())).dtype,
-                               model_type=config.get("model_type"), model_config=config)
-        validate(weights, packs.targets(), max_rank)
-        return weights
-
-    if len(recipe) == 1 and recipe[0][1] == 1.0:
-        return read(recipe[0][0])
-    return compose([(read(path), scale) for path, scale in recipe], max_rank)

@@ -7,11 +7,14 @@ be written into, or cleared from, one slot of every layer at once.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Mapping
+
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from .layer import WRAPPABLE, LoRARouting, MultiLoRALinear
+from .layer import WRAPPABLE, LoRARouting, ModuleRows, MultiLoRALinear, TargetGeometry, module_rows
 from .weights import LoRAWeights
 
 
@@ -55,10 +58,14 @@ class AdapterPacks:
     def max_rank(self) -> int:
         return next(iter(self.layers.values())).max_rank
 
-    def targets(self) -> dict[str, tuple[int, int]]:
-        """Module path -> (input_dims, output_dims) of every wrapped linear
-        (whole, also when this rank holds a tensor-parallel part of it)."""
-        return {p: l.full_dims for p, l in self.layers.items()}
+    @property
+    def geometry(self) -> SlotGeometry:
+        """What adapters must fit to be written into these packs."""
+        first = next(iter(self.layers.values()))
+        return SlotGeometry(
+            targets={p: l.geometry for p, l in self.layers.items()},
+            max_rank=first.max_rank, num_slots=first.num_slots, dtype=first.dtype,
+        )
 
     def arrays(self) -> list[mx.array]:
         return [a for l in self.layers.values() for a in (l.lora_a, l.lora_b, l.lora_scale)]
@@ -67,37 +74,67 @@ class AdapterPacks:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
 
-    def prepare(self, weights: LoRAWeights, scale: float = 1.0) -> dict:
-        """The slot rows of a validated adapter, its scales multiplied by
-        ``scale``, evaluated (see MultiLoRALinear.slot_rows). Any thread."""
-        rows = {}
-        for path, m in weights.modules.items():
-            a_row, b_row = self.layers[path].slot_rows(m.a, m.b, m.scale * scale)
-            rows[path] = (a_row, b_row, m.rank, m.scale * scale)
-        mx.eval([r[:2] for r in rows.values()])
-        return rows
-
-    def store(self, slot: int, rows: dict) -> None:
+    def fill(self, slot: int, rows: SlotRows) -> None:
         """Write prepared rows into ``slot`` of every layer; layers the adapter
         does not touch are zeroed there. Engine thread."""
         if not 0 < slot < self.num_slots:
             raise ValueError(f"slot {slot} is outside 1..{self.num_slots - 1}")
         for path, layer in self.layers.items():
-            row = rows.get(path)
+            row = rows.modules.get(path)
             if row is None:
-                layer.clear_slot(slot)
+                layer.zero_rows(slot)
             else:
-                layer.store_slot(slot, row[0], row[1], rank=row[2], scale=row[3])
+                layer.set_rows(slot, row)
         mx.eval(self.arrays())
 
-    def write(self, slot: int, weights: LoRAWeights, scale: float = 1.0) -> None:
-        """Write a validated adapter into ``slot`` of every layer, its scale
-        multiplied by ``scale``; layers the adapter does not touch are zeroed
-        there."""
-        self.store(slot, self.prepare(weights, scale))
+    def fill_from(self, slot: int, weights: LoRAWeights, scale: float = 1.0) -> None:
+        """Prepare and write a validated adapter into ``slot`` (its scales
+        multiplied by ``scale``)."""
+        self.fill(slot, prepare_rows(weights, self.geometry, scale))
 
-    def clear(self, slot: int) -> None:
+    def empty(self, slot: int) -> None:
         """Zero ``slot`` in every layer."""
         for layer in self.layers.values():
-            layer.clear_slot(slot)
+            layer.zero_rows(slot)
         mx.eval(self.arrays())
+
+
+@dataclass(frozen=True)
+class SlotGeometry:
+    """What an adapter must fit to go into a slot: every linear that can carry
+    LoRA (module path -> its whole dims and this rank's sharding), the largest
+    rank, the number of slots (slot 0 included) and the packs' dtype. Fixed
+    once the model is loaded; any thread may read it."""
+
+    targets: Mapping[str, TargetGeometry]
+    max_rank: int
+    num_slots: int
+    dtype: mx.Dtype
+
+    @property
+    def dims(self) -> dict[str, tuple[int, int]]:
+        """Module path -> (input_dims, output_dims) of the whole linear."""
+        return {p: t.dims for p, t in self.targets.items()}
+
+
+@dataclass(frozen=True)
+class SlotRows:
+    """One adapter, ready to be written into a slot of every layer."""
+
+    modules: Mapping[str, ModuleRows]  # module path -> its rows; other layers are zeroed
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.a.nbytes + r.b.nbytes for r in self.modules.values())
+
+
+def prepare_rows(weights: LoRAWeights, geometry: SlotGeometry, scale: float = 1.0) -> SlotRows:
+    """The slot rows of a validated adapter, its scales multiplied by
+    ``scale``, evaluated. Pure: any thread (the reader thread does it, so that
+    the engine thread only copies)."""
+    modules = {}
+    for path, m in weights.modules.items():
+        modules[path] = module_rows(geometry.targets[path], geometry.max_rank, geometry.dtype,
+                                    m.a, m.b, m.scale * scale)
+    mx.eval([(r.a, r.b) for r in modules.values()])
+    return SlotRows(modules)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..errors import AdapterExists, AdapterNotFound, InvalidRequest, ModelNotFound, MolaError
+from .recipe import Recipe
 from .sources import AdapterSources
 from .weights import LoRAWeights
 
@@ -37,11 +38,13 @@ _uids = itertools.count(1)
 
 
 class SlotBackend(Protocol):
+    """What the registry needs to move adapters in and out of slots
+    (mola.lora.loader.AdapterLoader)."""
+
     async def read(self, path: str) -> LoRAWeights: ...
-    async def compose(self, parts: list[tuple[str, float]]) -> LoRAWeights: ...
-    async def write(self, slot: int, weights: LoRAWeights, scale: float,
-                    recipe: list[tuple[str, float]] | None = None) -> None: ...
-    async def clear(self, slot: int) -> None: ...
+    async def build(self, recipe: Recipe) -> LoRAWeights: ...
+    async def place(self, slot: int, weights: LoRAWeights, recipe: Recipe) -> None: ...
+    async def remove(self, slot: int) -> None: ...
 
 
 @dataclass
@@ -308,10 +311,7 @@ class AdapterRegistry:
         record.state, record.loaded, record.load_error = "loading", asyncio.Event(), None
         try:
             t0 = time.perf_counter()
-            if record.parts is None:
-                weights = await self.backend.read(record.path)
-            else:
-                weights = await self.backend.compose(list(record.parts))
+            weights = await self.backend.build(self._recipe(record))
             self._note_weights(record, weights)
             slot = self._take_slot(wait_ok=True)
             while slot is None:
@@ -355,10 +355,8 @@ class AdapterRegistry:
     async def _install(self, record: AdapterRecord, slot: int, weights: LoRAWeights,
                        t0: float | None = None) -> None:
         t0 = time.perf_counter() if t0 is None else t0
-        recipe = list(record.parts) if record.parts is not None else [(record.path, 1.0)]
-        scale = 1.0 if record.parts is not None else record.scale
         try:
-            await self.backend.write(slot, weights, scale, recipe)
+            await self.backend.place(slot, weights, self._recipe(record))
         except BaseException:
             self._slots[slot] = None
             await self._notify()
@@ -377,6 +375,14 @@ class AdapterRegistry:
         log.info("adapter loaded: name=%s version=%d slot=%d rank=%s path=%s in %.1f ms",
                  record.name, record.version, slot, record.rank, record.path, seconds * 1e3)
         await self._notify()
+
+    @staticmethod
+    def _recipe(record: AdapterRecord) -> Recipe:
+        """What the record's slot holds: a composition's parts (their scales
+        already multiplied in), or one adapter at its default strength."""
+        if record.parts is not None:
+            return Recipe(record.parts, 1.0)
+        return Recipe.single(record.path, record.scale)
 
     @staticmethod
     def _note_weights(record: AdapterRecord, weights: LoRAWeights) -> None:
@@ -432,7 +438,7 @@ class AdapterRegistry:
 
     async def _clear(self, slot: int) -> None:
         try:
-            await self.backend.clear(slot)
+            await self.backend.remove(slot)
         except Exception:
             # The engine is gone: keep the slot out of use rather than hand
             # it out while it may hold old weights.

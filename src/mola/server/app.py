@@ -40,7 +40,7 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel) 
     loads the adapters named at start (raising MolaError for a bad one) and
     registers every entry of the adapter directories."""
     async_engine = AsyncEngine(engine)
-    loader = AdapterLoader(async_engine)
+    loader = AdapterLoader(port=async_engine, model_config=loaded.config)  # the engine is its SlotPort
     base_id = base_model_id(config, loaded)
     sources = AdapterSources(
         adapter_dirs=config.adapter_dirs,

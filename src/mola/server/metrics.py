@@ -40,13 +40,12 @@ class StateCollector:
         import mlx.core as mx
 
         s = self.state
-        sched = s.engine.engine.scheduler
-        runner = s.engine.engine.runner
+        snap = s.engine.snapshot  # published by the engine thread after each step
         reg = s.registry
         g = GaugeMetricFamily
-        yield g("mola_running_requests", "Sequences in the decode batch", value=len(sched.running))
+        yield g("mola_running_requests", "Sequences in the decode batch", value=snap.num_running)
         yield g("mola_waiting_requests", "Sequences queued or being prefilled",
-                value=len(sched.waiting) + len(sched.group))
+                value=snap.num_waiting + snap.num_prefilling)
         yield g("mola_engine_alive", "1 while the engine thread runs", value=float(s.engine.is_alive))
         yield g("mola_adapters_known", "Adapters that can be requested", value=len(reg.adapters()))
         yield g("mola_adapters_resident", "Adapters (and stacks) in slots", value=reg.num_resident)
@@ -55,18 +54,14 @@ class StateCollector:
         yield g("mola_memory_active_bytes", "MLX memory in use", value=mx.get_active_memory())
         yield g("mola_memory_peak_bytes", "MLX peak memory", value=mx.get_peak_memory())
         yield g("mola_process_resident_bytes", "Resident memory of the process", value=rss_bytes())
-        if runner is not None:
-            st = runner.stats
-            c = CounterMetricFamily
-            yield c("mola_decode_steps", "Decode steps run", value=st.decode_steps)
-            yield c("mola_decode_rows", "Rows decoded, summed over steps (rows / steps = mean batch size)",
-                    value=st.decode_rows)
-            yield c("mola_mixed_decode_steps", "Decode steps whose rows used several slots",
-                    value=st.mixed_steps)
-            yield c("mola_prefill_tokens", "Prompt tokens prefilled", value=st.prefill_tokens)
-            yield g("mola_batch_size_max", "Largest decode batch so far", value=st.max_batch)
+        st, c = snap.stats, CounterMetricFamily
+        yield c("mola_decode_steps", "Decode steps run", value=st.decode_steps)
+        yield c("mola_decode_rows", "Rows decoded, summed over steps (rows / steps = mean batch size)",
+                value=st.decode_rows)
+        yield c("mola_mixed_decode_steps", "Decode steps whose rows used several slots", value=st.mixed_steps)
+        yield c("mola_prefill_tokens", "Prompt tokens prefilled", value=st.prefill_tokens)
+        yield g("mola_batch_size_max", "Largest decode batch so far", value=st.max_batch)
         rs = reg.stats
-        c = CounterMetricFamily
         yield c("mola_adapter_loads", "Adapters written into a slot", value=rs.loads)
         yield c("mola_adapter_load_failures", "Adapter loads that failed", value=rs.load_failures)
         yield c("mola_adapter_evictions", "Resident adapters evicted to make room", value=rs.evictions)

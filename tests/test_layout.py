@@ -1,0 +1,61 @@
+"""The floors of the package: imports run one way down, and nothing outside
+the engine reads its thread-owned internals (a check of the source itself)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import mola
+
+SRC = Path(mola.__file__).parent
+# Each folder, with the folders it must never import from (they sit above it).
+ABOVE = {
+    "lora": ("engine", "server", "serve", "cli", "train", "demo"),
+    "engine": ("server", "serve", "cli", "train", "demo"),
+    "server": ("serve", "cli", "train", "demo"),
+}
+ENGINE_INTERNALS = {"scheduler", "runner", "packs", "_commands"}
+
+
+def modules(folder: str):
+    for path in sorted((SRC / folder).rglob("*.py")):
+        yield path, ast.parse(path.read_text())
+
+
+def imported(path: Path, tree: ast.Module) -> list[str]:
+    """Every module ``path`` imports, as a dotted name under mola."""
+    package = path.relative_to(SRC.parent).with_suffix("").parts[:-1]
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                names.append(".".join([*base, node.module or ""]).rstrip("."))
+            elif node.module:
+                names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+    return names
+
+
+def test_imports_run_one_way_down():
+    upward = []
+    for folder, above in ABOVE.items():
+        for path, tree in modules(folder):
+            for name in imported(path, tree):
+                parts = name.split(".")
+                if parts[0] == "mola" and len(parts) > 1 and parts[1] in above:
+                    upward.append(f"{path.relative_to(SRC)} imports {name}")
+    assert not upward, upward
+
+
+def test_the_server_reads_no_engine_internals():
+    """The event loop reads the engine's published snapshot, never the
+    scheduler, runner or packs that the engine thread mutates."""
+    reads = []
+    for path, tree in modules("server"):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS:
+                reads.append(f"{path.relative_to(SRC)}:{node.lineno} .{node.attr}")
+    assert not reads, reads

@@ -1,0 +1,47 @@
+"""AdapterLoader over the real engine's slot port: read and checked on the
+reader thread, rows prepared there, only the copy on the engine thread
+(mola/lora/loader.py, the SlotPort of mola/engine/client.py)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from mola.engine.client import AsyncEngine
+from mola.engine.engine import Engine, EngineConfig
+from mola.engine.loader import load_base_model
+from mola.lora.formats import read_adapter
+from mola.lora.loader import AdapterLoader
+from mola.lora.recipe import Recipe
+
+
+def test_place_and_remove_through_the_engine_port(tiny_model, adapters):
+    engine = Engine(lambda: load_base_model(str(tiny_model)), EngineConfig(max_loras=2, max_lora_rank=16))
+    loaded = engine.start()
+
+    async def main():
+        loader = AdapterLoader(AsyncEngine(engine), loaded.config)
+        try:
+            recipe = Recipe.single(str(adapters["b"]), scale=0.5)
+            weights = await loader.build(recipe)
+            await loader.place(2, weights, recipe)
+            layers = await AsyncEngine(engine).call(lambda: {  # copied out on the engine thread
+                p: tuple(np.array(f) for f in l.factors(2))
+                for p, l in engine.packs.layers.items() if 2 in l.active_slots})
+            plain = read_adapter(adapters["b"])
+            assert set(layers) == set(plain.modules)
+            for path, (a, b) in layers.items():
+                m = plain.modules[path]
+                assert np.array_equal(a, np.array(m.a))
+                assert np.allclose(b, 0.5 * m.scale * np.array(m.b), atol=1e-6)  # the recipe's scale folded into B
+            await loader.remove(2)
+            assert await AsyncEngine(engine).call(
+                lambda: not any(l.active_slots for l in engine.packs.layers.values()))
+        finally:
+            loader.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
