@@ -16,25 +16,29 @@ resident in slots. A request takes a :class:`Lease` on the model id it names:
 Unloading stops new leases at once; requests already running finish on the
 adapter's weights, then its slot is zeroed and freed. Loading a name again is
 a new version with a fresh ``uid``, never served by anything of the old one.
+
+A record's lifecycle is mola.lora.records (one table of transitions); which
+slot holds what is mola.lora.slots; stacks of adapters are mola.lora.stacks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from ..errors import AdapterExists, AdapterNotFound, InvalidRequest, ModelNotFound, MolaError
 from .recipe import Recipe
+from .records import AdapterRecord, AdapterState
+from .slots import SlotTable
 from .sources import AdapterSources
+from .stacks import Stacks
 from .weights import LoRAWeights
 
 log = logging.getLogger("mola.adapters")
-
-_uids = itertools.count(1)
+S = AdapterState
 
 
 class SlotBackend(Protocol):
@@ -54,64 +58,6 @@ class RegistryStats:
     evictions: int = 0  # residents moved out to make room
     unloads: int = 0
     load_seconds: float = 0.0  # read + write time, summed
-
-
-@dataclass(eq=False)
-class AdapterRecord:
-    """One version of one adapter name."""
-
-    name: str
-    path: str  # resolved path (or hub snapshot); `root` in /v1/models
-    source: str  # "cli", "config", "dir", "rest"
-    version: int
-    scale: float = 1.0  # default multiplier of the adapter's own scale
-    uid: int = field(default_factory=lambda: next(_uids))  # unique per version
-    created: int = field(default_factory=lambda: int(time.time()))
-    state: str = "known"  # known -> loading -> resident (-> known on eviction); draining; removed
-    slot: int | None = None
-    in_flight: int = 0  # leases held by requests
-    waiting: int = 0  # requests waiting for it to become resident
-    last_used: float | None = None
-    loads: int = 0
-    rank: int | None = None  # known once read
-    adapter_scale: float | None = None
-    format: str | None = None
-    nbytes: int | None = None
-    loaded: asyncio.Event = field(default_factory=asyncio.Event)  # set when leaving "loading"
-    load_error: MolaError | None = None
-    # A composition (several adapters stacked into one slot): (path, scale)
-    # of each part, and the part records it was built from.
-    parts: tuple[tuple[str, float], ...] | None = None
-    part_records: tuple["AdapterRecord", ...] = ()
-
-    @property
-    def resident(self) -> bool:
-        return self.state in ("resident", "draining") and self.slot is not None
-
-    def describe(self) -> dict:
-        return {
-            "name": self.name,
-            "composition": None if self.parts is None else [
-                {"name": r.name, "version": r.version, "scale": sc}
-                for r, (_, sc) in zip(self.part_records, self.parts)
-            ],
-            "path": self.path,
-            "source": self.source,
-            "format": self.format,
-            "state": self.state,
-            "resident": self.resident,
-            "slot": self.slot,
-            "version": self.version,
-            "rank": self.rank,
-            "scale": self.adapter_scale,
-            "default_request_scale": self.scale,
-            "nbytes": self.nbytes,
-            "in_flight": self.in_flight,
-            "waiting": self.waiting,
-            "loads": self.loads,
-            "created": self.created,
-            "last_used": self.last_used,
-        }
 
 
 class Lease:
@@ -149,9 +95,9 @@ class AdapterRegistry:
         self.max_loras = max_loras
         self.sources = sources or AdapterSources(allow_any_path=True)
         self.stats = RegistryStats()
+        self.slots = SlotTable(max_loras)
+        self.stacks = Stacks()
         self._known: dict[str, AdapterRecord] = {}
-        self._compositions: dict[str, AdapterRecord] = {}  # stacked adapters, by key
-        self._slots: dict[int, AdapterRecord | None] = {s: None for s in range(1, max_loras + 1)}
         self._unloaded: set[str] = set()  # names not to rediscover in adapter dirs
         self._versions: dict[str, int] = {}
         self._changed = asyncio.Condition()  # a slot freed, a load finished
@@ -165,7 +111,7 @@ class AdapterRegistry:
 
     def compositions(self) -> list[AdapterRecord]:
         """Stacks of adapters built for requests (each one slot when resident)."""
-        return list(self._compositions.values())
+        return list(self.stacks)
 
     def get(self, name: str) -> AdapterRecord:
         record = self._known.get(name) or self._discover(name)
@@ -175,11 +121,11 @@ class AdapterRegistry:
 
     @property
     def num_free_slots(self) -> int:
-        return sum(r is None for r in self._slots.values())
+        return self.slots.num_free
 
     @property
     def num_resident(self) -> int:
-        return sum(r is not None for r in self._slots.values())
+        return self.slots.num_held
 
     def register(self, name: str, path: str, source: str, scale: float = 1.0) -> AdapterRecord:
         """Know ``name`` as the adapter at (already resolved) ``path``."""
@@ -209,6 +155,11 @@ class AdapterRegistry:
         log.info("adapter discovered: name=%s path=%s", name, path)
         return self.register(name, str(path.resolve()), "dir")
 
+    def _is_current(self, record: AdapterRecord) -> bool:
+        if record.is_stack:
+            return self.stacks.is_current(record)
+        return self._known.get(record.name) is record
+
     # ---- loading ------------------------------------------------------------
 
     async def load(self, name: str, path: str, scale: float = 1.0, source: str = "rest") -> AdapterRecord:
@@ -221,9 +172,14 @@ class AdapterRegistry:
         self._check_name(name)  # another load may have taken the name meanwhile
         record = self.register(name, real, source, scale)
         self._note_weights(record, weights)
-        slot = self._take_slot(wait_ok=False)
+        slot = self._take_slot()
         if slot is not None:
-            await self._install(record, slot, weights)
+            record.move_to(S.LOADING)
+            try:
+                await self._install(record, slot, weights)
+            except BaseException:
+                self._loading_failed(record, None)
+                raise
         return record
 
     async def acquire(
@@ -260,7 +216,7 @@ class AdapterRegistry:
             raise InvalidRequest("An adapter is named more than once in 'adapters'.", param="adapters")
         if len(parts) == 1:
             return await self._lease(parts[0][0], parts[0][1])
-        return await self._lease(self._composition(parts), 1.0)
+        return await self._lease(self.stacks.get_or_make(parts), 1.0)
 
     def _lookup(self, name: str, param: str) -> AdapterRecord:
         record = self._known.get(name) or self._discover(name)
@@ -268,36 +224,17 @@ class AdapterRegistry:
             raise ModelNotFound(name, param=param)
         return record
 
-    def _composition(self, parts: list[tuple[AdapterRecord, float]]) -> AdapterRecord:
-        parts = sorted(parts, key=lambda p: p[0].name)  # a sum: order does not matter
-        key = "+".join(f"{r.name}@v{r.version}*{scale:g}" for r, scale in parts)
-        record = self._compositions.get(key)
-        if record is None:
-            record = AdapterRecord(
-                name=key, path=" + ".join(r.path for r, _ in parts), source="composition", version=1,
-                parts=tuple((r.path, r.scale * scale) for r, scale in parts),
-                part_records=tuple(r for r, _ in parts),
-            )
-            self._compositions[key] = record
-        return record
-
-    def _is_current(self, record: AdapterRecord) -> bool:
-        table = self._compositions if record.parts is not None else self._known
-        return table.get(record.name) is record
-
     async def _lease(self, record: AdapterRecord, row_scale: float) -> Lease:
         record.waiting += 1
         try:
             while True:
                 if not self._is_current(record):
                     raise ModelNotFound(record.name)  # unloaded while we waited
-                if record.state == "resident":
+                if record.state is S.RESIDENT:
                     record.in_flight += 1
-                    record.last_used = time.time()
-                    for part in record.part_records:
-                        part.last_used = record.last_used
+                    record.touch()
                     return Lease(self, record, row_scale)
-                if record.state == "loading":
+                if record.state is S.LOADING:
                     await record.loaded.wait()
                     if record.load_error is not None:
                         raise record.load_error
@@ -307,66 +244,68 @@ class AdapterRegistry:
             record.waiting -= 1
 
     async def _load_resident(self, record: AdapterRecord) -> None:
-        """Make a known record resident (called with state "known")."""
-        record.state, record.loaded, record.load_error = "loading", asyncio.Event(), None
+        """Make a known record resident: read it, wait for a slot, write it."""
+        record.move_to(S.LOADING)
+        record.loaded, record.load_error = asyncio.Event(), None
+        slot = None
         try:
             t0 = time.perf_counter()
             weights = await self.backend.build(self._recipe(record))
             self._note_weights(record, weights)
-            slot = self._take_slot(wait_ok=True)
+            slot = self._take_slot()
             while slot is None:
                 async with self._changed:
                     await self._changed.wait()
                 if not self._is_current(record):
                     raise ModelNotFound(record.name)
-                slot = self._take_slot(wait_ok=True)
+                slot = self._take_slot()
             await self._install(record, slot, weights, t0)
         except BaseException as e:
-            if record.state == "loading":
-                record.state = "known"
-            if isinstance(e, MolaError):
-                record.load_error = e
-                self.stats.load_failures += 1
-            record.loaded.set()
+            self._loading_failed(record, e)
             raise
 
-    def _take_slot(self, wait_ok: bool) -> int | None:
-        """A free slot, or the slot of the least recently used resident that no
-        request uses (evicting it); None if every slot is busy."""
-        for slot, holder in self._slots.items():
-            if holder is None:
-                self._slots[slot] = _RESERVED
-                return slot
-        idle = [r for r in self._slots.values() if r is not _RESERVED and r.state == "resident"
-                and r.in_flight == 0 and r.waiting == 0]
-        if not idle:
+    def _loading_failed(self, record: AdapterRecord, error: BaseException | None) -> None:
+        if record.state is S.LOADING:
+            record.move_to(S.KNOWN if self._is_current(record) else S.REMOVED)
+        if isinstance(error, MolaError):
+            record.load_error = error
+            self.stats.load_failures += 1
+        record.loaded.set()
+
+    def _take_slot(self) -> int | None:
+        """A reserved slot: a free one, or the least recently used idle
+        resident's (evicting it); None if every slot is busy."""
+        taken = self.slots.reserve()
+        if taken is None:
             return None
-        victim = min(idle, key=lambda r: (r.last_used or 0.0, r.uid))
-        slot = victim.slot
-        victim.state, victim.slot = "known", None
-        if victim.parts is not None:  # a composition is rebuilt when asked for again
-            victim.state = "removed"
-            self._compositions.pop(victim.name, None)
-        self._slots[slot] = _RESERVED
-        self.stats.evictions += 1
-        log.info("adapter evicted: name=%s slot=%d (least recently used)", victim.name, slot)
+        slot, victim = taken
+        if victim is not None:
+            victim.slot = None
+            if victim.is_stack:  # a stack is rebuilt when asked for again
+                victim.move_to(S.REMOVED)
+                self.stacks.drop(victim)
+            else:
+                victim.move_to(S.KNOWN)
+            self.stats.evictions += 1
+            log.info("adapter evicted: name=%s slot=%d (least recently used)", victim.name, slot)
         return slot
 
     async def _install(self, record: AdapterRecord, slot: int, weights: LoRAWeights,
                        t0: float | None = None) -> None:
+        """Write a LOADING record's weights into its reserved slot."""
         t0 = time.perf_counter() if t0 is None else t0
         try:
             await self.backend.place(slot, weights, self._recipe(record))
         except BaseException:
-            self._slots[slot] = None
+            self.slots.free(slot)
             await self._notify()
             raise
         if not self._is_current(record):  # unloaded while loading
-            self._slots[slot] = None
             self._spawn(self._clear(slot))
             raise ModelNotFound(record.name)
-        self._slots[slot] = record
-        record.slot, record.state = slot, "resident"
+        self.slots.hold(slot, record)
+        record.slot = slot
+        record.move_to(S.RESIDENT)
         record.loads += 1
         record.loaded.set()
         seconds = time.perf_counter() - t0
@@ -378,9 +317,9 @@ class AdapterRegistry:
 
     @staticmethod
     def _recipe(record: AdapterRecord) -> Recipe:
-        """What the record's slot holds: a composition's parts (their scales
-        already multiplied in), or one adapter at its default strength."""
-        if record.parts is not None:
+        """What the record's slot holds: a stack's parts (their scales already
+        multiplied in), or one adapter at its default strength."""
+        if record.is_stack:
             return Recipe(record.parts, 1.0)
         return Recipe.single(record.path, record.scale)
 
@@ -397,7 +336,7 @@ class AdapterRegistry:
             return
         record.in_flight -= 1
         if record.in_flight == 0:
-            if record.state == "draining":
+            if record.state is S.DRAINING:
                 self._spawn(self._free(record))
             else:
                 self._spawn(self._notify())  # an idle resident can be evicted now
@@ -410,10 +349,9 @@ class AdapterRegistry:
         del self._known[name]
         self._unloaded.add(name)
         self.stats.unloads += 1
-        for key, comp in list(self._compositions.items()):
-            if record in comp.part_records:
-                del self._compositions[key]
-                await self._retire(comp)
+        for stack in self.stacks.using(record):
+            self.stacks.drop(stack)
+            await self._retire(stack)
         log.info("adapter unloading: name=%s slot=%s in_flight=%d", name, record.slot, record.in_flight)
         await self._retire(record)
         await self._notify()
@@ -421,16 +359,20 @@ class AdapterRegistry:
 
     async def _retire(self, record: AdapterRecord) -> None:
         """A record no longer current: drain it if resident."""
-        if record.state == "resident":
-            record.state = "draining"
+        if record.state is S.RESIDENT:
+            record.move_to(S.DRAINING)
             if record.in_flight == 0:
                 await self._free(record)
-        elif record.state != "draining":
-            record.state = "removed"  # a load in progress notices and gives its slot back
+        elif record.state is S.KNOWN:
+            record.move_to(S.REMOVED)
+        # LOADING: the load notices that the record is no longer current and
+        # gives its slot back; DRAINING or REMOVED: nothing more to do.
 
     async def _free(self, record: AdapterRecord) -> None:
+        """A drained record leaves its slot, which is zeroed and freed."""
         slot = record.slot
-        record.state, record.slot = "removed", None
+        record.slot = None
+        record.move_to(S.REMOVED)
         if slot is None:
             return
         await self._clear(slot)
@@ -443,9 +385,9 @@ class AdapterRegistry:
             # The engine is gone: keep the slot out of use rather than hand
             # it out while it may hold old weights.
             log.exception("could not clear slot %d", slot)
-            self._slots[slot] = _RESERVED
+            self.slots.put_out_of_use(slot)
             return
-        self._slots[slot] = None
+        self.slots.free(slot)
         await self._notify()
 
     async def _notify(self) -> None:
@@ -456,14 +398,3 @@ class AdapterRegistry:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-
-class _Reserved:
-    """Placeholder in a slot being loaded."""
-
-    state = "reserved"
-    in_flight = 1
-    slot = None
-
-
-_RESERVED = _Reserved()

@@ -1,0 +1,124 @@
+"""One version of one adapter name, and the states it goes through.
+
+A record's state changes only through :meth:`AdapterRecord.move_to`, which
+checks it against :data:`TRANSITIONS`, the one table of allowed moves:
+
+    KNOWN --load--> LOADING --written--> RESIDENT --evicted--> KNOWN
+      |               |  \\--failed--> KNOWN            \\--unloaded--> DRAINING --drained--> REMOVED
+      \\--unloaded------+-----------------------------------> REMOVED
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from ..errors import MolaError
+
+_uids = itertools.count(1)
+
+
+class AdapterState(enum.Enum):
+    KNOWN = "known"  # can be requested; in no slot
+    LOADING = "loading"  # being read and written into a slot
+    RESIDENT = "resident"  # in a slot, serving requests
+    DRAINING = "draining"  # unloaded: finishing its running requests, then its slot frees
+    REMOVED = "removed"  # gone for good: unloaded, replaced, or a stack evicted
+
+
+S = AdapterState
+TRANSITIONS: dict[AdapterState, frozenset[AdapterState]] = {
+    S.KNOWN: frozenset({S.LOADING, S.REMOVED}),
+    # written into its slot; the read or write failed; unloaded while loading
+    S.LOADING: frozenset({S.RESIDENT, S.KNOWN, S.REMOVED}),
+    # evicted (an adapter goes back to known, a stack is dropped); unloaded
+    S.RESIDENT: frozenset({S.KNOWN, S.REMOVED, S.DRAINING}),
+    S.DRAINING: frozenset({S.REMOVED}),
+    S.REMOVED: frozenset(),
+}
+
+
+class InvalidTransition(RuntimeError):
+    """A state change the table does not allow: a bug, never a user error."""
+
+
+@dataclass(eq=False)
+class AdapterRecord:
+    """One version of one adapter name (or one stack of adapters)."""
+
+    name: str
+    path: str  # resolved path (or hub snapshot); `root` in /v1/models
+    source: str  # "start", "config", "dir", "rest", "composition"
+    version: int
+    scale: float = 1.0  # default multiplier of the adapter's own scale
+    uid: int = field(default_factory=lambda: next(_uids))  # unique per version
+    created: int = field(default_factory=lambda: int(time.time()))
+    state: AdapterState = AdapterState.KNOWN
+    slot: int | None = None
+    in_flight: int = 0  # leases held by requests
+    waiting: int = 0  # requests waiting for it to become resident
+    last_used: float | None = None
+    loads: int = 0
+    rank: int | None = None  # known once read
+    adapter_scale: float | None = None
+    format: str | None = None
+    nbytes: int | None = None
+    loaded: asyncio.Event = field(default_factory=asyncio.Event)  # set when leaving LOADING
+    load_error: MolaError | None = None
+    # A stack (several adapters in one slot): (path, scale) of each part, and
+    # the part records it was built from.
+    parts: tuple[tuple[str, float], ...] | None = None
+    part_records: tuple["AdapterRecord", ...] = ()
+
+    def move_to(self, state: AdapterState) -> None:
+        """The one way a record changes state."""
+        if state not in TRANSITIONS[self.state]:
+            raise InvalidTransition(f"adapter '{self.name}' v{self.version}: {self.state.value} -> "
+                                    f"{state.value} is not an allowed transition")
+        self.state = state
+
+    @property
+    def is_stack(self) -> bool:
+        return self.parts is not None
+
+    @property
+    def resident(self) -> bool:
+        return self.state in (S.RESIDENT, S.DRAINING) and self.slot is not None
+
+    @property
+    def is_evictable(self) -> bool:
+        """Resident, and no request uses it or waits for it."""
+        return self.state is S.RESIDENT and self.in_flight == 0 and self.waiting == 0
+
+    def touch(self) -> None:
+        self.last_used = time.time()
+        for part in self.part_records:
+            part.last_used = self.last_used
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "composition": None if self.parts is None else [
+                {"name": r.name, "version": r.version, "scale": sc}
+                for r, (_, sc) in zip(self.part_records, self.parts)
+            ],
+            "path": self.path,
+            "source": self.source,
+            "format": self.format,
+            "state": self.state.value,
+            "resident": self.resident,
+            "slot": self.slot,
+            "version": self.version,
+            "rank": self.rank,
+            "scale": self.adapter_scale,
+            "default_request_scale": self.scale,
+            "nbytes": self.nbytes,
+            "in_flight": self.in_flight,
+            "waiting": self.waiting,
+            "loads": self.loads,
+            "created": self.created,
+            "last_used": self.last_used,
+        }

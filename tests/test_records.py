@@ -1,0 +1,118 @@
+"""An adapter record's lifecycle: the one table of transitions, every allowed
+and every refused move, and the registry driving records through them on a
+real engine (mola/lora/records.py, mola/lora/registry.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from mola.engine.client import AsyncEngine
+from mola.engine.engine import Engine, EngineConfig
+from mola.engine.loader import load_base_model
+from mola.errors import InvalidAdapter, ModelNotFound
+from mola.lora.loader import AdapterLoader
+from mola.lora.records import TRANSITIONS, AdapterRecord, AdapterState, InvalidTransition
+from mola.lora.registry import AdapterRegistry
+
+S = AdapterState
+ALLOWED = {
+    (S.KNOWN, S.LOADING), (S.KNOWN, S.REMOVED),
+    (S.LOADING, S.RESIDENT), (S.LOADING, S.KNOWN), (S.LOADING, S.REMOVED),
+    (S.RESIDENT, S.KNOWN), (S.RESIDENT, S.DRAINING), (S.RESIDENT, S.REMOVED),
+    (S.DRAINING, S.REMOVED),
+}
+
+
+def record_in(state: AdapterState) -> AdapterRecord:
+    r = AdapterRecord(name="x", path="/x", source="rest", version=1)
+    r.state = state  # set directly: the table under test is what move_to checks
+    return r
+
+
+@pytest.mark.parametrize("old, new", list(itertools.product(S, S)))
+def test_every_move_is_allowed_or_refused_by_the_table(old, new):
+    record = record_in(old)
+    if (old, new) in ALLOWED:
+        record.move_to(new)
+        assert record.state is new
+    else:
+        with pytest.raises(InvalidTransition, match=f"{old.value} -> {new.value}"):
+            record.move_to(new)
+        assert record.state is old  # a refused move changes nothing
+
+
+def test_the_table_is_the_documented_one():
+    assert {(a, b) for a, targets in TRANSITIONS.items() for b in targets} == ALLOWED
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    engine = Engine(lambda: load_base_model(str(tiny_model)), EngineConfig(max_loras=1, max_lora_rank=16))
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+def run(engine, scenario):
+    """Run ``scenario(registry)`` on a fresh registry with one slot."""
+    async def main():
+        loader = AdapterLoader(AsyncEngine(engine), engine.loaded.config)
+        try:
+            registry = AdapterRegistry("tiny", loader, max_loras=1)
+            await scenario(registry)
+            await asyncio.sleep(0.05)  # let spawned slot clears finish
+            assert registry.num_free_slots + registry.num_resident == 1
+        finally:
+            loader.close()
+    asyncio.run(main())
+
+
+def test_load_evict_unload_walks_the_table(engine, adapters):
+    async def scenario(registry):
+        a = await registry.load("a", str(adapters["a"]))
+        assert a.state is S.RESIDENT and a.slot == 1
+        b = registry.register("b", str(adapters["b"]), "rest")
+        assert b.state is S.KNOWN
+        lease = await registry.acquire("b")  # the only slot goes to b: a is evicted
+        assert (a.state, a.slot, b.state, b.slot) == (S.KNOWN, None, S.RESIDENT, 1)
+        await registry.unload("b")  # a request still runs on it
+        assert b.state is S.DRAINING and b.resident
+        lease.release()
+        await asyncio.sleep(0.05)
+        assert b.state is S.REMOVED and registry.num_free_slots == 1
+        await registry.unload("a")
+        assert a.state is S.REMOVED
+    run(engine, scenario)
+
+
+def test_a_failed_load_goes_back_to_known(engine, adapters, tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text("{")
+
+    async def scenario(registry):
+        record = registry.register("broken", str(broken), "rest")
+        with pytest.raises(InvalidAdapter):
+            await registry.acquire("broken")
+        assert record.state is S.KNOWN and record.slot is None and registry.num_free_slots == 1
+        assert registry.stats.load_failures == 1
+    run(engine, scenario)
+
+
+def test_unloaded_while_waiting_for_a_slot_is_removed(engine, adapters):
+    async def scenario(registry):
+        await registry.load("a", str(adapters["a"]))
+        busy = await registry.acquire("a")  # the only slot is busy
+        b = registry.register("b", str(adapters["b"]), "rest")
+        waiter = asyncio.ensure_future(registry.acquire("b"))
+        await asyncio.sleep(0.1)
+        assert b.state is S.LOADING  # read, waiting for a slot
+        await registry.unload("b")
+        with pytest.raises(ModelNotFound):
+            await waiter
+        assert b.state is S.REMOVED
+        busy.release()
+    run(engine, scenario)
