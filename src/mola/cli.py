@@ -40,7 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="every subdirectory or .gguf file of DIR is an adapter named after it, "
                        "loaded on first use (repeatable)")
     serve.add_argument("--allow-any-adapter-path", action="store_true",
-                       help="let POST /v1/adapters load from any path, not only under --adapter-dir")
+                       help="let adapters load from any path, not only under --adapter-dir (or named at start)")
+    serve.add_argument("--allow-adapter-symlinks", action="store_true",
+                       help="follow symlinks inside an --adapter-dir wherever they lead (default: an "
+                       "adapter's real path must lie under an --adapter-dir)")
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--max-loras", type=int, help="adapter slots, i.e. resident adapters (default 8)")
@@ -58,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: $MOLA_ADMIN_KEY)")
     serve.add_argument("--protect-metrics", action="store_true",
                        help="require the API key on /metrics and /health too")
+    serve.add_argument("--max-request-bytes", type=int, metavar="N",
+                       help="refuse request bodies larger than N bytes with a 413 (default 4 MiB)")
     serve.add_argument("--max-queue", type=int,
                        help="sequences waiting beyond the batch before 429s (default 256)")
     serve.add_argument("--request-timeout", type=float,

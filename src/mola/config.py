@@ -6,10 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .engine.engine import EngineConfig
+from .errors import InvalidAdapterName
+from .lora.names import check_adapter_id
 
 
 @dataclass(frozen=True)
@@ -21,8 +24,10 @@ class AdapterSpec:
     scale: float = 1.0  # multiplies the adapter's own scale (its default strength)
 
     def __post_init__(self):
-        if not self.name or self.name != self.name.strip():
-            raise ValueError(f"invalid adapter name {self.name!r}")
+        try:
+            check_adapter_id(self.name)
+        except InvalidAdapterName as e:
+            raise ValueError(e.message) from None
         if not self.path:
             raise ValueError(f"adapter '{self.name}' has no path")
         if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not math.isfinite(self.scale):
@@ -44,6 +49,9 @@ class ServeConfig:
     # Let REST loads name any path (default: only under adapter_dirs, or a
     # path named at start).
     allow_any_adapter_path: bool = False
+    # Follow symlinks inside adapter_dirs wherever they lead (default: a path
+    # must still resolve under an adapter dir once symlinks are followed).
+    allow_adapter_symlinks: bool = False
     host: str = "127.0.0.1"
     port: int = 8000
     max_loras: int = 8  # adapter slots decoded together (resident adapters)
@@ -62,6 +70,8 @@ class ServeConfig:
     api_key: str | None = field(default=None, repr=False)
     admin_key: str | None = field(default=None, repr=False)
     protect_metrics: bool = False
+    # Request bodies larger than this are refused (413) before being read whole.
+    max_request_bytes: int = 4 * 1024 * 1024
     # Backpressure: requests waiting beyond the running batch; past it, 429.
     max_queue: int = 256
     # A request running longer than this many seconds ends (finish_reason
@@ -87,6 +97,8 @@ class ServeConfig:
             raise ValueError(f"adapter names given more than once: {', '.join(dupes)}")
         if self.served_model_name is not None and self.served_model_name in names:
             raise ValueError(f"adapter name '{self.served_model_name}' is also the base model's name")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.request_timeout is not None and not self.request_timeout > 0:
@@ -191,7 +203,8 @@ def load_config_file(path: str | Path) -> dict:
             dirs = [dirs]
         if not isinstance(dirs, list) or not all(isinstance(d, str) for d in dirs):
             raise ValueError("'adapter_dirs' must be a list of paths")
-        data["adapter_dirs"] = tuple(str((base / Path(d).expanduser()).resolve()) for d in dirs)
+        # Absolute but as written: --allow-adapter-symlinks compares paths with these.
+        data["adapter_dirs"] = tuple(os.path.abspath(base / Path(d).expanduser()) for d in dirs)
     if "cache_dir" in data and data["cache_dir"] is not None:
         data["cache_dir"] = Path(_resolve_relative(str(data["cache_dir"]), base))
     return data

@@ -28,6 +28,10 @@ class ModelNotFound(MolaError):
         self.model_id = model_id
 
 
+class InvalidAdapterName(InvalidRequest):
+    """A name given to an adapter breaks the adapter id grammar (mola/lora/names.py)."""
+
+
 class AdapterNotFound(MolaError):
     """An adapter route names an adapter the registry does not know."""
 
@@ -52,7 +56,8 @@ class AdapterPathNotFound(MolaError):
 
 
 class AdapterPathNotAllowed(MolaError):
-    """The adapter path lies outside the directories adapters may come from."""
+    """The adapter path lies outside the directories adapters may come from
+    (mola/lora/sources.py)."""
 
 
 class InvalidAdapter(MolaError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import logging
 import os
 import sys
@@ -70,6 +71,21 @@ def follow(config: ServeConfig, group) -> int:
     return run_follower(lambda: load_base_model(config.model, group=group.group), config.engine, group)
 
 
+def exposure_warning(config: ServeConfig) -> str | None:
+    """A warning when the server listens beyond this machine with no API key."""
+    if config.api_key is not None:
+        return None
+    host = config.host.strip("[]")
+    try:
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
+            return None
+    except ValueError:  # a host name: it may resolve to anything
+        pass
+    return (f"listening on {config.host or 'every address'}, beyond this machine, with no --api-key: "
+            "anyone who can reach the port can use the models (and, with no --admin-key, load and "
+            "unload adapters). Set --api-key (or MOLA_API_KEY), or bind --host 127.0.0.1.")
+
+
 def serve(config: ServeConfig) -> int:
     from .engine.engine import Engine
     from .engine.loader import load_base_model
@@ -84,6 +100,9 @@ def serve(config: ServeConfig) -> int:
             return 1
         if not group.is_leader:
             return follow(config, group)
+    warning = exposure_warning(config)  # rank 0 alone listens
+    if warning:  # printed whatever --log-level says
+        print(f"[mola] warning: {warning}", file=sys.stderr, flush=True)
     print(f"[mola] loading {config.model} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     engine = Engine(lambda: load_base_model(config.model, group=group and group.group), config.engine,

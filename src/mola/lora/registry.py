@@ -32,6 +32,7 @@ from typing import Protocol
 from ..errors import AdapterExists, AdapterNotFound, InvalidRequest, ModelNotFound, MolaError
 from .recipe import Recipe
 from .records import AdapterRecord, AdapterState
+from .names import check_adapter_id
 from .slots import SlotTable
 from .sources import AdapterSources
 from .stacks import Stacks
@@ -138,22 +139,18 @@ class AdapterRegistry:
         return record
 
     def _check_name(self, name: str) -> None:
-        if not isinstance(name, str) or not name.strip() or name != name.strip() or len(name) > 256:
-            raise InvalidRequest(
-                f"Invalid adapter name {name!r}: 1-256 characters without surrounding spaces.",
-                param="name",
-            )
+        check_adapter_id(name)
         if name == self.base_id or name in self._known:
             raise AdapterExists(name)
 
     def _discover(self, name: str) -> AdapterRecord | None:
         if name in self._unloaded or name == self.base_id:
             return None
-        path = self.sources.discover(name)
+        path = self.sources.discover(name)  # checked; raises AdapterPathNotAllowed
         if path is None:
             return None
         log.info("adapter discovered: name=%s path=%s", name, path)
-        return self.register(name, str(path.resolve()), "dir")
+        return self.register(name, path, "dir")
 
     def _is_current(self, record: AdapterRecord) -> bool:
         if record.is_stack:

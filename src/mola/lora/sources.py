@@ -1,19 +1,27 @@
-"""Where adapters may come from.
+"""Where adapters may come from: one resolver and one check for every way an
+adapter is reached (REST, vLLM's routes, an --adapter-dir entry by name, the
+config file, --adapter).
 
-A path given for an adapter must resolve (symlinks followed) under one of the
-``--adapter-dir`` roots or be a path named at start (``--adapter``, the config
-file), unless ``--allow-any-adapter-path``. A hub id (``org/name``) that is
-not a local path goes through huggingface-hub's cache. Each entry of an
-adapter directory (a subdirectory, or a ``.gguf`` file) is an adapter named
-after it, found on first use.
+The policy: the real path of an adapter (symlinks followed) must lie under
+one of the ``--adapter-dir`` roots, or be the real path of an adapter named at
+start (``--adapter``, the config file: trusted as the operator wrote them).
+``--allow-adapter-symlinks`` also accepts a path that lies under a root as
+written, wherever symlinks in it lead (a path with a ``..`` part must still
+resolve under a root). ``--allow-any-adapter-path`` lifts the check. A hub id
+(``org/name``) that is not a local path goes through huggingface-hub's cache.
+
+Each entry of an adapter directory (a subdirectory, or a ``.gguf`` file) whose
+name is a valid adapter id is an adapter named after it, found on first use.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 from ..errors import AdapterPathNotAllowed, AdapterPathNotFound, InvalidRequest
+from .names import is_entry_name
 
 log = logging.getLogger("mola.adapters")
 
@@ -30,8 +38,8 @@ def looks_like_hub_id(value: str) -> bool:
     )
 
 
-def valid_entry_name(name: str) -> bool:
-    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
+def _under(path: Path, roots) -> bool:
+    return any(path == root or root in path.parents for root in roots)
 
 
 class AdapterSources:
@@ -40,19 +48,28 @@ class AdapterSources:
         adapter_dirs: list[str | Path] = (),
         named_paths: list[str | Path] = (),
         allow_any_path: bool = False,
+        allow_symlinks: bool = False,
     ):
-        self.adapter_dirs = [Path(d).expanduser().resolve() for d in adapter_dirs]
+        given = [Path(os.path.abspath(Path(d).expanduser())) for d in adapter_dirs]
+        self.adapter_dirs = [d.resolve() for d in given]  # the real roots
+        self._written_roots = {*given, *self.adapter_dirs}  # for --allow-adapter-symlinks
         self.allow_any_path = allow_any_path
+        self.allow_symlinks = allow_symlinks
         self._named = {Path(p).expanduser().resolve() for p in named_paths}
 
     def allow(self, path: str | Path) -> None:
         """Allow one more path (an adapter named at start)."""
         self._named.add(Path(path).expanduser().resolve())
 
-    def is_allowed(self, real: Path) -> bool:
-        if self.allow_any_path or real in self._named:
-            return True
-        return any(real == root or root in real.parents for root in self.adapter_dirs)
+    def allowed(self, path: Path) -> Path | None:
+        """The one check: the real path of ``path`` if the policy allows it, else None."""
+        real = path.resolve()
+        if self.allow_any_path or real in self._named or _under(real, self.adapter_dirs):
+            return real
+        written = Path(os.path.abspath(path))
+        if self.allow_symlinks and ".." not in path.parts and _under(written, self._written_roots):
+            return real
+        return None
 
     def resolve(self, given: str) -> str:
         """A local path (checked against the policy) or a hub snapshot path."""
@@ -61,21 +78,26 @@ class AdapterSources:
         try:
             path = Path(given).expanduser()
             exists = path.exists()
-            real = path.resolve() if exists else None
+            real = self.allowed(path) if exists else None
         except (RuntimeError, OSError, ValueError) as e:  # "~nobody/x", NUL bytes, loops
             raise AdapterPathNotFound(f"The adapter path {given!r} is not usable: {e}") from None
         if exists:
-            if not self.is_allowed(real):
-                roots = ", ".join(map(str, self.adapter_dirs)) or "none configured"
-                raise AdapterPathNotAllowed(
-                    f"The adapter path {given} (resolving to {real}) is outside the allowed "
-                    f"adapter directories ({roots}); start the server with --adapter-dir "
-                    "covering it, or with --allow-any-adapter-path."
-                )
+            if real is None:
+                raise AdapterPathNotAllowed(self._refusal(given, path))
             return str(real)
         if looks_like_hub_id(given):
             return self._from_hub(given)
         raise AdapterPathNotFound(f"The adapter path does not exist: {given}")
+
+    def _refusal(self, given: str, path: Path) -> str:
+        roots = ", ".join(map(str, self.adapter_dirs)) or "none configured"
+        message = (f"The adapter path {given} (resolving to {path.resolve()}) is outside the allowed "
+                   f"adapter directories ({roots}); start the server with --adapter-dir covering it, "
+                   "or with --allow-any-adapter-path")
+        if _under(Path(os.path.abspath(path)), self._written_roots) and ".." not in path.parts:
+            message += ("; it lies in an adapter directory but a symlink leads out of it, which "
+                        "--allow-adapter-symlinks accepts")
+        return message + "."
 
     def _from_hub(self, repo: str) -> str:
         from huggingface_hub import snapshot_download
@@ -88,30 +110,57 @@ class AdapterSources:
                 f"Hugging Face hub or its local cache: {type(e).__name__}: {e}"
             ) from None
 
-    def discover(self, name: str) -> Path | None:
-        """The entry ``name`` of an adapter directory, if there is one."""
-        if not valid_entry_name(name):
+    def discover(self, name: str) -> str | None:
+        """The checked real path of the adapter-directory entry ``name``, if
+        there is one. An entry the policy refuses (a symlink out of the
+        adapter directories) raises AdapterPathNotAllowed, naming the policy
+        but not the paths (whoever asks by name need not be an admin)."""
+        if not is_entry_name(name):
             return None
         for root in self.adapter_dirs:
             for candidate in (root / name, root / f"{name}.gguf"):
                 try:
-                    if candidate.exists():
-                        return candidate
-                except (OSError, ValueError):  # names too long, NUL bytes
+                    if not candidate.exists():
+                        continue
+                    real = self.allowed(candidate)
+                except (OSError, RuntimeError, ValueError):  # names too long, loops
                     return None
+                if real is None:
+                    log.warning("adapter %s refused: %s resolves to %s, outside the adapter directories",
+                                name, candidate, candidate.resolve())
+                    raise AdapterPathNotAllowed(
+                        f"The adapter '{name}' is an entry of an --adapter-dir that resolves (through "
+                        "a symlink) outside the allowed adapter directories, so this server refuses "
+                        "it; --allow-adapter-symlinks lets the server follow such links."
+                    )
+                return str(real)
         return None
 
-    def scan(self) -> dict[str, Path]:
-        """Every entry of every adapter directory: name -> path (first wins)."""
-        found: dict[str, Path] = {}
+    def scan(self) -> dict[str, str]:
+        """Every entry of every adapter directory that the policy allows:
+        name -> checked real path (the first root wins)."""
+        found: dict[str, str] = {}
         for root in self.adapter_dirs:
             if not root.is_dir():
                 log.warning("adapter directory %s does not exist", root)
                 continue
             for entry in sorted(root.iterdir()):
-                if entry.name.startswith("."):
-                    continue
                 name = entry.stem if entry.suffix == ".gguf" and entry.is_file() else entry.name
-                if entry.is_dir() or entry.suffix == ".gguf":
-                    found.setdefault(name, entry)
+                if entry.name.startswith(".") or not (entry.is_dir() or entry.suffix == ".gguf"):
+                    continue
+                if name in found:
+                    continue
+                if not is_entry_name(name):
+                    log.warning("adapter directory entry %s skipped: %r is not a valid adapter id", entry, name)
+                    continue
+                try:
+                    real = self.allowed(entry)
+                except (OSError, RuntimeError) as e:  # symlink loops
+                    log.warning("adapter directory entry %s skipped: %s", entry, e)
+                    continue
+                if real is None:
+                    log.warning("adapter directory entry %s skipped: it resolves to %s, outside the "
+                                "adapter directories", entry, entry.resolve())
+                    continue
+                found[name] = str(real)
         return found

@@ -20,7 +20,7 @@ from ..lora.loader import AdapterLoader
 from ..lora.registry import AdapterRegistry
 from ..lora.sources import AdapterSources
 from .errors import error_response, install_error_handlers
-from .middleware import AuthMiddleware, HTTPMetricsMiddleware, RequestIdMiddleware
+from .middleware import AuthMiddleware, BodyLimitMiddleware, HTTPMetricsMiddleware, RequestIdMiddleware
 from .routes import adapters, chat, completions, models, vllm
 from .state import ServerState
 
@@ -46,6 +46,7 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel) 
         adapter_dirs=config.adapter_dirs,
         named_paths=[a.path for a in config.adapters if Path(a.path).expanduser().exists()],
         allow_any_path=config.allow_any_adapter_path,
+        allow_symlinks=config.allow_adapter_symlinks,
     )
     registry = AdapterRegistry(base_id, loader, config.max_loras, sources)
     state = ServerState(
@@ -69,7 +70,7 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel) 
         for name, path in sources.scan().items():
             if name in (a.name for a in config.adapters) or name == base_id:
                 continue
-            registry.register(name, str(path.resolve()), "dir")
+            registry.register(name, path, "dir")
     except BaseException:
         loader.close()
         raise
@@ -86,7 +87,7 @@ def create_app(state: ServerState) -> FastAPI:
         finally:
             state.draining = True
             state.loader.close()
-            state.tokenizer_thread.shutdown(wait=False)
+            state.prompts.close()
 
     app = FastAPI(title="mola", version="0.1.0", lifespan=lifespan)
     app.state.mola = state
@@ -112,7 +113,8 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics(request: Request):
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    config = state.config
+    config = state.config  # the last added runs first: request id, auth, metrics, body limit
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=state.metrics)
     app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_key=config.admin_key,
                        protect_metrics=config.protect_metrics)

@@ -1,6 +1,6 @@
-"""From a validated request to text: prompts, sampling parameters, and one
+"""From a validated request to text: sampling parameters, and one
 :class:`Generation` per choice turning engine outputs into deltas (text,
-tool calls, log-probabilities)."""
+tool calls, log-probabilities). Prompts are made in prompts.py."""
 
 from __future__ import annotations
 
@@ -13,69 +13,17 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from ..engine.sequence import SamplingParams, Sequence
-from ..errors import (ContextLengthExceeded, InvalidRequest, MolaError, Overloaded, RequestTimedOut,
+from ..errors import (ContextLengthExceeded, MolaError, Overloaded, RequestTimedOut,
                       ShuttingDown)
 from ..lora.registry import Lease
-from .protocol import ChatCompletionRequest, CompletionRequest, _Sampling
+from .protocol import ChatCompletionRequest, _Sampling
 from .state import ServerState
 from .textstream import TextStream
-from .tools import ToolCallParser, check_tool_support, messages_for_template
+from .tools import ToolCallParser
 
 
 class GenerationFailed(MolaError):
     """The engine could not finish a sequence (a failed step, a stopped engine)."""
-
-
-# ---- prompts --------------------------------------------------------------------
-
-
-def render_chat(tokenizer, body: ChatCompletionRequest) -> list[int]:
-    """The tokenizer's own chat template over the request's messages (and tools)."""
-    if not getattr(tokenizer, "has_chat_template", False):
-        raise InvalidRequest(
-            "This model has no chat template; use /v1/completions with a plain prompt.",
-            param="messages",
-        )
-    messages = []
-    for i, m in enumerate(body.messages):
-        message = {"role": m.role, "content": m.text(i)}
-        if m.tool_calls:
-            message["tool_calls"] = m.tool_calls
-        if m.tool_call_id:
-            message["tool_call_id"] = m.tool_call_id
-        if m.name:
-            message["name"] = m.name
-        messages.append(message)
-    kwargs = {}
-    if body.tools:
-        if body.uses_tools():
-            check_tool_support(tokenizer)
-        kwargs["tools"] = body.tools
-    try:
-        tokens = tokenizer.apply_chat_template(
-            messages_for_template(messages), add_generation_prompt=True, **kwargs
-        )
-    except Exception as e:  # jinja2 errors raised by templates (role order, ...)
-        raise InvalidRequest(f"The chat template rejected the messages: {e}", param="messages")
-    if not tokens:
-        raise InvalidRequest("The messages render to an empty prompt.", param="messages")
-    return list(tokens)
-
-
-def encode_prompts(tokenizer, body: CompletionRequest, vocab_size: int) -> list[list[int]]:
-    out = []
-    for i, prompt in enumerate(body.prompts()):
-        tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not tokens:
-            raise InvalidRequest(f"Prompt {i} is empty.", param="prompt")
-        bad = [t for t in tokens if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequest(
-                f"Prompt {i} holds token id {bad[0]}, outside the vocabulary (size {vocab_size}).",
-                param="prompt",
-            )
-        out.append(tokens)
-    return out
 
 
 def sampling_params(state: ServerState, body: _Sampling, num_prompt_tokens: int,

@@ -1,6 +1,6 @@
-"""ASGI middleware: access control and request ids with one log line per
-request. Pure ASGI (no BaseHTTPMiddleware), so streaming responses pass
-through untouched.
+"""ASGI middleware: access control, request ids with one log line per
+request, HTTP metrics and the request body limit. Pure ASGI (no
+BaseHTTPMiddleware), so streaming responses pass through untouched.
 
 Access: with an API key, every /v1 route needs ``Authorization: Bearer KEY``
 (401 in OpenAI's envelope otherwise); with an admin key, the routes that load
@@ -136,3 +136,62 @@ class HTTPMetricsMiddleware:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
             self.metrics.http.labels(scope["method"], template, str(status["code"])).inc()
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:  # the HTTP server refuses these itself
+                return None
+    return None
+
+
+class BodyLimitMiddleware:
+    """Refuses request bodies over ``max_bytes`` (--max-request-bytes) with a
+    413 in OpenAI's envelope, without reading them whole: a Content-Length
+    over the limit is refused unread, and a body without one (chunked) is
+    counted as it arrives and cut off at the limit. A body within the limit
+    is read here (at most ``max_bytes``) and handed on to the app."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = _content_length(scope.get("headers", []))
+        if declared is not None and declared > self.max_bytes:
+            return await self._refuse(send, f"{declared} bytes")
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client is gone: nobody to answer
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(send, f"more than {self.max_bytes} bytes")
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+        del chunks
+
+        async def replay():
+            nonlocal body, replayed
+            if replayed:
+                return await receive()  # http.disconnect, for the routes that watch for it
+            replayed, message = True, {"type": "http.request", "body": body, "more_body": False}
+            body = b""
+            return message
+
+        return await self.app(scope, replay, send)
+
+    async def _refuse(self, send, size: str) -> None:
+        await _send_error(
+            send, 413, f"The request body ({size}) is larger than this server accepts: at most "
+            f"{self.max_bytes} bytes (--max-request-bytes).", "invalid_request_error",
+            "request_too_large", [(b"connection", b"close")],
+        )

@@ -201,17 +201,21 @@ class CompletionRequest(_Sampling):
             raise InvalidRequest("'best_of' other than n is not supported by this server.", param="best_of")
 
 
+# Names are checked against the adapter id grammar by the routes
+# (mola/lora/names.py), which say which rule a bad one breaks.
+
+
 class LoadAdapterRequest(_Body):
-    name: str = Field(min_length=1, max_length=256)
+    name: str
     path: str = Field(min_length=1)
     scale: float = Field(default=1.0, ge=-10.0, le=10.0)  # multiplies the adapter's own scale
 
 
 class VLLMLoadLoRARequest(_Body):
-    lora_name: str = Field(min_length=1, max_length=256)
+    lora_name: str
     lora_path: str = Field(min_length=1)
 
 
 class VLLMUnloadLoRARequest(_Body):
-    lora_name: str = Field(min_length=1, max_length=256)
+    lora_name: str
     lora_int_id: int | None = None

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,6 +11,7 @@ from ..engine.client import AsyncEngine
 from ..lora.loader import AdapterLoader
 from ..lora.registry import AdapterRegistry
 from .metrics import Metrics
+from .prompts import PromptLanes
 
 
 @dataclass
@@ -30,14 +29,12 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     active_sequences: int = 0  # generations admitted and not finished (each choice counts)
     draining: bool = False  # shutting down: no new generations
-    # Templating and tokenizing run off the event loop, one at a time: a
-    # Hugging Face fast tokenizer must not be used by two threads at once.
-    tokenizer_thread: concurrent.futures.ThreadPoolExecutor = field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="mola-tokenizer"))
+    # Templating and tokenizing, off the event loop, on two lanes (short and
+    # long prompts), each with its own tokenizer.
+    prompts: PromptLanes = field(init=False)
 
-    async def tokenize(self, fn, *args):
-        """Run ``fn(*args)`` on the tokenizer thread."""
-        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
+    def __post_init__(self):
+        self.prompts = PromptLanes(self.tokenizer, self.vocab_size, self.max_model_len)
 
     def queued(self) -> int:
         """Sequences waiting beyond what the decode batch holds."""

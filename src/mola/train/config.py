@@ -7,6 +7,9 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import InvalidAdapterName
+from ..lora.names import check_adapter_id
+
 # mlx-lm's defaults (mlx_lm/lora.py CONFIG_DEFAULTS), which mola keeps.
 DEFAULT_RANK = 8
 DEFAULT_SCALE = 20.0
@@ -94,10 +97,13 @@ class TrainConfig:
             if not targets or not all(targets):
                 raise ValueError("targets must be module names such as q_proj,v_proj (none empty)")
             object.__setattr__(self, "targets", targets)
-        if self.name is not None and (not self.name.strip() or self.name != self.name.strip()):
-            raise ValueError(f"invalid adapter name {self.name!r}")
         if self.serve_url is not None and not re.match(r"^https?://[^\s/]+", self.serve_url):
             raise ValueError(f"serve_url must be an http:// or https:// URL, got {self.serve_url!r}")
+        if self.name is not None or self.serve_url is not None:
+            try:  # before training, not after it, when the server would refuse it
+                check_adapter_id(self.adapter_name)
+            except InvalidAdapterName as e:
+                raise ValueError(f"{e.message} (set --name)" if self.name is None else e.message) from None
 
     @property
     def adapter_name(self) -> str:

@@ -4,12 +4,16 @@
                                    scale, version, requests in flight, last use
     POST   /v1/adapters            {"name", "path", "scale"?}: check it now, serve it
     DELETE /v1/adapters/{name}     stop serving it; its slot frees when in-flight requests end
+
+Names follow the adapter id grammar (mola/lora/names.py); one with '/' is
+given in the URL as is or %2F-encoded (the server decodes the path first).
 """
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from ...lora.names import check_adapter_id
 from .. import protocol as p
 from ..state import ServerState
 
@@ -43,6 +47,7 @@ async def get_adapter(name: str, request: Request):
 @router.post("/v1/adapters")
 async def load_adapter(body: p.LoadAdapterRequest, request: Request):
     state: ServerState = request.app.state.mola
+    check_adapter_id(body.name)
     record = await state.registry.load(body.name, body.path, body.scale)
     return adapter_object(record)
 

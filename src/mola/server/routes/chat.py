@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from ...errors import MolaError
 from .. import responses as r
 from ..errors import error_payload
-from ..generation import Generation, merge, render_chat, run_until_disconnect, start_generations
+from ..generation import Generation, merge, run_until_disconnect, start_generations
 from ..protocol import ChatCompletionRequest
 from ..state import ServerState
 from ..streaming import event_stream, sse, sse_done
@@ -24,7 +24,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.mola
     body.check_supported()
     # Templating and tokenizing a long prompt takes a while: off the event loop.
-    prompt = await state.tokenize(render_chat, state.tokenizer, body)
+    prompt = await state.prompts.chat(body)
     tools = body.tools if body.uses_tools() else None
     gens = await start_generations(state, body, [prompt], tools)
     if body.stream:

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from ...errors import MolaError
 from .. import responses as r
 from ..errors import error_payload
-from ..generation import Generation, encode_prompts, merge, run_until_disconnect, start_generations
+from ..generation import Generation, merge, run_until_disconnect, start_generations
 from ..protocol import CompletionRequest
 from ..state import ServerState
 from ..streaming import event_stream, sse, sse_done
@@ -24,7 +24,7 @@ router = APIRouter()
 async def create_completion(body: CompletionRequest, request: Request):
     state: ServerState = request.app.state.mola
     body.check_supported()
-    prompts = await state.tokenize(encode_prompts, state.tokenizer, body, state.vocab_size)
+    prompts = await state.prompts.completion(body)
     gens = await start_generations(state, body, prompts)
     if body.stream:
         return event_stream(_stream(state, gens, body, request), lambda: [g.close() for g in gens])

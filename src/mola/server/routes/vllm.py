@@ -4,8 +4,9 @@
     POST /v1/unload_lora_adapter  {"lora_name"}
 
 Success is a 200 with vLLM's plain-text message; errors use vLLM's status
-codes (404 for a path or name that does not exist, 400 for an invalid adapter
-or a name already loaded) in OpenAI's error envelope.
+codes (404 for a path or name that does not exist, 400 for an invalid adapter,
+a name that breaks the adapter id grammar or one already loaded; 403 for a
+path outside the allowed adapter directories) in OpenAI's error envelope.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from ...errors import AdapterExists, AdapterNotFound
+from ...lora.names import check_adapter_id
 from .. import protocol as p
 from ..errors import error_response
 from ..state import ServerState
@@ -24,6 +26,7 @@ router = APIRouter()
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: p.VLLMLoadLoRARequest, request: Request):
     state: ServerState = request.app.state.mola
+    check_adapter_id(body.lora_name, param="lora_name")
     try:
         await state.registry.load(body.lora_name, body.lora_path)
     except AdapterExists:

@@ -1,0 +1,191 @@
+"""Prompts: chat templates and tokenizing, off the event loop, checked against
+the context length without tokenizing much more than the context can hold.
+
+- **A character bound first.** No token is longer than the longest one in
+  the vocabulary (``max_token_chars``, special tokens included), so a text
+  with C characters other than whitespace has at least C / max_token_chars
+  tokens: past ``limit * max_token_chars`` it is refused untokenized.
+- **Then a bounded prefix.** A longer text is tokenized a prefix at a time
+  (cut before whitespace, where tokenizers split words) from about what the
+  context holds, growing until the prefix alone holds more than the context
+  or the whole text is tokenized. A prefix's tokens differ from the whole
+  text's only near the cut, so the prefix must exceed the limit by a slack
+  of 3% (at least 32 tokens) before the text is refused: a prompt that fits
+  is never refused here; whether it fits with max_tokens is decided exactly
+  later (generation.sampling_params).
+- **Two lanes.** A Hugging Face fast tokenizer must not be used by two
+  threads at once, and one long prompt must not hold up the others: prompts
+  of up to LONG_PROMPT_CHARS characters are templated and tokenized on one
+  thread with the server's tokenizer, longer ones on another thread with a
+  copy of its own. (The fast tokenizers release the GIL while they encode.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import copy
+import json
+import logging
+from typing import Callable
+
+from ..errors import ContextLengthExceeded, InvalidRequest
+from .protocol import ChatCompletionRequest, CompletionRequest
+from .tools import check_tool_support, messages_for_template
+
+log = logging.getLogger("mola.server")
+
+LONG_PROMPT_CHARS = 1 << 15  # longer prompts take the long lane
+PROBE_CHARS_PER_TOKEN = 8  # first prefix: this many characters per token of the limit
+WHITESPACE = " \t\n\r"
+
+
+def max_token_chars(tokenizer) -> int:
+    """Characters of the longest token in the vocabulary (byte-level BPE
+    spells each byte as one character, so this bounds what a token covers)."""
+    return max(1, max(map(len, tokenizer.get_vocab()), default=1))
+
+
+def _too_long(limit: int, what: str, detail: str) -> ContextLengthExceeded:
+    return ContextLengthExceeded(
+        f"This model's maximum context length is {limit} tokens. However, your {what} "
+        f"resulted in more than {limit} tokens ({detail}).", param=what)
+
+
+def _cut(text: str, size: int) -> int:
+    """A prefix length <= size that ends just before whitespace, if any lies near size."""
+    lo = max(0, size - 1024)
+    at = max(text.rfind(c, lo, size) for c in WHITESPACE)
+    return at if at > 0 else size
+
+
+def encode_within(encode: Callable[[str], list[int]], text: str, limit: int | None,
+                  max_chars: int, what: str) -> list[int]:
+    """``encode(text)``, or ContextLengthExceeded as soon as ``text`` surely
+    holds more than ``limit`` tokens."""
+    if limit is None:
+        return list(encode(text))
+    dense = len(text) - sum(map(text.count, WHITESPACE))
+    if dense > limit * max_chars:
+        raise _too_long(limit, what, f"at least {-(-dense // max_chars)}: its {dense} characters other "
+                        f"than whitespace, and no token is longer than {max_chars}")
+    slack = max(32, limit // 32)
+    size = (limit + slack) * PROBE_CHARS_PER_TOKEN
+    while size < len(text):
+        cut = _cut(text, size)
+        n = len(encode(text[:cut]))
+        if n > limit + slack:
+            raise _too_long(limit, what, f"{n} in its first {cut} of {len(text)} characters")
+        # The next prefix: where this one's density says the limit is, and at least twice as long.
+        size = max(2 * cut, int(cut * (limit + slack) / max(n, 1) * 1.1))
+    return list(encode(text))
+
+
+def render_chat(tokenizer, body: ChatCompletionRequest, limit: int | None, max_chars: int) -> list[int]:
+    """The tokenizer's own chat template over the request's messages (and
+    tools), tokenized as mlx-lm and transformers do it: the rendered text,
+    encoded without adding special tokens."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        raise InvalidRequest(
+            "This model has no chat template; use /v1/completions with a plain prompt.",
+            param="messages",
+        )
+    messages = []
+    for i, m in enumerate(body.messages):
+        message = {"role": m.role, "content": m.text(i)}
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name:
+            message["name"] = m.name
+        messages.append(message)
+    kwargs = {}
+    if body.tools:
+        if body.uses_tools():
+            check_tool_support(tokenizer)
+        kwargs["tools"] = body.tools
+    try:
+        text = tokenizer.apply_chat_template(
+            messages_for_template(messages), add_generation_prompt=True, tokenize=False, **kwargs
+        )
+    except Exception as e:  # jinja2 errors raised by templates (role order, ...)
+        raise InvalidRequest(f"The chat template rejected the messages: {e}", param="messages")
+    tokens = encode_within(lambda s: tokenizer.encode(s, add_special_tokens=False), text, limit,
+                           max_chars, "messages")
+    if not tokens:
+        raise InvalidRequest("The messages render to an empty prompt.", param="messages")
+    return tokens
+
+
+def encode_prompts(tokenizer, body: CompletionRequest, vocab_size: int, limit: int | None,
+                   max_chars: int) -> list[list[int]]:
+    out = []
+    for i, prompt in enumerate(body.prompts()):
+        if isinstance(prompt, str):
+            tokens = encode_within(tokenizer.encode, prompt, limit, max_chars, "prompt")
+        else:
+            tokens = list(prompt)
+        if not tokens:
+            raise InvalidRequest(f"Prompt {i} is empty.", param="prompt")
+        bad = [t for t in tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequest(
+                f"Prompt {i} holds token id {bad[0]}, outside the vocabulary (size {vocab_size}).",
+                param="prompt",
+            )
+        out.append(tokens)
+    return out
+
+
+def prompt_chars(body: ChatCompletionRequest | CompletionRequest) -> int:
+    """About how much a request gives the tokenizer to do (characters, or token ids)."""
+    if isinstance(body, CompletionRequest):
+        p = body.prompt
+        return len(p) if isinstance(p, str) else sum(len(x) if isinstance(x, (str, list)) else 1 for x in p)
+    total = len(json.dumps(body.tools)) if body.tools else 0
+    for m in body.messages:
+        if isinstance(m.content, str):
+            total += len(m.content)
+        elif m.content:
+            total += sum(len(part.get("text") or "") for part in m.content if isinstance(part, dict))
+        if m.tool_calls:
+            total += len(json.dumps(m.tool_calls))
+    return total
+
+
+class PromptLanes:
+    """Templating and tokenizing on two threads (see the module's docstring)."""
+
+    def __init__(self, tokenizer, vocab_size: int, limit: int | None):
+        self.vocab_size = vocab_size
+        self.limit = limit  # the context length, when known
+        self.max_chars = max_token_chars(tokenizer)
+        self.short = (tokenizer, self._thread("mola-tokenizer"))
+        try:
+            self.long = (copy.deepcopy(tokenizer), self._thread("mola-tokenizer-long"))
+        except Exception as e:  # a tokenizer that cannot be copied: one lane for all
+            log.warning("long prompts share the tokenizer thread: the tokenizer cannot be copied (%s)", e)
+            self.long = self.short
+
+    @staticmethod
+    def _thread(name: str) -> concurrent.futures.ThreadPoolExecutor:
+        return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+
+    def lane(self, body) -> tuple:
+        """(tokenizer, thread) for the request ``body``."""
+        return self.long if prompt_chars(body) > LONG_PROMPT_CHARS else self.short
+
+    async def _run(self, body, fn, *args):
+        tokenizer, thread = self.lane(body)
+        return await asyncio.get_running_loop().run_in_executor(thread, fn, tokenizer, body, *args)
+
+    async def chat(self, body: ChatCompletionRequest) -> list[int]:
+        return await self._run(body, render_chat, self.limit, self.max_chars)
+
+    async def completion(self, body: CompletionRequest) -> list[list[int]]:
+        return await self._run(body, encode_prompts, self.vocab_size, self.limit, self.max_chars)
+
+    def close(self) -> None:
+        for _, thread in [self.short] if self.long is self.short else [self.short, self.long]:
+            thread.shutdown(wait=False, cancel_futures=True)
