@@ -60,9 +60,10 @@ def _cut(text: str, size: int) -> int:
 
 
 def encode_within(encode: Callable[[str], list[int]], text: str, limit: int | None,
-                  max_chars: int, what: str) -> list[int]:
+                  max_chars: int, what: str, probe_chars: int = PROBE_CHARS_PER_TOKEN) -> list[int]:
     """``encode(text)``, or ContextLengthExceeded as soon as ``text`` surely
-    holds more than ``limit`` tokens."""
+    holds more than ``limit`` tokens. A text longer than ``probe_chars`` per
+    token of the limit is tokenized a prefix at a time."""
     if limit is None:
         return list(encode(text))
     dense = len(text) - sum(map(text.count, WHITESPACE))
@@ -70,7 +71,7 @@ def encode_within(encode: Callable[[str], list[int]], text: str, limit: int | No
         raise _too_long(limit, what, f"at least {-(-dense // max_chars)}: its {dense} characters other "
                         f"than whitespace, and no token is longer than {max_chars}")
     slack = max(32, limit // 32)
-    size = (limit + slack) * PROBE_CHARS_PER_TOKEN
+    size = (limit + slack) * probe_chars
     while size < len(text):
         cut = _cut(text, size)
         n = len(encode(text[:cut]))

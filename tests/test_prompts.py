@@ -1,0 +1,212 @@
+"""Prompts checked against the context length without tokenizing much more
+than it holds, on two tokenizer lanes (mola/server/prompts.py): against the
+tokenizer run on the whole text, and through real servers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import httpx
+import pytest
+from mlx_lm import load
+
+from mola.errors import ContextLengthExceeded
+from mola.server.metrics import rss_bytes
+from mola.server.prompts import LONG_PROMPT_CHARS, PROBE_CHARS_PER_TOKEN, encode_within, max_token_chars
+from mola.synthetic.model import CORPUS
+
+from helpers import start_server
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return load(str(tiny_model))[1]
+
+
+def counted(tokenizer):
+    """tokenizer.encode, recording the length of every text it is given."""
+    calls = []
+
+    def encode(text):
+        calls.append(len(text))
+        return tokenizer.encode(text)
+    return encode, calls
+
+
+def test_max_token_chars_is_the_longest_token(tokenizer):
+    vocab = tokenizer.get_vocab()
+    longest = max(vocab, key=len)
+    assert max_token_chars(tokenizer) == len(longest) and vocab[longest] in tokenizer.encode(longest)
+    assert all(len(tokenizer.decode([i])) <= max_token_chars(tokenizer) for i in vocab.values())
+
+
+def test_the_character_bound_refuses_without_tokenizing(tokenizer):
+    encode, calls = counted(tokenizer)
+    m = max_token_chars(tokenizer)
+    with pytest.raises(ContextLengthExceeded, match=f"maximum context length is 100 tokens.*at least {m * 100 // m + 1}"):
+        encode_within(encode, "x" * (100 * m + 1), 100, m, "prompt")
+    assert calls == []
+    text = "x" * (100 * m) + " " * 50_000  # whitespace does not count towards the bound
+    with pytest.raises(ContextLengthExceeded):
+        encode_within(encode, text, 100, m, "prompt")
+    assert calls and max(calls) <= (100 + 32) * PROBE_CHARS_PER_TOKEN  # the probe did it, on a prefix
+
+
+def test_a_long_text_is_refused_on_a_bounded_prefix(tokenizer):
+    """With a vocabulary of long tokens (max_chars 1000, as real ones have)
+    the bound lets a 1 MB text through; only a prefix of it is tokenized."""
+    text = (CORPUS.read_text() + "\n") * (1_000_000 // len(CORPUS.read_text()) + 1)
+    encode, calls = counted(tokenizer)
+    t0 = time.perf_counter()
+    with pytest.raises(ContextLengthExceeded, match="in its first"):
+        encode_within(encode, text, 2048, 1000, "prompt")
+    assert sum(calls) <= (2048 + 64) * PROBE_CHARS_PER_TOKEN < len(text) / 50
+    assert time.perf_counter() - t0 < 5
+
+
+def random_text(rng, words, size):
+    parts = []
+    while sum(map(len, parts)) < size:
+        parts.append(rng.choice(words) + " " * rng.choice([1, 1, 1, 2, 5]) + ("\n" if rng.random() < 0.1 else ""))
+    return "".join(parts)
+
+
+def test_never_refuses_what_fits_and_returns_the_tokenizers_own_tokens(tokenizer):
+    """Texts with limits around their token counts, probed from a prefix of
+    one character per token of the limit: a refusal only when the whole text
+    holds more than the limit, otherwise exactly the tokenizer's own tokens
+    for the whole text."""
+    rng = random.Random(0)
+    words = CORPUS.read_text().split()
+    on_a_prefix = returned_after_probing = 0
+    for _ in range(300):
+        text = random_text(rng, words, rng.randrange(200, 2400))
+        reference = tokenizer.encode(text)
+        near = len(reference) + rng.randint(-60, 40)
+        limit = max(1, near if rng.random() < 0.5 else int(len(reference) * rng.uniform(0.2, 0.9)))
+        encode, calls = counted(tokenizer)
+        try:
+            tokens = encode_within(encode, text, limit, 1000, "prompt", probe_chars=1)
+        except ContextLengthExceeded:
+            assert len(reference) > limit, (limit, len(reference), text)
+            on_a_prefix += max(calls) < len(text)
+        else:
+            assert tokens == reference
+            returned_after_probing += len(calls) > 1
+    assert on_a_prefix > 30 and returned_after_probing > 30, (on_a_prefix, returned_after_probing)
+
+
+def test_lane_choice_by_size(server_with_lanes):
+    prompts = server_with_lanes.state.prompts
+    from mola.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    small = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "Hi"}])
+    big = CompletionRequest(model="tiny", prompt=["x" * LONG_PROMPT_CHARS, "y"])
+    assert prompts.lane(small) is prompts.short and prompts.lane(big) is prompts.long
+    assert prompts.long[0] is not prompts.short[0]  # its own copy of the tokenizer
+    assert prompts.long[0].encode("hello world") == prompts.short[0].encode("hello world")
+
+
+@pytest.fixture(scope="module")
+def server_with_lanes(tiny_model):
+    # A context of 200k tokens, so that a prompt of a million characters is tokenized whole
+    # (then refused for its length) rather than refused on a prefix.
+    handle = start_server(model=str(tiny_model), served_model_name="tiny", max_model_len=200_000,
+                          max_request_bytes=16 << 20)
+    yield handle
+    handle.stop()
+
+
+def small_chat(c):
+    t0 = time.perf_counter()
+    r = c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
+                                              "messages": [{"role": "user", "content": "Hi"}]})
+    assert r.status_code == 200
+    return time.perf_counter() - t0
+
+
+def test_a_blocked_long_lane_does_not_hold_up_short_prompts(server_with_lanes):
+    state = server_with_lanes.state
+    release = threading.Event()
+    state.prompts.long[1].submit(release.wait, 30)  # the long lane is busy until released
+    result = {}
+    big = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
+        server_with_lanes.url + "/v1/completions", timeout=60,
+        json={"model": "tiny", "prompt": "hello " * LONG_PROMPT_CHARS, "max_tokens": 1_000_000})))
+    big.start()
+    try:
+        with httpx.Client(base_url=server_with_lanes.url, timeout=20) as c:
+            for _ in range(3):
+                small_chat(c)
+        assert big.is_alive()  # still waiting for the long lane
+    finally:
+        release.set()
+        big.join(60)
+    assert result["r"].status_code == 400 and "1000000 in the completion" in result["r"].text  # tokenized, then refused
+
+
+def test_small_requests_while_large_prompts_are_tokenized(server_with_lanes):
+    """Two prompts of a million characters each keep the long lane busy for
+    a second or more; small requests meanwhile take about what they take alone."""
+    url = server_with_lanes.url
+    big_prompt = "".join(random.Random(1).choices("abcdefghijklmnopqrstuvwxyz0123456789", k=1_000_000))
+    with httpx.Client(base_url=url, timeout=60) as c:
+        alone = sorted(small_chat(c) for _ in range(5))[2]
+        done = []
+
+        def big():
+            r = httpx.post(url + "/v1/completions", timeout=120, json={"model": "tiny", "prompt": big_prompt})
+            assert r.status_code == 400 and "maximum context length" in r.text  # tokenized whole, then refused
+            done.append(time.perf_counter())
+
+        bigs = [threading.Thread(target=big) for _ in range(2)]
+        for t in bigs:
+            t.start()
+        time.sleep(0.3)
+        loaded = [small_chat(c) for _ in range(5)]
+        small_done = time.perf_counter()
+        for t in bigs:
+            t.join(120)
+    print(f"small request alone {alone * 1e3:.0f} ms, while large prompts are tokenized "
+          f"{min(loaded) * 1e3:.0f}-{max(loaded) * 1e3:.0f} ms; large ones done "
+          f"{max(done) - small_done:.2f} s after the small ones")
+    assert len(done) == 2 and small_done < max(done), "the large prompts were not still being tokenized"
+    assert max(loaded) < 5 * alone + 1.0, (alone, loaded)
+
+
+def test_a_huge_prompt_is_refused_fast_without_growing_memory(tiny_model):
+    handle = start_server(model=str(tiny_model), served_model_name="tiny", max_request_bytes=16 << 20)
+    rng = random.Random(2)
+    texts = {"letters": "".join(rng.choice("abcdefghij klmnopqrstuvwxyz") for _ in range(6_000_000)),
+             "whitespace": " \n" * 3_000_000}
+    peak = {"rss": 0}
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak["rss"] = max(peak["rss"], rss_bytes())
+            time.sleep(0.005)
+
+    try:
+        with httpx.Client(base_url=handle.url, timeout=120) as c:
+            small_chat(c)
+            for kind, text in texts.items():
+                body = {"model": "tiny", "messages": [{"role": "user", "content": text}]}
+                before = peak["rss"] = rss_bytes()
+                sampler = threading.Thread(target=sample)
+                sampler.start()
+                t0 = time.perf_counter()
+                r = c.post("/v1/chat/completions", json=body)
+                seconds = time.perf_counter() - t0
+                stop.set()
+                sampler.join()
+                stop.clear()
+                assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+                assert "maximum context length is 2048 tokens" in r.json()["error"]["message"]
+                print(f"{kind}: refused in {seconds:.2f} s, peak RSS +{(peak['rss'] - before) / 2**20:.0f} MiB")
+                assert seconds < 5, kind
+                assert peak["rss"] - before < 200 * 2**20, kind  # the request itself holds ~30 MB of copies
+    finally:
+        handle.stop()
