@@ -107,6 +107,7 @@ def test_bad_arguments_fail_clearly(tmp_path):
     assert r.returncode == 2 and "NAME=PATH" in r.stderr
     r = run("serve", "--model", str(tmp_path / "missing"), "--port", str(free_port()))
     assert r.returncode == 1 and "does not exist" in r.stderr
+    assert "warning" not in r.stderr  # 127.0.0.1 by default
     r = run("serve", "--max-loras", "0")
     assert r.returncode == 2 and "max_loras" in r.stderr
     assert run("--help").returncode == 0
@@ -150,3 +151,19 @@ def test_serve_from_a_config_file(tiny_model, adapters, tmp_path):
     finally:
         code, out = stop(proc)
     assert code == 0, out
+
+
+def test_a_warning_when_listening_beyond_loopback_without_an_api_key(tmp_path):
+    from mola.config import ServeConfig
+    from mola.serve import exposure_warning
+
+    for host in ("0.0.0.0", "::", "[::]", "192.168.1.20", "my-host.example", ""):
+        assert "--api-key" in exposure_warning(ServeConfig(host=host)), host
+        assert exposure_warning(ServeConfig(host=host, api_key="k" * 16)) is None
+    for host in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"):
+        assert exposure_warning(ServeConfig(host=host)) is None, host
+    # mola serve prints it at start, before loading the model (which is missing here: nothing binds).
+    r = subprocess.run([sys.executable, "-m", "mola", "serve", "--host", "0.0.0.0", "--model", str(tmp_path / "m")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "[mola] warning: listening on 0.0.0.0, beyond this machine, with no --api-key" in r.stderr

@@ -69,8 +69,23 @@ def test_a_long_text_is_refused_on_a_bounded_prefix(tokenizer):
 def random_text(rng, words, size):
     parts = []
     while sum(map(len, parts)) < size:
-        parts.append(rng.choice(words) + " " * rng.choice([1, 1, 1, 2, 5]) + ("\n" if rng.random() < 0.1 else ""))
+        word = rng.choice(words) * (rng.randrange(20, 200) if rng.random() < 0.02 else 1)  # a few long ones
+        parts.append(word + " " * rng.choice([1, 1, 1, 2, 5]) + ("\n" if rng.random() < 0.1 else ""))
     return "".join(parts)
+
+
+@pytest.mark.parametrize("text", ["a " + "b" * 100_000, "b" * 100_000, " " * 50_000 + "b" * 50_000,
+                                  ("word " * 10 + "x" * 3000 + " ") * 30])
+def test_prefixes_grow_over_long_words(tokenizer, text):
+    """Texts with whitespace in odd places: the prefixes still grow (each at
+    least twice the last), and the answer is the tokenizer's own."""
+    encode, calls = counted(tokenizer)
+    reference = tokenizer.encode(text)
+    try:
+        assert encode_within(encode, text, 64, 1000, "prompt", probe_chars=1) == reference
+    except ContextLengthExceeded:
+        assert len(reference) > 64
+    assert len(calls) <= 20 and all(b > a for a, b in zip(calls, calls[1:]))
 
 
 def test_never_refuses_what_fits_and_returns_the_tokenizers_own_tokens(tokenizer):
@@ -105,7 +120,8 @@ def test_lane_choice_by_size(server_with_lanes):
     small = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "Hi"}])
     big = CompletionRequest(model="tiny", prompt=["x" * LONG_PROMPT_CHARS, "y"])
     assert prompts.lane(small) is prompts.short and prompts.lane(big) is prompts.long
-    assert prompts.long[0] is not prompts.short[0]  # its own copy of the tokenizer
+    assert prompts.long[0] is not prompts.short[0]  # its own copy of the tokenizer, down to the Rust one
+    assert prompts.long[0]._tokenizer._tokenizer is not prompts.short[0]._tokenizer._tokenizer
     assert prompts.long[0].encode("hello world") == prompts.short[0].encode("hello world")
 
 

@@ -53,8 +53,9 @@ def _too_long(limit: int, what: str, detail: str) -> ContextLengthExceeded:
 
 
 def _cut(text: str, size: int) -> int:
-    """A prefix length <= size that ends just before whitespace, if any lies near size."""
-    lo = max(0, size - 1024)
+    """A prefix length in (size / 2, size] that ends just before whitespace,
+    if any lies that near size."""
+    lo = max(size // 2 + 1, size - 1024)
     at = max(text.rfind(c, lo, size) for c in WHITESPACE)
     return at if at > 0 else size
 
@@ -78,7 +79,7 @@ def encode_within(encode: Callable[[str], list[int]], text: str, limit: int | No
         if n > limit + slack:
             raise _too_long(limit, what, f"{n} in its first {cut} of {len(text)} characters")
         # The next prefix: where this one's density says the limit is, and at least twice as long.
-        size = max(2 * cut, int(cut * (limit + slack) / max(n, 1) * 1.1))
+        size = max(2 * size, int(cut * (limit + slack) / max(n, 1) * 1.1))
     return list(encode(text))
 
 
