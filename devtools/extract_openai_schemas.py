@@ -26,6 +26,8 @@ SCHEMAS = [
     "ListModelsResponse",
     "Model",
     "ErrorResponse",
+    "Response",  # POST /v1/responses
+    "ResponseStreamEvent",  # its typed stream events (anyOf every event)
 ]
 PREFIX = "#/components/schemas/"
 

@@ -137,6 +137,28 @@ def validate_schema(name: str, payload: dict) -> None:
     _validator(name).validate(payload)
 
 
+@lru_cache(maxsize=None)
+def _stream_event_schemas() -> dict[str, str]:
+    """Event type ("response.output_text.delta") -> its schema's name, from
+    the members of ResponseStreamEvent."""
+    schemas = json.loads(SCHEMAS.read_text())["schemas"]
+    out = {}
+    for member in schemas["ResponseStreamEvent"]["anyOf"]:
+        name = member["$ref"].rsplit("/", 1)[1]
+        for kind in schemas[name]["properties"]["type"]["enum"]:
+            out[kind] = name
+    return out
+
+
+def validate_stream_event(event: dict) -> str:
+    """Validate a Responses stream event against ResponseStreamEvent and
+    against the member schema its type names; returns that name."""
+    name = _stream_event_schemas()[event["type"]]
+    validate_schema("ResponseStreamEvent", event)
+    validate_schema(name, event)
+    return name
+
+
 def sse_events(text: str) -> list:
     """Parse an SSE body into its JSON payloads; the final [DONE] as a string."""
     events = []
@@ -147,6 +169,21 @@ def sse_events(text: str) -> list:
         assert block.startswith("data: "), block
         data = block[len("data: "):]
         events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def typed_events(text: str) -> list[dict]:
+    """Parse a typed SSE body (Responses API): each block is `event: TYPE`
+    then `data: JSON` whose "type" is TYPE; no [DONE]."""
+    events = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        head, data = block.strip().split("\n")
+        assert head.startswith("event: ") and data.startswith("data: "), block
+        event = json.loads(data[len("data: "):])
+        assert event["type"] == head[len("event: "):], block
+        events.append(event)
     return events
 
 

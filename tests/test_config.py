@@ -90,9 +90,10 @@ def test_bad_values_are_refused():
 
 def test_access_and_limit_flags(monkeypatch):
     c = parse("--api-key", "k" * 12, "--admin-key", "a" * 12, "--protect-metrics", "--max-queue", "5",
-              "--request-timeout", "2.5", "--shutdown-timeout", "4")
+              "--request-timeout", "2.5", "--shutdown-timeout", "4", "--max-stored-responses", "7")
     assert (c.api_key, c.admin_key, c.protect_metrics) == ("k" * 12, "a" * 12, True)
     assert (c.max_queue, c.request_timeout, c.shutdown_timeout) == (5, 2.5, 4.0)
+    assert c.max_stored_responses == 7 and parse().max_stored_responses == 1024
     assert "k" * 12 not in repr(c)  # keys never appear in reprs or logs
     monkeypatch.setenv("MOLA_API_KEY", "from-the-env-1")
     assert parse().api_key == "from-the-env-1"
@@ -101,3 +102,5 @@ def test_access_and_limit_flags(monkeypatch):
         ServeConfig(api_key="short")
     with pytest.raises(ValueError, match="request_timeout"):
         ServeConfig(request_timeout=0)
+    with pytest.raises(ValueError, match="max_stored_responses"):
+        ServeConfig(max_stored_responses=-1)

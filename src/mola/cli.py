@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="refuse request bodies larger than N bytes with a 413 (default 4 MiB)")
     serve.add_argument("--max-queue", type=int,
                        help="sequences waiting beyond the batch before 429s (default 256)")
+    serve.add_argument("--max-stored-responses", type=int,
+                       help="responses kept in memory for previous_response_id, least recently used "
+                       "evicted first (default 1024)")
     serve.add_argument("--request-timeout", type=float,
                        help="seconds a request may run (or wait) before it ends (default: no limit)")
     serve.add_argument("--shutdown-timeout", type=float,

@@ -77,6 +77,9 @@ class ServeConfig:
     # A request running longer than this many seconds ends (finish_reason
     # "length"; one still queued gets a 503). None: no limit.
     request_timeout: float | None = None
+    # Responses kept in memory for previous_response_id (least recently used
+    # evicted first); 0 keeps none.
+    max_stored_responses: int = 1024
     # On SIGTERM: stop accepting, let running requests finish up to this long.
     shutdown_timeout: float = 30.0
     # Serve a base sharded over the ranks of an mx.distributed group (started
@@ -101,6 +104,8 @@ class ServeConfig:
             raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if self.max_stored_responses < 0:
+            raise ValueError(f"max_stored_responses must be >= 0, got {self.max_stored_responses}")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
         if not self.shutdown_timeout >= 0:

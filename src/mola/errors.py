@@ -30,6 +30,9 @@ class ModelNotFound(MolaError):
 
 class InvalidAdapterName(InvalidRequest):
     """A name given to an adapter breaks the adapter id grammar (mola/lora/names.py)."""
+class ResponseNotFound(MolaError):
+    """A ``previous_response_id`` (or GET /v1/responses/{id}) names no stored
+    response: unknown, stored with ``store: false``, or evicted."""
 
 
 class AdapterNotFound(MolaError):

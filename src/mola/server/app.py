@@ -21,7 +21,8 @@ from ..lora.registry import AdapterRegistry
 from ..lora.sources import AdapterSources
 from .errors import error_response, install_error_handlers
 from .middleware import AuthMiddleware, BodyLimitMiddleware, HTTPMetricsMiddleware, RequestIdMiddleware
-from .routes import adapters, chat, completions, models, vllm
+from .responses_api.store import ResponseStore
+from .routes import adapters, chat, completions, models, responses, vllm
 from .state import ServerState
 
 log = logging.getLogger("mola.server")
@@ -59,6 +60,7 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel) 
         base_root=str(loaded.path or config.model),
         max_model_len=config.max_model_len or loaded.max_model_len,
         vocab_size=loaded.vocab_size,
+        responses=ResponseStore(config.max_stored_responses),
     )
     try:
         for spec in config.adapters:
@@ -94,6 +96,7 @@ def create_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     app.include_router(chat.router)
     app.include_router(completions.router)
+    app.include_router(responses.router)
     app.include_router(models.router)
     app.include_router(adapters.router)
     app.include_router(vllm.router)

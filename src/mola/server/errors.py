@@ -28,6 +28,7 @@ from ..errors import (
     MolaError,
     Overloaded,
     RequestTimedOut,
+    ResponseNotFound,
     ShuttingDown,
 )
 
@@ -37,6 +38,7 @@ log = logging.getLogger("mola.server")
 STATUS: dict[type, tuple[int, str, str | None]] = {
     ModelNotFound: (404, "invalid_request_error", "model_not_found"),
     AdapterNotFound: (404, "invalid_request_error", "adapter_not_found"),
+    ResponseNotFound: (404, "invalid_request_error", "response_not_found"),
     AdapterPathNotFound: (404, "invalid_request_error", "adapter_path_not_found"),
     AdapterPathNotAllowed: (403, "permission_error", "adapter_path_not_allowed"),
     AdapterExists: (409, "invalid_request_error", "adapter_exists"),

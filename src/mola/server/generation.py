@@ -30,7 +30,7 @@ def sampling_params(state: ServerState, body: _Sampling, num_prompt_tokens: int,
                     choice: int = 0) -> SamplingParams:
     limit = state.max_model_len
     requested = body.requested_max_tokens()
-    what = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    what = body.PROMPT_PARAM
     if limit is not None:
         if num_prompt_tokens >= limit:
             raise ContextLengthExceeded(
@@ -45,7 +45,7 @@ def sampling_params(state: ServerState, body: _Sampling, num_prompt_tokens: int,
                 f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in "
                 f"the {what}, {requested} in the completion). Please reduce the length "
                 f"of the {what} or completion.",
-                param="max_tokens",
+                param=body.MAX_TOKENS_PARAM,
             )
         max_tokens = requested if requested is not None else room
     else:

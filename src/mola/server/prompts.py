@@ -84,14 +84,7 @@ def encode_within(encode: Callable[[str], list[int]], text: str, limit: int | No
 
 
 def render_chat(tokenizer, body: ChatCompletionRequest, limit: int | None, max_chars: int) -> list[int]:
-    """The tokenizer's own chat template over the request's messages (and
-    tools), tokenized as mlx-lm and transformers do it: the rendered text,
-    encoded without adding special tokens."""
-    if not getattr(tokenizer, "has_chat_template", False):
-        raise InvalidRequest(
-            "This model has no chat template; use /v1/completions with a plain prompt.",
-            param="messages",
-        )
+    """The tokenizer's own chat template over the request's messages (and tools)."""
     messages = []
     for i, m in enumerate(body.messages):
         message = {"role": m.role, "content": m.text(i)}
@@ -102,21 +95,33 @@ def render_chat(tokenizer, body: ChatCompletionRequest, limit: int | None, max_c
         if m.name:
             message["name"] = m.name
         messages.append(message)
+    return render_messages(tokenizer, messages, body.tools, body.uses_tools(), "messages", limit, max_chars)
+
+
+def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None, uses_tools: bool,
+                    param: str, limit: int | None, max_chars: int) -> list[int]:
+    """Chat ``messages`` (and ``tools``, chat's shape) through the tokenizer's
+    own chat template, tokenized as mlx-lm and transformers do it: the
+    rendered text, encoded without adding special tokens, never more of it
+    than the context can hold. ``param`` names the request field they came from."""
+    if not getattr(tokenizer, "has_chat_template", False):
+        raise InvalidRequest(
+            "This model has no chat template; use /v1/completions with a plain prompt.", param=param)
     kwargs = {}
-    if body.tools:
-        if body.uses_tools():
+    if tools:
+        if uses_tools:
             check_tool_support(tokenizer)
-        kwargs["tools"] = body.tools
+        kwargs["tools"] = tools
     try:
         text = tokenizer.apply_chat_template(
             messages_for_template(messages), add_generation_prompt=True, tokenize=False, **kwargs
         )
     except Exception as e:  # jinja2 errors raised by templates (role order, ...)
-        raise InvalidRequest(f"The chat template rejected the messages: {e}", param="messages")
+        raise InvalidRequest(f"The chat template rejected the messages: {e}", param=param)
     tokens = encode_within(lambda s: tokenizer.encode(s, add_special_tokens=False), text, limit,
-                           max_chars, "messages")
+                           max_chars, param)
     if not tokens:
-        raise InvalidRequest("The messages render to an empty prompt.", param="messages")
+        raise InvalidRequest(f"'{param}' renders to an empty prompt.", param=param)
     return tokens
 
 
@@ -187,6 +192,14 @@ class PromptLanes:
 
     async def completion(self, body: CompletionRequest) -> list[list[int]]:
         return await self._run(body, encode_prompts, self.vocab_size, self.limit, self.max_chars)
+
+    async def messages(self, messages: list[dict], tools: list[dict] | None, uses_tools: bool,
+                       param: str) -> list[int]:
+        """Chat-shaped ``messages`` (what /v1/responses builds from its input items)."""
+        chars = len(json.dumps(messages)) + (len(json.dumps(tools)) if tools else 0)
+        tokenizer, thread = self.long if chars > LONG_PROMPT_CHARS else self.short
+        return await asyncio.get_running_loop().run_in_executor(
+            thread, render_messages, tokenizer, messages, tools, uses_tools, param, self.limit, self.max_chars)
 
     def close(self) -> None:
         for _, thread in [self.short] if self.long is self.short else [self.short, self.long]:

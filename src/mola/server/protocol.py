@@ -12,7 +12,7 @@ mola's own extensions, beside the standard fields:
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -68,8 +68,10 @@ class AdapterWeight(_Body):
 
 
 class _Sampling(_Body):
-    """Fields shared by chat and completions."""
+    """Fields shared by chat and completions (and the Responses API)."""
 
+    PROMPT_PARAM: ClassVar[str] = "prompt"  # the field errors about the prompt name
+    MAX_TOKENS_PARAM: ClassVar[str] = "max_tokens"
     model: str
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -126,6 +128,8 @@ class _Sampling(_Body):
 
 
 class ChatCompletionRequest(_Sampling):
+    PROMPT_PARAM: ClassVar[str] = "messages"
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)

@@ -12,6 +12,7 @@ from ..lora.loader import AdapterLoader
 from ..lora.registry import AdapterRegistry
 from .metrics import Metrics
 from .prompts import PromptLanes
+from .responses_api.store import ResponseStore
 
 
 @dataclass
@@ -26,6 +27,7 @@ class ServerState:
     max_model_len: int | None  # context limit, when known
     vocab_size: int  # rows of the model's output layer
     metrics: Metrics = field(default_factory=Metrics)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # for previous_response_id
     created: int = field(default_factory=lambda: int(time.time()))
     active_sequences: int = 0  # generations admitted and not finished (each choice counts)
     draining: bool = False  # shutting down: no new generations

@@ -1,5 +1,7 @@
 """Server-sent events, as OpenAI streams them: `data: <json>` lines, each
-followed by a blank line, and a final `data: [DONE]`."""
+followed by a blank line, and a final `data: [DONE]` (chat, completions); or
+typed events, `event: <type>` before each `data:` line and no [DONE]
+(the Responses API)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,11 @@ from starlette.background import BackgroundTask
 
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def sse_event(payload: dict) -> str:
+    """A typed event: ``payload["type"]`` names it."""
+    return f"event: {payload['type']}\n{sse(payload)}"
 
 
 def sse_done() -> str:

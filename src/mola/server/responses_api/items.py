@@ -1,0 +1,100 @@
+"""Input items, checked and made canonical, and the chat messages they stand
+for (what the model's chat template renders).
+
+Canonical items, the only shapes stored and rendered:
+
+    {"type": "message", "role": "user"|"assistant"|"system"|"developer", "content": str}
+    {"type": "function_call", "call_id": str, "name": str, "arguments": str}
+    {"type": "function_call_output", "call_id": str, "output": str}
+
+A response's own output items are valid input items, so a client that sends
+them back and a ``previous_response_id`` that replays them give the same
+canonical items, hence the same prompt.
+"""
+
+from __future__ import annotations
+
+from ...errors import InvalidRequest
+
+ROLES = ("user", "assistant", "system", "developer")
+TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
+MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+
+
+def normalize_input(value: str | list[dict], param: str = "input") -> list[dict]:
+    """Canonical items of a request's ``input``; a 400 names the bad part."""
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    if not value:
+        raise InvalidRequest("'input' must be a string or a non-empty list of items.", param=param)
+    return [normalize_item(item, f"{param}[{i}]") for i, item in enumerate(value)]
+
+
+def normalize_item(item: dict, where: str) -> dict:
+    kind = item.get("type", "message" if "role" in item else None)
+    if kind == "message":
+        role = item.get("role")
+        if role not in ROLES:
+            raise InvalidRequest(f"Invalid role {role!r}; use one of {', '.join(ROLES)}.",
+                                 param=f"{where}.role")
+        return {"type": "message", "role": role, "content": _text(item.get("content"), f"{where}.content")}
+    if kind == "function_call":
+        return {"type": "function_call", "call_id": _string(item, "call_id", where),
+                "name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}
+    if kind == "function_call_output":
+        return {"type": "function_call_output", "call_id": _string(item, "call_id", where),
+                "output": _text(item.get("output"), f"{where}.output")}
+    if kind == "item_reference":
+        raise InvalidRequest("Item references are not supported; send the item itself, or use "
+                             "'previous_response_id'.", param=f"{where}.type")
+    raise InvalidRequest(f"Input items of type {kind!r} are not supported: mola takes message, "
+                         "function_call and function_call_output items.", param=f"{where}.type")
+
+
+def _string(item: dict, key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str) or (key != "arguments" and not value):
+        raise InvalidRequest(f"'{key}' must be a non-empty string, got {value!r}.", param=f"{where}.{key}")
+    return value
+
+
+def _text(content, where: str) -> str:
+    """A string, or the text of a list of text parts; media are refused."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"Expected a string or a list of content parts, got {content!r}.", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        key = TEXT_PARTS.get(kind)
+        if key is not None and isinstance(part.get(key), str):
+            texts.append(part[key])
+        elif kind in MEDIA_PARTS:
+            raise InvalidRequest(f"Content parts of type {kind!r} are not supported: this server "
+                                 "serves text-only models.", param=f"{where}[{j}]")
+        else:
+            raise InvalidRequest(f"Unsupported content part {kind!r}; use 'input_text' (or "
+                                 "'output_text' for earlier answers).", param=f"{where}[{j}]")
+    return "".join(texts)
+
+
+def to_messages(items: list[dict] | tuple[dict, ...], instructions: str | None) -> list[dict]:
+    """Chat messages for canonical ``items``, behind ``instructions`` as a
+    system message. Consecutive function calls join the assistant turn before
+    them, as chat's ``tool_calls``; their outputs are tool messages."""
+    messages = [] if instructions is None else [{"role": "system", "content": instructions}]
+    for item in items:
+        kind = item["type"]
+        if kind == "message":
+            messages.append({"role": item["role"], "content": item["content"]})
+        elif kind == "function_call":
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        else:
+            messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+    return messages

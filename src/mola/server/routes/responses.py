@@ -1,0 +1,93 @@
+"""POST /v1/responses (OpenAI's Responses API), streaming as typed events and
+not; GET /v1/responses/{id} for a stored response.
+
+A request becomes one Generation over the engine, as a chat completion does:
+its input items (behind those of ``previous_response_id``) are rendered as
+chat messages through the model's template, tool calls are parsed by the
+same parser, and a ResponseBuilder turns the deltas into output items.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from ...errors import MolaError
+from ..generation import Generation, run_until_disconnect, start_generations
+from ..responses_api.events import ResponseBuilder
+from ..responses_api.items import normalize_input, normalize_item, to_messages
+from ..responses_api.objects import request_fields
+from ..responses_api.protocol import ResponsesRequest, constrain
+from ..responses_api.store import StoredResponse
+from ..state import ServerState
+from ..streaming import event_stream, sse_event
+
+router = APIRouter()
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, request: Request):
+    state: ServerState = request.app.state.mola
+    body.check_supported()
+    constrain(body)  # structured output and forced tool calls: refused until wired
+    items = normalize_input(body.input)
+    if body.previous_response_id is not None:
+        items = [*state.responses.get(body.previous_response_id).items, *items]
+    tools = body.chat_tools()
+    messages = to_messages(items, body.instructions)
+    prompt = await state.prompts.messages(messages, tools, body.uses_tools(), "input")
+    gen, = await start_generations(state, body, [prompt], tools if body.uses_tools() else None)
+    builder = ResponseBuilder(request_fields(body))
+    if body.stream:
+        return event_stream(_stream(state, gen, builder, body, items, request), gen.close)
+    result = await run_until_disconnect(_complete(state, gen, builder, body, items), request)
+    return JSONResponse(result) if result is not None else None
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request):
+    state: ServerState = request.app.state.mola
+    return JSONResponse(state.responses.get(response_id, param=None).response)
+
+
+async def _complete(state: ServerState, gen: Generation, builder: ResponseBuilder,
+                    body: ResponsesRequest, items: list[dict]) -> dict:
+    async with contextlib.aclosing(gen.deltas()) as deltas:
+        async for d in deltas:
+            builder.add(d.text, d.tool_calls)
+    builder.finish(gen.finish_reason, gen.num_prompt_tokens, gen.num_tokens)
+    _remember(state, body, builder, items)
+    return builder.response
+
+
+async def _stream(state: ServerState, gen: Generation, builder: ResponseBuilder, body: ResponsesRequest,
+                  items: list[dict], request: Request) -> AsyncIterator[str]:
+    try:
+        for event in builder.start():
+            yield sse_event(event)
+        async with contextlib.aclosing(gen.deltas()) as deltas:
+            async for d in deltas:
+                if await request.is_disconnected():
+                    return  # leaving closes the generation, which frees its row
+                for event in builder.add(d.text, d.tool_calls):
+                    yield sse_event(event)
+        events = builder.finish(gen.finish_reason, gen.num_prompt_tokens, gen.num_tokens)
+        _remember(state, body, builder, items)
+        for event in events:
+            yield sse_event(event)
+    except MolaError as e:
+        for event in builder.fail(e, gen.num_prompt_tokens, gen.num_tokens):
+            yield sse_event(event)
+
+
+def _remember(state: ServerState, body: ResponsesRequest, builder: ResponseBuilder,
+              items: list[dict]) -> None:
+    """Keep the response and its conversation for previous_response_id
+    (unless store is false); its output items become canonical input items."""
+    if not body.stores():
+        return
+    output = [normalize_item(item, f"output[{i}]") for i, item in enumerate(builder.output)]
+    state.responses.put(builder.id, StoredResponse(builder.response, (*items, *output)))
