@@ -24,8 +24,9 @@ def test_place_and_remove_through_the_engine_port(tiny_model, adapters):
         loader = AdapterLoader(AsyncEngine(engine), loaded.config)
         try:
             recipe = Recipe.single(str(adapters["b"]), scale=0.5)
-            weights = await loader.build(recipe)
-            await loader.place(2, weights, recipe)
+            prepared = await loader.prepare(recipe)
+            assert (prepared.rank, prepared.format) == (8, "mlx-lm")
+            await loader.write(2, prepared.rows, recipe)
             layers = await AsyncEngine(engine).call(lambda: {  # copied out on the engine thread
                 p: tuple(np.array(f) for f in l.factors(2))
                 for p, l in engine.packs.layers.items() if 2 in l.active_slots})

@@ -21,7 +21,8 @@ S = AdapterState
 ALLOWED = {
     (S.KNOWN, S.LOADING), (S.KNOWN, S.REMOVED),
     (S.LOADING, S.RESIDENT), (S.LOADING, S.KNOWN), (S.LOADING, S.REMOVED),
-    (S.RESIDENT, S.KNOWN), (S.RESIDENT, S.DRAINING), (S.RESIDENT, S.REMOVED),
+    (S.RESIDENT, S.KNOWN), (S.RESIDENT, S.DRAINING), (S.RESIDENT, S.REMOVED), (S.RESIDENT, S.YIELDING),
+    (S.YIELDING, S.RESIDENT), (S.YIELDING, S.KNOWN), (S.YIELDING, S.REMOVED), (S.YIELDING, S.DRAINING),
     (S.DRAINING, S.REMOVED),
 }
 
@@ -109,7 +110,7 @@ def test_unloaded_while_waiting_for_a_slot_is_removed(engine, adapters):
         b = registry.register("b", str(adapters["b"]), "rest")
         waiter = asyncio.ensure_future(registry.acquire("b"))
         await asyncio.sleep(0.1)
-        assert b.state is S.LOADING  # read, waiting for a slot
+        assert b.state is S.KNOWN and registry.queue.ordered() == [b]  # waiting for a slot
         await registry.unload("b")
         with pytest.raises(ModelNotFound):
             await waiter

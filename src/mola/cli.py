@@ -8,12 +8,20 @@ import sys
 
 from . import __version__
 from .blas import maybe_reexec_with_openblas
-from .config import FIELDS, AdapterSpec, ServeConfig, load_config_file, merge_adapters, parse_adapter_arg
+from .config import (FIELDS, AdapterSpec, ServeConfig, load_config_file, merge_adapters, parse_adapter_arg,
+                     parse_bytes)
 
 
 def _adapter(value: str) -> AdapterSpec:
     try:
         return parse_adapter_arg(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
+def _bytes(value: str) -> int:
+    try:
+        return parse_bytes(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e))
 
@@ -48,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--max-loras", type=int, help="adapter slots, i.e. resident adapters (default 8)")
     serve.add_argument("--max-lora-rank", type=int, help="largest adapter rank (default 64)")
+    serve.add_argument("--max-cpu-loras", type=int, metavar="N",
+                       help="keep up to N recently used adapters read and prepared in host memory, "
+                       "so that loading one into a slot is only the copy (default: no host tier)")
+    serve.add_argument("--adapter-cache-bytes", type=_bytes, metavar="BYTES",
+                       help="cap the host tier's memory, e.g. 4GB or 512MiB (with or without "
+                       "--max-cpu-loras; default: no host tier)")
+    serve.add_argument("--max-adapter-wait", type=float, metavar="SECONDS",
+                       help="a request that waited this long for its adapter's slot gets the next slot "
+                       "that frees, ahead of busier adapters (default 2)")
     serve.add_argument("--max-num-seqs", type=int, help="rows in one decode batch (default 32)")
     serve.add_argument("--prefill-step-size", type=int,
                        help="prompt tokens prefilled per engine step (default 512)")

@@ -71,8 +71,11 @@ class AsyncEngine:
     def geometry(self) -> SlotGeometry:
         return self.engine.geometry
 
-    async def write_slot(self, slot: int, rows: SlotRows, recipe: Recipe) -> None:
-        await self.call(lambda: self.engine.write_slot(slot, rows, recipe))
+    def write_slot(self, slot: int, rows: SlotRows, recipe: Recipe) -> asyncio.Future:
+        """Queued behind the engine's commands at once (so that every sequence
+        added later sees it); raises EngineUnavailable now if the engine is
+        down. The future ends when the engine thread has written it."""
+        return asyncio.wrap_future(self.engine.call(lambda: self.engine.write_slot(slot, rows, recipe)))
 
     async def clear_slot(self, slot: int) -> None:
         await self.call(lambda: self.engine.clear_slot(slot))

@@ -145,16 +145,17 @@ class TargetGeometry:
 class ModuleRows:
     """What one slot of one MultiLoRALinear stores for an adapter."""
 
-    a: mx.array  # [r_max, in_part]: A^T, zero-padded to the slot's rank
-    b: mx.array  # [r_max, out_part]: scale * B, zero-padded
-    rank: int  # the adapter's own rank in this module
+    a: mx.array  # [r, in_part]: A^T at the adapter's own rank (the slot zero-pads it)
+    b: mx.array  # [r, out_part]: scale * B
+    rank: int  # the adapter's own rank in this module, r
     scale: float  # the scale folded into b (kept for reading)
 
 
 def module_rows(target: TargetGeometry, max_rank: int, dtype: mx.Dtype, a: mx.array, b: mx.array,
                 scale: float) -> ModuleRows:
     """The rows a slot stores for factors a [in, r], b [r, out]: A^T and
-    scale * B, cut to this rank's part and zero-padded to ``max_rank``. Pure:
+    scale * B, cut to this rank's part, at rank r (not padded to ``max_rank``,
+    so that rows kept in host memory take only what the adapter needs). Pure:
     any thread may compute them."""
     r = a.shape[1]
     assert r <= max_rank, (r, max_rank)
@@ -164,9 +165,8 @@ def module_rows(target: TargetGeometry, max_rank: int, dtype: mx.Dtype, a: mx.ar
         a = a[sh.part(a.shape[0])]
     elif sh.kind == "column":  # this rank makes part of the output: its columns of B
         b = b[:, sh.part(b.shape[1])]
-    pad = [(0, max_rank - r), (0, 0)]
-    a_row = mx.pad(a.T.astype(dtype), pad)  # [r_max, in_part]
-    b_row = mx.pad((scale * b.astype(mx.float32)).astype(dtype), pad)  # [r_max, out_part]
+    a_row = mx.contiguous(a.T.astype(dtype))  # [r, in_part]
+    b_row = (scale * b.astype(mx.float32)).astype(dtype)  # [r, out_part]
     return ModuleRows(a_row, b_row, r, scale)
 
 
@@ -256,11 +256,17 @@ class MultiLoRALinear(nn.Module):
         self.set_rows(slot, module_rows(self.geometry, self.max_rank, self.dtype, a, b, scale))
 
     def set_rows(self, slot: int, rows: "ModuleRows") -> None:
-        """Write rows made by :func:`module_rows` into ``slot``."""
-        assert 0 < slot < self.num_slots
+        """Write rows made by :func:`module_rows` into ``slot``: its first r
+        rows; rows beyond r that an older adapter of higher rank wrote there
+        are zeroed (the rest are zero already)."""
+        assert 0 < slot < self.num_slots and rows.rank <= self.max_rank, (slot, rows.rank)
+        r, stale = rows.rank, self._ranks.get(slot, 0)
         self._views.clear()  # no other reference: the writes below update in place
-        self.lora_a[slot] = rows.a
-        self.lora_b[slot] = rows.b
+        self.lora_a[slot, :r] = rows.a
+        self.lora_b[slot, :r] = rows.b
+        if stale > r:
+            self.lora_a[slot, r:stale] = 0.0
+            self.lora_b[slot, r:stale] = 0.0
         self.lora_scale[slot] = rows.scale
         self._ranks[slot] = rows.rank
         self._rank = max(self._ranks.values())

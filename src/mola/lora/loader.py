@@ -1,23 +1,23 @@
 """Moves adapters between disk and slots.
 
 Files are read, checked and turned into slot rows on a reader thread of its
-own (with its own MLX stream), so a hot load costs the decode loop only the
-slot write itself, which the engine runs between two steps. The engine is
-reached through a narrow :class:`SlotPort` (write a slot, clear a slot, the
-slot geometry); the wiring of the two lives above both, in the server.
+own (with its own MLX stream), in one hop per adapter, so a load costs the
+decode loop only the slot write itself. The engine is reached through a
+narrow :class:`SlotPort` (write a slot, clear a slot, the slot geometry); the
+wiring of the two lives above both, in the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Awaitable, Protocol
 
 import mlx.core as mx
 
 from .pack import SlotGeometry, SlotRows, prepare_rows
-from .recipe import Recipe, read_checked, read_recipe
-from .weights import LoRAWeights
+from .recipe import Recipe, read_recipe
 
 
 class SlotPort(Protocol):
@@ -27,12 +27,38 @@ class SlotPort(Protocol):
     @property
     def geometry(self) -> SlotGeometry: ...
 
-    async def write_slot(self, slot: int, rows: SlotRows, recipe: Recipe) -> None:
-        """Write ``rows`` into ``slot`` between two steps; ``recipe`` says how
-        they were made, for the other ranks of a tensor-parallel group."""
+    def write_slot(self, slot: int, rows: SlotRows, recipe: Recipe) -> Awaitable[None]:
+        """Queue a write of ``rows`` into ``slot`` (``recipe`` says how they
+        were made, for the other ranks of a tensor-parallel group): every
+        command given to the engine after this call sees the slot written.
+        Raises EngineUnavailable at once if the engine is not running; the
+        awaitable ends when the write is done."""
 
     async def clear_slot(self, slot: int) -> None:
         """Zero ``slot`` between two steps."""
+
+
+@dataclass(frozen=True)
+class PreparedAdapter:
+    """An adapter read, checked and made into slot rows: what a slot write
+    needs, and what the host tier keeps."""
+
+    rows: SlotRows
+    rank: int
+    scale: float | None  # the adapter's own scale, when its modules share one
+    format: str
+    nbytes: int  # of its factors as read
+
+    @property
+    def host_bytes(self) -> int:
+        return self.rows.nbytes
+
+
+def prepare(recipe: Recipe, geometry: SlotGeometry, model_config: dict | None) -> PreparedAdapter:
+    """Read, check and prepare ``recipe`` (any thread; the reader thread runs it)."""
+    weights = read_recipe(recipe, geometry, model_config)
+    rows = prepare_rows(weights, geometry, recipe.scale)
+    return PreparedAdapter(rows, weights.rank, weights.scale, weights.format, weights.nbytes)
 
 
 def _reader_init() -> None:
@@ -58,21 +84,17 @@ class AdapterLoader:
     async def _off_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._reader, fn, *args)
 
-    async def read(self, path: str) -> LoRAWeights:
-        """Read and check the adapter at ``path``; raises InvalidAdapter or
-        AdapterPathNotFound with a message that names the problem."""
-        return await self._off_thread(read_checked, str(path), self.geometry, self.model_config)
+    async def prepare(self, recipe: Recipe) -> PreparedAdapter:
+        """Read and check the adapter(s) of ``recipe`` (several are stacked
+        into one LoRA, see weights.compose) and make its slot rows, on the
+        reader thread; raises InvalidAdapter or AdapterPathNotFound with a
+        message that names the problem."""
+        return await self._off_thread(prepare, recipe, self.geometry, self.model_config)
 
-    async def build(self, recipe: Recipe) -> LoRAWeights:
-        """The weights of ``recipe``: one adapter, or several stacked into one
-        LoRA (see weights.compose)."""
-        return await self._off_thread(read_recipe, recipe, self.geometry, self.model_config)
-
-    async def place(self, slot: int, weights: LoRAWeights, recipe: Recipe) -> None:
-        """Put ``weights`` (made from ``recipe``) into ``slot``: padded and cast
-        on the reader thread; only the copy runs on the engine thread."""
-        rows = await self._off_thread(prepare_rows, weights, self.geometry, recipe.scale)
-        await self.port.write_slot(slot, rows, recipe)
+    def write(self, slot: int, rows: SlotRows, recipe: Recipe) -> Awaitable[None]:
+        """Queue the copy of ``rows`` (made from ``recipe``) into ``slot``
+        (see SlotPort.write_slot); only the copy runs on the engine thread."""
+        return self.port.write_slot(slot, rows, recipe)
 
     async def remove(self, slot: int) -> None:
         """Empty ``slot``."""

@@ -76,7 +76,14 @@ class AdapterPacks:
 
     def fill(self, slot: int, rows: SlotRows) -> None:
         """Write prepared rows into ``slot`` of every layer; layers the adapter
-        does not touch are zeroed there. Engine thread."""
+        does not touch are zeroed there. Engine thread.
+
+        The copies are queued on the engine's stream (``mx.async_eval``), not
+        waited for: they run after the step in flight and before any step
+        launched later, which is all the order that matters, and the engine
+        thread goes on planning meanwhile. A copy, not a pointer swap:
+        ``gather_mm`` needs every slot in one pack, and rebuilding a pack
+        around new per-slot arrays copies all of its slots (benchmarks/README.md)."""
         if not 0 < slot < self.num_slots:
             raise ValueError(f"slot {slot} is outside 1..{self.num_slots - 1}")
         for path, layer in self.layers.items():
@@ -85,7 +92,7 @@ class AdapterPacks:
                 layer.zero_rows(slot)
             else:
                 layer.set_rows(slot, row)
-        mx.eval(self.arrays())
+        mx.async_eval(self.arrays())
 
     def fill_from(self, slot: int, weights: LoRAWeights, scale: float = 1.0) -> None:
         """Prepare and write a validated adapter into ``slot`` (its scales
@@ -119,13 +126,15 @@ class SlotGeometry:
 
 @dataclass(frozen=True)
 class SlotRows:
-    """One adapter, ready to be written into a slot of every layer."""
+    """One adapter, ready to be written into a slot of every layer (at its
+    own ranks: the write zero-pads)."""
 
     modules: Mapping[str, ModuleRows]  # module path -> its rows; other layers are zeroed
+    nbytes: int  # host memory the rows take
 
-    @property
-    def nbytes(self) -> int:
-        return sum(r.a.nbytes + r.b.nbytes for r in self.modules.values())
+    @staticmethod
+    def of(modules: Mapping[str, ModuleRows]) -> "SlotRows":
+        return SlotRows(modules, sum(r.a.nbytes + r.b.nbytes for r in modules.values()))
 
 
 def prepare_rows(weights: LoRAWeights, geometry: SlotGeometry, scale: float = 1.0) -> SlotRows:
@@ -137,4 +146,4 @@ def prepare_rows(weights: LoRAWeights, geometry: SlotGeometry, scale: float = 1.
         modules[path] = module_rows(geometry.targets[path], geometry.max_rank, geometry.dtype,
                                     m.a, m.b, m.scale * scale)
     mx.eval([(r.a, r.b) for r in modules.values()])
-    return SlotRows(modules)
+    return SlotRows.of(modules)

@@ -3,28 +3,34 @@
 A record's state changes only through :meth:`AdapterRecord.move_to`, which
 checks it against :data:`TRANSITIONS`, the one table of allowed moves:
 
-    KNOWN --load--> LOADING --written--> RESIDENT --evicted--> KNOWN
-      |               |  \\--failed--> KNOWN            \\--unloaded--> DRAINING --drained--> REMOVED
-      \\--unloaded------+-----------------------------------> REMOVED
+    KNOWN ---slot taken--> LOADING ---written--> RESIDENT ---evicted--> KNOWN (a stack: REMOVED)
+    KNOWN <--write failed-- LOADING              RESIDENT ---unloaded--> DRAINING ---drained--> REMOVED
+    KNOWN, LOADING ---unloaded--> REMOVED        RESIDENT <--needed no more-- YIELDING
+    RESIDENT ---made to yield--> YIELDING ---drained, evicted--> KNOWN (a stack: REMOVED)
+    YIELDING ---unloaded--> DRAINING
+
+A YIELDING record still serves the requests it runs but takes no new ones
+(they wait), so that it drains and its slot goes to an adapter whose request
+has waited too long (mola.lora.admission). Reading an adapter from disk is
+no state of its own: a KNOWN record may have its rows in the host tier
+(``cached``) or a read in progress (mola.lora.host_tier).
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-
-from ..errors import MolaError
 
 _uids = itertools.count(1)
 
 
 class AdapterState(enum.Enum):
     KNOWN = "known"  # can be requested; in no slot
-    LOADING = "loading"  # being read and written into a slot
+    LOADING = "loading"  # its slot is reserved and being written
     RESIDENT = "resident"  # in a slot, serving requests
+    YIELDING = "yielding"  # in a slot, finishing its requests, taking no new ones: then evicted
     DRAINING = "draining"  # unloaded: finishing its running requests, then its slot frees
     REMOVED = "removed"  # gone for good: unloaded, replaced, or a stack evicted
 
@@ -34,8 +40,11 @@ TRANSITIONS: dict[AdapterState, frozenset[AdapterState]] = {
     S.KNOWN: frozenset({S.LOADING, S.REMOVED}),
     # written into its slot; the read or write failed; unloaded while loading
     S.LOADING: frozenset({S.RESIDENT, S.KNOWN, S.REMOVED}),
-    # evicted (an adapter goes back to known, a stack is dropped); unloaded
-    S.RESIDENT: frozenset({S.KNOWN, S.REMOVED, S.DRAINING}),
+    # evicted (an adapter goes back to known, a stack is dropped); unloaded;
+    # stopped from new leases to make room for a request that waited too long
+    S.RESIDENT: frozenset({S.KNOWN, S.REMOVED, S.DRAINING, S.YIELDING}),
+    # needed no more; drained and evicted (a stack is dropped); unloaded
+    S.YIELDING: frozenset({S.RESIDENT, S.KNOWN, S.REMOVED, S.DRAINING}),
     S.DRAINING: frozenset({S.REMOVED}),
     S.REMOVED: frozenset(),
 }
@@ -60,14 +69,13 @@ class AdapterRecord:
     slot: int | None = None
     in_flight: int = 0  # leases held by requests
     waiting: int = 0  # requests waiting for it to become resident
+    cached: bool = False  # its slot rows are in the host tier
     last_used: float | None = None
     loads: int = 0
     rank: int | None = None  # known once read
     adapter_scale: float | None = None
     format: str | None = None
     nbytes: int | None = None
-    loaded: asyncio.Event = field(default_factory=asyncio.Event)  # set when leaving LOADING
-    load_error: MolaError | None = None
     # A stack (several adapters in one slot): (path, scale) of each part, and
     # the part records it was built from.
     parts: tuple[tuple[str, float], ...] | None = None
@@ -86,12 +94,20 @@ class AdapterRecord:
 
     @property
     def resident(self) -> bool:
-        return self.state in (S.RESIDENT, S.DRAINING) and self.slot is not None
+        return self.state in (S.RESIDENT, S.YIELDING, S.DRAINING) and self.slot is not None
 
     @property
     def is_evictable(self) -> bool:
-        """Resident, and no request uses it or waits for it."""
+        """Resident, and no request uses it or waits for it; or yielding and
+        drained (its waiters wait for it to come back later)."""
+        if self.state is S.YIELDING:
+            return self.in_flight == 0
         return self.state is S.RESIDENT and self.in_flight == 0 and self.waiting == 0
+
+    @property
+    def is_pinned(self) -> bool:
+        """Requests run on it or wait for it: the host tier keeps its rows."""
+        return self.in_flight > 0 or self.waiting > 0
 
     def touch(self) -> None:
         self.last_used = time.time()
@@ -110,6 +126,7 @@ class AdapterRecord:
             "format": self.format,
             "state": self.state.value,
             "resident": self.resident,
+            "cached": self.cached,
             "slot": self.slot,
             "version": self.version,
             "rank": self.rank,

@@ -10,33 +10,46 @@ resident in slots. A request takes a :class:`Lease` on the model id it names:
 - known but not resident: it is loaded just in time into a free slot, or into
   the slot of the least recently used adapter that no request is using; when
   every slot is busy with running requests the request waits, it does not
-  fail;
+  fail. Its adapter is read on the reader thread at once (prefetch), unless
+  the host tier holds it already (mola.lora.host_tier), and slots go to
+  waiting adapters fairly (mola.lora.admission);
 - unknown (or unloaded): ModelNotFound.
+
+A slot write is queued on the engine ahead of every request that can use the
+slot, so a load never waits for the engine's next step: the adapter is
+resident (and its requests are admitted) the moment its rows are ready and a
+slot is.
 
 Unloading stops new leases at once; requests already running finish on the
 adapter's weights, then its slot is zeroed and freed. Loading a name again is
 a new version with a fresh ``uid``, never served by anything of the old one.
 
 A record's lifecycle is mola.lora.records (one table of transitions); which
-slot holds what is mola.lora.slots; stacks of adapters are mola.lora.stacks.
+slot holds what is mola.lora.slots; stacks of adapters are mola.lora.stacks;
+who gets the next slot is mola.lora.admission; the host tier and the reads
+that fill it are mola.lora.host_tier.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Awaitable, Protocol
 
-from ..errors import AdapterExists, AdapterNotFound, InvalidRequest, ModelNotFound, MolaError
+from ..errors import AdapterExists, AdapterNotFound, InvalidRequest, ModelNotFound
+from .admission import AdmissionQueue, admit
+from .host_tier import HostTier
+from .loader import PreparedAdapter
+from .pack import SlotRows
 from .recipe import Recipe
 from .records import AdapterRecord, AdapterState
 from .names import check_adapter_id
 from .slots import SlotTable
 from .sources import AdapterSources
 from .stacks import Stacks
-from .weights import LoRAWeights
 
 log = logging.getLogger("mola.adapters")
 S = AdapterState
@@ -46,9 +59,8 @@ class SlotBackend(Protocol):
     """What the registry needs to move adapters in and out of slots
     (mola.lora.loader.AdapterLoader)."""
 
-    async def read(self, path: str) -> LoRAWeights: ...
-    async def build(self, recipe: Recipe) -> LoRAWeights: ...
-    async def place(self, slot: int, weights: LoRAWeights, recipe: Recipe) -> None: ...
+    async def prepare(self, recipe: Recipe) -> PreparedAdapter: ...
+    def write(self, slot: int, rows: SlotRows, recipe: Recipe) -> Awaitable[None]: ...
     async def remove(self, slot: int) -> None: ...
 
 
@@ -90,6 +102,8 @@ class AdapterRegistry:
         backend: SlotBackend,
         max_loras: int,
         sources: AdapterSources | None = None,
+        tier: HostTier | None = None,
+        max_wait: float = math.inf,
     ):
         self.base_id = base_id
         self.backend = backend
@@ -98,10 +112,13 @@ class AdapterRegistry:
         self.stats = RegistryStats()
         self.slots = SlotTable(max_loras)
         self.stacks = Stacks()
+        self.tier = tier or HostTier()  # off unless given limits
+        self.queue = AdmissionQueue(max_wait)  # requests waiting for a slot
         self._known: dict[str, AdapterRecord] = {}
         self._unloaded: set[str] = set()  # names not to rediscover in adapter dirs
         self._versions: dict[str, int] = {}
-        self._changed = asyncio.Condition()  # a slot freed, a load finished
+        self._wakes: dict[AdapterRecord, asyncio.Future] = {}  # what a record's waiters await
+        self._timer: asyncio.TimerHandle | None = None  # the next time a waiter starts to starve
         self._tasks: set[asyncio.Task] = set()
 
     # ---- what is known ------------------------------------------------------
@@ -127,6 +144,15 @@ class AdapterRegistry:
     @property
     def num_resident(self) -> int:
         return self.slots.num_held
+
+    def describe_admission(self) -> dict:
+        """Requests waiting for a slot, and how admission has gone."""
+        now = time.monotonic()
+        waits = [now - self.queue.since(r) for r in self.queue.ordered()]
+        return {"max_wait": self.queue.max_wait, "adapters_waiting": len(waits),
+                "longest_wait_seconds": max(waits, default=0.0),
+                "yielding": sum(r.state is S.YIELDING for r in self.slots.holders()),
+                **vars(self.queue.stats)}
 
     def register(self, name: str, path: str, source: str, scale: float = 1.0) -> AdapterRecord:
         """Know ``name`` as the adapter at (already resolved) ``path``."""
@@ -165,18 +191,16 @@ class AdapterRegistry:
         it stays known and is loaded on first use."""
         self._check_name(name)
         real = self.sources.resolve(path)
-        weights = await self.backend.read(real)  # raises a 4xx MolaError; nothing changed
+        t0 = time.monotonic()
+        self.tier.stats.reads += 1
+        prepared = await self.backend.prepare(Recipe.single(real, scale))  # a 4xx MolaError: nothing changed
         self._check_name(name)  # another load may have taken the name meanwhile
         record = self.register(name, real, source, scale)
-        self._note_weights(record, weights)
-        slot = self._take_slot()
+        self._note_weights(record, prepared)
+        slot = None if len(self.queue) else self._take_slot()  # waiting requests come first
         if slot is not None:
-            record.move_to(S.LOADING)
-            try:
-                await self._install(record, slot, weights)
-            except BaseException:
-                self._loading_failed(record, None)
-                raise
+            self._install(record, slot, prepared, t0)
+        self.tier.put(record, prepared)
         return record
 
     async def acquire(
@@ -223,6 +247,7 @@ class AdapterRegistry:
 
     async def _lease(self, record: AdapterRecord, row_scale: float) -> Lease:
         record.waiting += 1
+        ticket = None
         try:
             while True:
                 if not self._is_current(record):
@@ -231,86 +256,142 @@ class AdapterRegistry:
                     record.in_flight += 1
                     record.touch()
                     return Lease(self, record, row_scale)
-                if record.state is S.LOADING:
-                    await record.loaded.wait()
-                    if record.load_error is not None:
-                        raise record.load_error
-                    continue
-                await self._load_resident(record)
+                if ticket is None:  # wait in line (admission) for a slot
+                    ticket = self.queue.join(record, time.monotonic())
+                wake = self._wakes.get(record)
+                if wake is None:
+                    wake = self._wakes[record] = asyncio.get_running_loop().create_future()
+                self._admit()
+                await asyncio.shield(wake)  # raises the error of a failed read
         finally:
             record.waiting -= 1
+            if ticket is not None:
+                self.queue.leave(record, ticket)
+                self._after_wait(record)
 
-    async def _load_resident(self, record: AdapterRecord) -> None:
-        """Make a known record resident: read it, wait for a slot, write it."""
-        record.move_to(S.LOADING)
-        record.loaded, record.load_error = asyncio.Event(), None
-        slot = None
-        try:
-            t0 = time.perf_counter()
-            weights = await self.backend.build(self._recipe(record))
-            self._note_weights(record, weights)
-            slot = self._take_slot()
-            while slot is None:
-                async with self._changed:
-                    await self._changed.wait()
-                if not self._is_current(record):
-                    raise ModelNotFound(record.name)
-                slot = self._take_slot()
-            await self._install(record, slot, weights, t0)
-        except BaseException as e:
-            self._loading_failed(record, e)
-            raise
+    def _after_wait(self, record: AdapterRecord) -> None:
+        """A request stopped waiting for ``record``."""
+        if record.waiting == 0 and record.is_stack and record.state is S.KNOWN:
+            self._drop_stack(record)  # a stack evicted while requested: nobody wants it now
+        self.tier.settle()
+        self._admit()
 
-    def _loading_failed(self, record: AdapterRecord, error: BaseException | None) -> None:
-        if record.state is S.LOADING:
-            record.move_to(S.KNOWN if self._is_current(record) else S.REMOVED)
-        if isinstance(error, MolaError):
-            record.load_error = error
+    def _wake(self, record: AdapterRecord, error: BaseException | None = None) -> None:
+        """Wake the requests waiting for ``record`` (with ``error``, fail them)."""
+        wake = self._wakes.pop(record, None)
+        if wake is None or wake.done():
+            return
+        if error is None:
+            wake.set_result(None)
+        else:
+            wake.set_exception(error)
+            wake.add_done_callback(lambda f: f.exception())  # retrieved, even if all left
+
+    # ---- admission: who gets a slot (mola.lora.admission decides) --------------
+
+    def _admit(self) -> None:
+        if not len(self.queue):
+            return
+        now = time.monotonic()
+        admit(self.queue, self, now)
+        at = self.queue.next_starving_at(now)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if at is not None:
+            self._timer = asyncio.get_running_loop().call_later(at - now + 1e-3, self._admit)
+
+    def has_rows(self, record: AdapterRecord) -> bool:
+        return record in self.tier
+
+    def prefetch(self, record: AdapterRecord) -> None:
+        async def read() -> PreparedAdapter:
+            prepared = await self.backend.prepare(self._recipe(record))
+            self._note_weights(record, prepared)
+            return prepared
+
+        self.tier.prefetch(record, read, self._read_done)
+
+    def _read_done(self, record: AdapterRecord, error: BaseException | None) -> None:
+        if error is not None:  # every request waiting for it now gets the error, nobody else
             self.stats.load_failures += 1
-        record.loaded.set()
+            self.queue.discard(record)
+            self._wake(record, error)
+            log.info("adapter read failed: name=%s: %s", record.name, error)
+        self._admit()
+
+    def take_slot(self) -> int | None:
+        return self._take_slot()
+
+    def install(self, record: AdapterRecord, slot: int) -> None:
+        prepared = self.tier.take(record)
+        try:
+            self._install(record, slot, prepared, self.queue.since(record))
+        except Exception as e:  # the engine is gone: its waiters hear it
+            self.queue.discard(record)
+            self._wake(record, e)
+
+    def residents(self) -> list[AdapterRecord]:
+        return self.slots.holders()
+
+    def set_yielding(self, record: AdapterRecord, yielding: bool) -> None:
+        record.move_to(S.YIELDING if yielding else S.RESIDENT)
+        if yielding:
+            log.info("adapter yielding: name=%s slot=%d in_flight=%d (a request waited %.1f s for a slot)",
+                     record.name, record.slot, record.in_flight, self.queue.max_wait)
+        else:
+            self._wake(record)  # its waiters take leases again
+
+    # ---- slots ------------------------------------------------------------------
 
     def _take_slot(self) -> int | None:
-        """A reserved slot: a free one, or the least recently used idle
-        resident's (evicting it); None if every slot is busy."""
+        """A reserved slot: a free one, or the slot of a drained yielding
+        record or of the least recently used idle resident (evicting it);
+        None if every slot is busy."""
         taken = self.slots.reserve()
         if taken is None:
             return None
         slot, victim = taken
         if victim is not None:
             victim.slot = None
-            if victim.is_stack:  # a stack is rebuilt when asked for again
+            if victim.is_stack and victim.waiting == 0:  # a stack is rebuilt when asked for again
                 victim.move_to(S.REMOVED)
-                self.stacks.drop(victim)
+                self._drop_stack(victim)
             else:
                 victim.move_to(S.KNOWN)
             self.stats.evictions += 1
-            log.info("adapter evicted: name=%s slot=%d (least recently used)", victim.name, slot)
+            log.info("adapter evicted: name=%s slot=%d", victim.name, slot)
         return slot
 
-    async def _install(self, record: AdapterRecord, slot: int, weights: LoRAWeights,
-                       t0: float | None = None) -> None:
-        """Write a LOADING record's weights into its reserved slot."""
-        t0 = time.perf_counter() if t0 is None else t0
+    def _install(self, record: AdapterRecord, slot: int, prepared: PreparedAdapter, t0: float) -> None:
+        """Write a KNOWN record's rows into its reserved slot and make it
+        resident. The write is queued on the engine ahead of any request
+        that can use the slot, so nothing waits for it here."""
+        record.move_to(S.LOADING)
         try:
-            await self.backend.place(slot, weights, self._recipe(record))
+            written = self.backend.write(slot, prepared.rows, self._recipe(record))
         except BaseException:
+            record.move_to(S.KNOWN)
             self.slots.free(slot)
-            await self._notify()
+            self.stats.load_failures += 1
             raise
-        if not self._is_current(record):  # unloaded while loading
-            self._spawn(self._clear(slot))
-            raise ModelNotFound(record.name)
+        asyncio.ensure_future(written).add_done_callback(lambda f: self._written(record, slot, f))
         self.slots.hold(slot, record)
         record.slot = slot
         record.move_to(S.RESIDENT)
         record.loads += 1
-        record.loaded.set()
-        seconds = time.perf_counter() - t0
+        seconds = time.monotonic() - t0
         self.stats.loads += 1
         self.stats.load_seconds += seconds
         log.info("adapter loaded: name=%s version=%d slot=%d rank=%s path=%s in %.1f ms",
                  record.name, record.version, slot, record.rank, record.path, seconds * 1e3)
-        await self._notify()
+        self._wake(record)
+
+    @staticmethod
+    def _written(record: AdapterRecord, slot: int, done: asyncio.Future) -> None:
+        if not done.cancelled() and done.exception() is not None:
+            # Only a stopped engine (which fails every request) or a bug gets here.
+            log.error("writing adapter %s into slot %d failed: %r", record.name, slot, done.exception())
 
     @staticmethod
     def _recipe(record: AdapterRecord) -> Recipe:
@@ -321,9 +402,9 @@ class AdapterRegistry:
         return Recipe.single(record.path, record.scale)
 
     @staticmethod
-    def _note_weights(record: AdapterRecord, weights: LoRAWeights) -> None:
-        record.rank, record.adapter_scale = weights.rank, weights.scale
-        record.format, record.nbytes = weights.format, weights.nbytes
+    def _note_weights(record: AdapterRecord, prepared: PreparedAdapter) -> None:
+        record.rank, record.adapter_scale = prepared.rank, prepared.scale
+        record.format, record.nbytes = prepared.format, prepared.nbytes
 
     # ---- releasing and unloading ----------------------------------------------
 
@@ -336,7 +417,8 @@ class AdapterRegistry:
             if record.state is S.DRAINING:
                 self._spawn(self._free(record))
             else:
-                self._spawn(self._notify())  # an idle resident can be evicted now
+                self.tier.settle()  # no longer pinned
+                self._admit()  # an idle resident can be evicted now, a yielding one has drained
 
     async def unload(self, name: str) -> AdapterRecord:
         """Stop serving ``name`` now; its slot frees when in-flight requests end."""
@@ -351,19 +433,29 @@ class AdapterRegistry:
             await self._retire(stack)
         log.info("adapter unloading: name=%s slot=%s in_flight=%d", name, record.slot, record.in_flight)
         await self._retire(record)
-        await self._notify()
+        self._admit()
         return record
 
     async def _retire(self, record: AdapterRecord) -> None:
-        """A record no longer current: drain it if resident."""
-        if record.state is S.RESIDENT:
+        """A record no longer current: its rows leave the host tier, its
+        waiters hear ModelNotFound, and it drains if resident."""
+        self.tier.drop(record)
+        self.queue.discard(record)
+        self._wake(record)  # they find it no longer current
+        if record.state in (S.RESIDENT, S.YIELDING):
             record.move_to(S.DRAINING)
             if record.in_flight == 0:
                 await self._free(record)
         elif record.state is S.KNOWN:
             record.move_to(S.REMOVED)
-        # LOADING: the load notices that the record is no longer current and
-        # gives its slot back; DRAINING or REMOVED: nothing more to do.
+        # DRAINING or REMOVED: nothing more to do. (LOADING lasts no longer
+        # than one call on the event loop.)
+
+    def _drop_stack(self, stack: AdapterRecord) -> None:
+        if stack.state is S.KNOWN:
+            stack.move_to(S.REMOVED)
+        self.stacks.drop(stack)
+        self.tier.drop(stack)
 
     async def _free(self, record: AdapterRecord) -> None:
         """A drained record leaves its slot, which is zeroed and freed."""
@@ -385,11 +477,13 @@ class AdapterRegistry:
             self.slots.put_out_of_use(slot)
             return
         self.slots.free(slot)
-        await self._notify()
+        self._admit()
 
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+    def close(self) -> None:
+        """Stop reads and timers (the server is shutting down)."""
+        self.tier.cancel_reads()
+        if self._timer is not None:
+            self._timer.cancel()
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -3,8 +3,9 @@
 Slots 1..max_loras (slot 0 is the base model) are each free, reserved for a
 load in progress, held by a resident record, or out of use (a slot whose
 clearing failed, which may still hold old weights). A slot is taken free
-first, else from the least recently used resident that no request uses or
-waits for (that record is evicted).
+first, else from a yielding record that has drained, else from the least
+recently used resident that no request uses or waits for (that record is
+evicted).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from .records import AdapterRecord
+from .records import AdapterRecord, AdapterState
 
 
 class SlotUse(enum.Enum):
@@ -45,9 +46,9 @@ class SlotTable:
         return [s.holder for s in self._slots.values() if s.use is SlotUse.HELD]
 
     def reserve(self) -> tuple[int, AdapterRecord | None] | None:
-        """Reserve a slot: a free one, or else the slot of the least recently
-        used evictable resident, returned with it (the caller evicts it).
-        None when every slot is busy."""
+        """Reserve a slot: a free one, or else the slot of a drained yielding
+        record or of the least recently used evictable resident, returned
+        with it (the caller evicts it). None when every slot is busy."""
         for number, slot in self._slots.items():
             if slot.use is SlotUse.FREE:
                 slot.use = SlotUse.RESERVED
@@ -55,7 +56,7 @@ class SlotTable:
         idle = [r for r in self.holders() if r.is_evictable]
         if not idle:
             return None
-        victim = min(idle, key=lambda r: (r.last_used or 0.0, r.uid))
+        victim = min(idle, key=lambda r: (r.state is not AdapterState.YIELDING, r.last_used or 0.0, r.uid))
         number = victim.slot
         self._slots[number] = Slot(SlotUse.RESERVED)
         return number, victim

@@ -16,6 +16,7 @@ from ..config import ServeConfig
 from ..engine.client import AsyncEngine
 from ..engine.engine import Engine, LoadedModel
 from ..errors import MolaError
+from ..lora.host_tier import HostTier
 from ..lora.loader import AdapterLoader
 from ..lora.registry import AdapterRegistry
 from ..lora.sources import AdapterSources
@@ -49,7 +50,8 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel) 
         allow_any_path=config.allow_any_adapter_path,
         allow_symlinks=config.allow_adapter_symlinks,
     )
-    registry = AdapterRegistry(base_id, loader, config.max_loras, sources)
+    tier = HostTier(config.max_cpu_loras, config.adapter_cache_bytes)
+    registry = AdapterRegistry(base_id, loader, config.max_loras, sources, tier, config.max_adapter_wait)
     state = ServerState(
         config=config,
         engine=async_engine,
@@ -88,6 +90,7 @@ def create_app(state: ServerState) -> FastAPI:
             yield
         finally:
             state.draining = True
+            state.registry.close()
             state.loader.close()
             state.prompts.close()
 

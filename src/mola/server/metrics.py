@@ -5,7 +5,8 @@ Counted as requests happen: requests by model id and outcome, prompt and
 generated tokens by model id, time to first token, inter-token latency and
 end-to-end latency. Read at scrape time from the engine and the registry:
 running and waiting requests, batch sizes, resident adapters and slot
-occupancy, adapter loads, evictions and load time, memory in use.
+occupancy, adapter loads, evictions and load time, the host tier's occupancy
+and hits, adapters waiting for a slot, memory in use.
 """
 
 from __future__ import annotations
@@ -67,6 +68,20 @@ class StateCollector:
         yield c("mola_adapter_evictions", "Resident adapters evicted to make room", value=rs.evictions)
         yield c("mola_adapter_unloads", "Adapters unloaded", value=rs.unloads)
         yield c("mola_adapter_load_seconds", "Time spent loading adapters", value=rs.load_seconds)
+        tier, ts = reg.tier, reg.tier.stats
+        yield g("mola_host_tier_entries", "Adapters prepared in host memory (the host tier)", value=len(tier))
+        yield g("mola_host_tier_bytes", "Host memory the host tier's adapters take", value=tier.nbytes)
+        yield c("mola_host_tier_hits", "Slot loads whose adapter was in the host tier", value=ts.hits)
+        yield c("mola_host_tier_misses", "Slot loads that waited for a disk read", value=ts.misses)
+        yield c("mola_host_tier_evictions", "Adapters dropped from the host tier", value=ts.evictions)
+        yield c("mola_adapter_reads", "Adapter reads from disk (prefetches and checks)", value=ts.reads)
+        yield c("mola_adapter_read_failures", "Adapter reads from disk that failed", value=ts.read_failures)
+        q = reg.queue
+        yield g("mola_adapters_waiting", "Adapters whose requests wait for a slot", value=len(q))
+        yield c("mola_adapter_yields", "Residents made to yield their slot to a request that waited "
+                "--max-adapter-wait", value=q.stats.yields)
+        yield c("mola_adapter_starved_admissions", "Adapters admitted after waiting --max-adapter-wait",
+                value=q.stats.starved)
 
 
 class Metrics:
