@@ -104,3 +104,26 @@ def test_access_and_limit_flags(monkeypatch):
         ServeConfig(request_timeout=0)
     with pytest.raises(ValueError, match="max_stored_responses"):
         ServeConfig(max_stored_responses=-1)
+
+
+def test_host_tier_and_admission_settings(tmp_path):
+    c = parse()
+    assert (c.max_cpu_loras, c.adapter_cache_bytes, c.max_adapter_wait) == (None, None, 2.0)
+    c = parse("--max-cpu-loras", "128", "--adapter-cache-bytes", "1.5GiB", "--max-adapter-wait", "0.5")
+    assert (c.max_cpu_loras, c.adapter_cache_bytes, c.max_adapter_wait) == (128, 3 * 2**29, 0.5)
+    f = tmp_path / "mola.toml"
+    f.write_text('max-cpu-loras = 64\nadapter_cache_bytes = "512MB"\nmax_adapter_wait = 3\n')
+    c = parse("--config", str(f))
+    assert (c.max_cpu_loras, c.adapter_cache_bytes, c.max_adapter_wait) == (64, 512 * 10**6, 3)
+    assert parse("--adapter-cache-bytes", "4096").adapter_cache_bytes == 4096
+    with pytest.raises(SystemExit):  # argparse names the flag and the value
+        parse("--adapter-cache-bytes", "lots")
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        ServeConfig(max_cpu_loras=-1)
+    with pytest.raises(ValueError, match="adapter_cache_bytes"):
+        ServeConfig(adapter_cache_bytes=1.5)
+    with pytest.raises(ValueError, match="max_adapter_wait"):
+        ServeConfig(max_adapter_wait=0)
+    f.write_text('adapter_cache_bytes = "-3GB"\n')
+    with pytest.raises(ValueError, match="size in bytes"):
+        load_config_file(f)

@@ -19,7 +19,6 @@ tier would hold them.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -54,7 +53,7 @@ class HostTier:
         self.max_bytes = max_bytes
         self.stats = TierStats()
         self.nbytes = 0  # host memory the entries take
-        self._entries: OrderedDict[AdapterRecord, _Entry] = OrderedDict()  # least recently used first
+        self._entries: dict[AdapterRecord, _Entry] = {}  # in the order they came
         self._reads: dict[AdapterRecord, asyncio.Task] = {}
 
     @property
@@ -79,7 +78,7 @@ class HostTier:
     # ---- entries ----------------------------------------------------------------
 
     def put(self, record: AdapterRecord, prepared: PreparedAdapter, fresh: bool = False) -> None:
-        """Keep ``prepared`` for ``record`` (most recently used)."""
+        """Keep ``prepared`` for ``record``."""
         self.drop(record)
         self._entries[record] = _Entry(prepared, fresh)
         self.nbytes += prepared.host_bytes
@@ -88,7 +87,7 @@ class HostTier:
 
     def take(self, record: AdapterRecord, count: bool = True) -> PreparedAdapter | None:
         """The rows of ``record`` for a slot write, or None; with ``count``,
-        a hit or a miss of a load for waiting requests. Touches the entry."""
+        a hit or a miss of a load for waiting requests."""
         entry = self._entries.get(record)
         if entry is None:
             return None
@@ -98,7 +97,6 @@ class HostTier:
             else:
                 self.stats.hits += 1
         entry.fresh = False
-        self._entries.move_to_end(record)
         return entry.prepared
 
     def drop(self, record: AdapterRecord) -> None:
@@ -110,8 +108,9 @@ class HostTier:
 
     def settle(self) -> None:
         """Drop what the limits (or a disabled tier) do not allow, least
-        recently used first, never the rows of a pinned record."""
-        for record in list(self._entries):
+        recently used first (by the adapter's last request), never the rows
+        of a pinned record."""
+        for record in sorted(self._entries, key=lambda r: r.last_used or 0.0):
             if not self._over():
                 return
             if self._keep(record):

@@ -112,7 +112,7 @@ class AdapterRegistry:
         self.stats = RegistryStats()
         self.slots = SlotTable(max_loras)
         self.stacks = Stacks()
-        self.tier = tier or HostTier()  # off unless given limits
+        self.tier = tier if tier is not None else HostTier()  # off unless given limits
         self.queue = AdmissionQueue(max_wait)  # requests waiting for a slot
         self._known: dict[str, AdapterRecord] = {}
         self._unloaded: set[str] = set()  # names not to rediscover in adapter dirs

@@ -1,0 +1,200 @@
+"""Fair admission to slots: oldest waiting adapter first, a bounded wait for
+an adapter whose slot is held by one with continuous traffic (and, without
+the bound, the starvation it prevents), yields taken back when the need goes,
+and exact outputs through a server while adapters take turns in one slot
+(mola/lora/admission.py, mola/lora/registry.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from mola.config import AdapterSpec
+from mola.engine.client import AsyncEngine
+from mola.engine.engine import Engine, EngineConfig
+from mola.engine.loader import load_base_model
+from mola.lora.host_tier import HostTier
+from mola.lora.loader import AdapterLoader
+from mola.lora.records import AdapterState
+from mola.lora.registry import AdapterRegistry
+from mola.synthetic.adapter import make_random_adapter
+
+from helpers import greedy_tokens, merged_model, start_server
+
+S = AdapterState
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    engine = Engine(lambda: load_base_model(str(tiny_model)), EngineConfig(max_loras=1, max_lora_rank=16))
+    engine.start()
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def paths(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("admission")
+    return {n: make_random_adapter(root / n, tiny_model, rank=4, seed=400 + i)
+            for i, n in enumerate(["hot", "cold", "b", "c", "d"])}
+
+
+def run(engine, paths, scenario, max_wait=float("inf")):
+    """``scenario(registry)`` on a fresh one-slot registry with a host tier."""
+    async def main():
+        loader = AdapterLoader(AsyncEngine(engine), engine.loaded.config)
+        registry = AdapterRegistry("tiny", loader, 1, tier=HostTier(max_entries=8), max_wait=max_wait)
+        for name, path in paths.items():
+            registry.register(name, str(path), "rest")
+        try:
+            await asyncio.wait_for(scenario(registry), timeout=60)
+        finally:
+            registry.close()
+            loader.close()
+    asyncio.run(main())
+
+
+async def request(registry, name: str, hold: float, log: list | None = None) -> float:
+    """Take a lease on ``name`` (the wait is returned), hold it ``hold`` s."""
+    t0 = time.monotonic()
+    lease = await registry.acquire(name)
+    waited = time.monotonic() - t0
+    if log is not None:
+        log.append(name)
+    await asyncio.sleep(hold)
+    lease.release()
+    return waited
+
+
+async def hot_traffic(registry, seconds: float, every=0.05, hold=0.15) -> list[asyncio.Task]:
+    """A request for "hot" every 50 ms, each holding its lease 150 ms: they
+    overlap, so without a bound "hot" never goes idle."""
+    tasks = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        tasks.append(asyncio.ensure_future(request(registry, "hot", hold)))
+        await asyncio.sleep(every)
+    return tasks
+
+
+def starvation_scenario(max_wait: float):
+    """(the cold request's wait, the longest hot wait, the registry's admission stats)."""
+    out = {}
+
+    async def scenario(registry):
+        traffic = asyncio.ensure_future(hot_traffic(registry, 2.5))
+        await asyncio.sleep(0.4)  # hot is resident and busy
+        assert registry.get("hot").state is S.RESIDENT
+        cold = await request(registry, "cold", 0.05)
+        hot = await asyncio.gather(*await traffic)
+        out.update(cold=cold, hot=max(hot), stats=registry.queue.stats, hot_state=registry.get("hot").state)
+    return out, scenario
+
+
+def test_a_cold_request_gets_the_slot_within_the_bound(engine, paths):
+    out, scenario = starvation_scenario(max_wait=0.3)
+    run(engine, {k: paths[k] for k in ("hot", "cold")}, scenario, max_wait=0.3)
+    # bound: max_wait + the longest hot lease (0.15 s) + slack for a loaded machine
+    assert out["cold"] <= 0.3 + 0.15 + 0.5, out
+    assert out["stats"].yields >= 1 and out["stats"].starved >= 1
+    assert out["hot"] <= 0.3 + 0.05 + 0.5, out  # hot's own requests waited, boundedly, for the slot back
+
+
+def test_without_the_bound_the_cold_request_starves(engine, paths):
+    """The same traffic with no bound: the cold request waits until the hot
+    traffic stops (which is what the bound above prevents)."""
+    out, scenario = starvation_scenario(max_wait=float("inf"))
+    run(engine, {k: paths[k] for k in ("hot", "cold")}, scenario)
+    assert out["cold"] >= 1.5, out
+    assert out["stats"].yields == 0
+
+
+def test_slots_go_to_waiting_adapters_oldest_first(engine, paths):
+    async def scenario(registry):
+        first = await registry.acquire("hot")
+        admitted = registry.queue.stats.admitted
+        order = []
+        waiters = []
+        for name in ("d", "b", "c"):
+            waiters.append(asyncio.ensure_future(request(registry, name, 0.02, order)))
+            await asyncio.sleep(0.05)
+        await asyncio.wait_for(_all_cached(registry, ("d", "b", "c")), 10)  # read while waiting
+        first.release()
+        await asyncio.gather(*waiters)
+        assert order == ["d", "b", "c"]
+        assert registry.queue.stats.admitted == admitted + 3
+    run(engine, paths, scenario)
+
+
+async def _all_cached(registry, names):
+    while not all(registry.get(n).cached for n in names):
+        await asyncio.sleep(0.005)
+
+
+def test_a_yield_is_taken_back_when_the_waiter_leaves(engine, paths):
+    async def scenario(registry):
+        running = await registry.acquire("hot")  # one long request: hot never drains
+        cold = asyncio.ensure_future(registry.acquire("cold"))
+        await asyncio.sleep(0.35)
+        assert registry.get("hot").state is S.YIELDING
+        later = asyncio.ensure_future(registry.acquire("hot"))  # a yielding adapter takes no new request
+        await asyncio.sleep(0.05)
+        assert not later.done()
+        cold.cancel()  # e.g. the client went away, or --request-timeout
+        lease = await asyncio.wait_for(later, 5)
+        assert registry.get("hot").state is S.RESIDENT and registry.queue.stats.yields_cancelled == 1
+        lease.release()
+        running.release()
+        assert registry.get("cold").state is S.KNOWN and len(registry.queue) == 0
+    run(engine, paths, scenario, max_wait=0.3)
+
+
+def test_adapters_taking_turns_in_one_slot_answer_exactly(tiny_model, paths):
+    """Through a server with one slot: three clients keep "hot" busy while a
+    request for "cold" comes; every answer is its adapter's own, as plain
+    mlx-lm on merged weights gives it."""
+    server = start_server(model=str(tiny_model), served_model_name="tiny", max_loras=1, max_lora_rank=16,
+                          adapters=(AdapterSpec("hot", str(paths["hot"])),),
+                          adapter_dirs=(str(paths["cold"].parent),), max_cpu_loras=4, max_adapter_wait=0.3)
+    try:
+        tok = server.state.tokenizer
+        prompt = tok.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True)
+        expected = {}
+        for name in ("hot", "cold"):
+            model, _ = merged_model(tiny_model, [paths[name]])
+            expected[name] = greedy_tokens(model, prompt, 24)
+        assert expected["hot"] != expected["cold"]
+        body = lambda m: {"model": m, "prompt": prompt, "max_tokens": 24, "temperature": 0,  # noqa: E731
+                          "ignore_eos": True, "logprobs": 0}
+
+        async def go():
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
+                end = time.monotonic() + 2.0
+
+                async def client():
+                    outs = []
+                    while time.monotonic() < end:
+                        outs.append(await c.post("/v1/completions", json=body("hot")))
+                    return outs
+
+                clients = [asyncio.ensure_future(client()) for _ in range(3)]
+                await asyncio.sleep(0.5)
+                cold = await c.post("/v1/completions", json=body("cold"))
+                return cold, [r for outs in await asyncio.gather(*clients) for r in outs]
+
+        cold, hots = asyncio.run(go())
+        pieces = {n: [tok.decode([t]) for t in ts] for n, ts in expected.items()}
+        assert cold.status_code == 200 and pieces_of(cold) == pieces["cold"]
+        assert hots and all(r.status_code == 200 and pieces_of(r) == pieces["hot"] for r in hots)
+        admission = httpx.get(server.url + "/v1/adapters").json()["admission"]
+        assert admission["admitted"] >= 1 and admission["max_wait_seconds"] < 5
+    finally:
+        server.stop()
+
+
+def pieces_of(response) -> list[str]:
+    """The text of each token of a completion (its logprobs' tokens)."""
+    return response.json()["choices"][0]["logprobs"]["tokens"]
