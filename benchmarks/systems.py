@@ -99,7 +99,7 @@ def _wait(url: str, proc: subprocess.Popen, path: str, timeout: float = 600) -> 
 
 
 def start_mola(model: Path, adapters: list[Path], max_loras: int, max_rank: int, max_num_seqs: int,
-               log: Path, openblas: bool = True) -> Server:
+               log: Path, openblas: bool = True, extra: tuple[str, ...] = ()) -> Server:
     port = free_port()
     args = [sys.executable, "-m", "mola", "serve", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--served-model-name", "base", "--max-loras", str(max_loras),
@@ -107,6 +107,7 @@ def start_mola(model: Path, adapters: list[Path], max_loras: int, max_rank: int,
             "--log-level", "warning", "--allow-any-adapter-path"]
     for i, a in enumerate(adapters):
         args += ["--adapter", f"a{i}={a}"]
+    args += list(extra)
     proc = subprocess.Popen(args, env=bench_env(openblas), stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     _wait(url, proc, "/health")

@@ -70,7 +70,9 @@ class RegistryStats:
     load_failures: int = 0
     evictions: int = 0  # residents moved out to make room
     unloads: int = 0
-    load_seconds: float = 0.0  # read + write time, summed
+    load_seconds: float = 0.0  # from the need (a request, a POST) to resident, summed
+    leases_resident: int = 0  # requests whose adapter was in a slot already (slot hits)
+    leases_loaded: int = 0  # requests that waited for their adapter's load
 
 
 class Lease:
@@ -187,8 +189,9 @@ class AdapterRegistry:
 
     async def load(self, name: str, path: str, scale: float = 1.0, source: str = "rest") -> AdapterRecord:
         """Check the adapter at ``path`` now and serve it as ``name``. It is
-        made resident at once when a slot is free or can be freed; otherwise
-        it stays known and is loaded on first use."""
+        made resident at once when a slot is free or can be freed and no
+        request waits for one; otherwise it stays known (in the host tier, if
+        there is one) and is loaded on first use."""
         self._check_name(name)
         real = self.sources.resolve(path)
         t0 = time.monotonic()
@@ -255,6 +258,10 @@ class AdapterRegistry:
                 if record.state is S.RESIDENT:
                     record.in_flight += 1
                     record.touch()
+                    if ticket is None:
+                        self.stats.leases_resident += 1
+                    else:
+                        self.stats.leases_loaded += 1
                     return Lease(self, record, row_scale)
                 if ticket is None:  # wait in line (admission) for a slot
                     ticket = self.queue.join(record, time.monotonic())

@@ -68,6 +68,11 @@ class StateCollector:
         yield c("mola_adapter_evictions", "Resident adapters evicted to make room", value=rs.evictions)
         yield c("mola_adapter_unloads", "Adapters unloaded", value=rs.unloads)
         yield c("mola_adapter_load_seconds", "Time spent loading adapters", value=rs.load_seconds)
+        leases = c("mola_adapter_leases", "Requests on adapters, by whether their adapter was in a slot "
+                   "already (resident) or had to be loaded (loaded)", labels=["found"])
+        leases.add_metric(["resident"], rs.leases_resident)
+        leases.add_metric(["loaded"], rs.leases_loaded)
+        yield leases
         tier, ts = reg.tier, reg.tier.stats
         yield g("mola_host_tier_entries", "Adapters prepared in host memory (the host tier)", value=len(tier))
         yield g("mola_host_tier_bytes", "Host memory the host tier's adapters take", value=tier.nbytes)

@@ -36,6 +36,7 @@ async def list_adapters(request: Request):
         "max_loras": registry.max_loras,
         "resident": registry.num_resident,
         "free_slots": registry.num_free_slots,
+        "stats": vars(registry.stats),
         "host_tier": registry.tier.describe(),
         "admission": registry.describe_admission(),
     }
