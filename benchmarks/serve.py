@@ -75,7 +75,10 @@ async def hot_load(url: str, adapter: Path, max_tokens: int, eos: int, loads: in
     they do (each load unloaded again, a few steps later, so that the next
     one also finds a free slot). Returns the median and worst load latency
     and how much the decoding rows' inter-token gaps grew during the loads,
-    in steps (the median gap outside the loads)."""
+    in steps (the median gap outside the loads); then three more loads, each
+    followed at once by a request for the new adapter and one for a resident
+    adapter: the time from the POST to the new adapter's first token, and
+    the resident one's time to first token beside it."""
     reqs = [Request(mola_body(f"a{i}", prompt_for(10_000 + i), max_tokens, eos)) for i in range(8)]
     result = RunResult("mola", "hotload", 8)
     windows: list[tuple[float, float]] = []
@@ -104,7 +107,42 @@ async def hot_load(url: str, adapter: Path, max_tokens: int, eos: int, loads: in
                 while progress() < mark + 3:
                     await asyncio.sleep(0.005)
 
-    load_task = asyncio.ensure_future(load_while_decoding())
+    first_tokens: list[dict] = []
+
+    async def first_token(c: httpx.AsyncClient, model_id: str, since: float) -> float:
+        """ms from ``since`` to the first token of a one-token request for ``model_id``."""
+        body = mola_body(model_id, prompt_for(20_000 + len(first_tokens)), 1, eos)
+        async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                choices = json.loads(line[6:]).get("choices") or []
+                if choices and choices[0].get("delta", {}).get("content"):
+                    return (time.perf_counter() - since) * 1e3
+        raise RuntimeError("no token")
+
+    async def load_then_ask():
+        """Loads whose adapter is asked for at once: the time from the POST to
+        that request's first token, beside a resident adapter's request sent
+        at the same moment."""
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            for i in range(3):
+                if progress() > max_tokens * 0.85:
+                    break
+                name = f"hot-ask-{i}-{time.time_ns()}"
+                t0 = time.perf_counter()
+                assert (await c.post("/v1/adapters", json={"name": name, "path": str(adapter)})).status_code == 200
+                t1 = time.perf_counter()
+                new, resident = await asyncio.gather(first_token(c, name, t0), first_token(c, "a0", t1))
+                first_tokens.append({"load_ms": (t1 - t0) * 1e3, "first_token_ms": new, "resident_ttft_ms": resident})
+                assert (await c.delete(f"/v1/adapters/{name}")).status_code == 200
+
+    async def both():
+        await load_while_decoding()
+        await load_then_ask()
+
+    load_task = asyncio.ensure_future(both())
     await run_load(url, reqs, 8, result, 600)
     await load_task
     if not windows:
@@ -123,7 +161,8 @@ async def hot_load(url: str, adapter: Path, max_tokens: int, eos: int, loads: in
     return {"loads": len(windows), "load_ms": statistics.median(load_ms), "load_ms_max": max(load_ms),
             "load_ms_all": [round(x, 1) for x in load_ms], "itl_median_ms": step * 1e3,
             "extra_steps": statistics.median(extra), "extra_steps_max": max(extra),
-            "extra_steps_all": [round(x, 2) for x in extra]}
+            "extra_steps_all": [round(x, 2) for x in extra],
+            "load_then_ask": [{k: round(v, 1) for k, v in f.items()} for f in first_tokens]}
 
 
 def ratios(table: list[dict], hot: dict | None) -> list[dict]:
@@ -216,7 +255,9 @@ def main() -> int:
     hot = None
     try:
         if "mola" in a.systems:
-            servers["mola"] = start_mola(model, adapters[:K_MAX], K_MAX + 1, a.rank, max(a.concurrency),
+            # two rows more than any run keeps in flight: room for the hot-load
+            # measurement's own requests (the runs never fill them)
+            servers["mola"] = start_mola(model, adapters[:K_MAX], K_MAX + 1, a.rank, max(a.concurrency) + 2,
                                          a.out.with_suffix(".mola.log"), blas)
         if "mlx_lm.server" in a.systems:
             servers["mlx_lm.server"] = start_mlx_lm(model, max(a.concurrency), a.out.with_suffix(".mlx_lm.log"), blas)

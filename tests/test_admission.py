@@ -198,3 +198,37 @@ def test_adapters_taking_turns_in_one_slot_answer_exactly(tiny_model, paths):
 def pieces_of(response) -> list[str]:
     """The text of each token of a completion (its logprobs' tokens)."""
     return response.json()["choices"][0]["logprobs"]["tokens"]
+
+
+def rec(name: str, last_used: float, in_flight: int) -> "AdapterRecord":
+    from mola.lora.records import AdapterRecord
+
+    r = AdapterRecord(name=name, path=f"/{name}", source="rest", version=1)
+    r.state, r.last_used, r.in_flight = S.RESIDENT, last_used, in_flight
+    return r
+
+
+def test_the_yielder_is_the_resident_likely_to_drain_soonest():
+    from mola.lora.admission import pick_yielder
+
+    hot, old, older_idle = rec("hot", 9.0, 5), rec("old", 2.0, 2), rec("idle", 1.0, 0)
+    assert pick_yielder([hot, old, older_idle]) is old  # no new request for longest; idle ones need no yield
+    assert pick_yielder([older_idle]) is None
+    tie = rec("tie", 2.0, 1)
+    assert pick_yielder([old, tie]) is tie  # same age: fewer requests to finish
+
+
+def test_the_queue_orders_by_oldest_request_and_times_starvation():
+    from mola.lora.admission import AdmissionQueue
+
+    q = AdmissionQueue(max_wait=1.0)
+    a, b = rec("a", 0, 0), rec("b", 0, 0)
+    ta = q.join(a, now=10.0)
+    q.join(b, now=10.5)
+    q.join(a, now=11.0)  # a's later request does not make a younger
+    assert q.ordered() == [a, b] and q.next_starving_at(10.6) == 11.0
+    assert q.is_starving(a, 11.0) and not q.is_starving(b, 11.0)
+    q.leave(a, ta)  # a's oldest request went away: a now counts from 11.0
+    assert q.ordered() == [b, a] and q.next_starving_at(11.2) == 11.5
+    with pytest.raises(ValueError, match="max_wait"):
+        AdmissionQueue(max_wait=0)

@@ -16,9 +16,11 @@ and for each starving adapter that finds no slot, one busy resident is made
 to yield (AdapterState.YIELDING): it finishes the requests it runs but takes
 no new ones (they wait, counted from their arrival like anyone's), so it
 drains and its slot goes to the starving adapter. The resident chosen is the
-one that will drain soonest: fewest requests in flight, then least recently
-used. The worst wait for a slot is therefore about ``max_wait`` plus the
-longest request running on the yielding adapter, plus the slot write.
+one likely to drain soonest: the least recently used (no request has come
+for it for the longest time, so its running ones are the oldest), then the
+one with fewest requests in flight. The worst wait for a slot is therefore
+about ``max_wait`` plus what remains of the requests running on the yielding
+adapter, plus the slot write.
 """
 
 from __future__ import annotations
@@ -125,12 +127,13 @@ class AdmissionQueue:
 
 
 def pick_yielder(residents: list[AdapterRecord]) -> AdapterRecord | None:
-    """Of the residents running requests, the one that will drain soonest
-    (fewest requests in flight, then least recently used); None if none."""
+    """Of the residents running requests, the one likely to drain soonest:
+    the least recently used (its newest request is the oldest of anyone's),
+    then the one with fewest requests in flight; None if none."""
     candidates = [r for r in residents if r.in_flight > 0]
     if not candidates:
         return None
-    return min(candidates, key=lambda r: (r.in_flight, r.last_used or 0.0, r.uid))
+    return min(candidates, key=lambda r: (r.last_used or 0.0, r.in_flight, r.uid))
 
 
 def admit(queue: AdmissionQueue, control: SlotControl, now: float) -> None:
