@@ -21,7 +21,8 @@ counting requests that arrive after --warmup: output tok/s (tokens streamed
 in the window after warm-up), TTFT p50/p99 overall and per popularity decile
 of adapters, slot hit rate (requests whose adapter was in a slot), host-tier
 hit rate (slot loads served from host memory), disk reads per second, RSS
-at the end of warm-up and at the end, errors. Summary JSON and a plot go to
+at the end of warm-up and at the end (and less the host tier's own bytes,
+which grow by design up to --cpu-loras entries), errors. Summary JSON and a plot go to
 benchmarks/results/scale.{json,png}; every request to scale.runs.json.
 """
 
@@ -86,7 +87,8 @@ def arrivals(rate: float, seconds: float, num_adapters: int, alpha: float, seed:
 def read_metrics(url: str) -> dict[str, float]:
     text = httpx.get(url + "/metrics", timeout=30).text
     out = {}
-    for name in ("mola_process_resident_bytes", "mola_host_tier_hits_total", "mola_host_tier_misses_total",
+    for name in ("mola_process_resident_bytes", "mola_host_tier_bytes", "mola_host_tier_hits_total",
+                 "mola_host_tier_misses_total",
                  "mola_adapter_reads_total", "mola_adapter_yields_total", "mola_adapter_loads_total"):
         m = re.search(rf"^{name} ([0-9.e+]+)$", text, re.M)
         out[name] = float(m.group(1)) if m else 0.0
@@ -167,6 +169,10 @@ def summarize(run: Run, num_adapters: int, seconds: float, warmup: float) -> dic
         "rss_start_mb": start["mola_process_resident_bytes"] / 2**20,
         "rss_end_mb": end["mola_process_resident_bytes"] / 2**20,
         "rss_first_mb": first["mola_process_resident_bytes"] / 2**20,
+        # the host tier grows by design up to its limit: RSS less what it holds
+        "rss_less_tier_start_mb": (start["mola_process_resident_bytes"] - start["mola_host_tier_bytes"]) / 2**20,
+        "rss_less_tier_end_mb": (end["mola_process_resident_bytes"] - end["mola_host_tier_bytes"]) / 2**20,
+        "tier_mb_end": end["mola_host_tier_bytes"] / 2**20,
         "errors": sum(not r["ok"] for r in run.requests),
         "unfinished": run.planned - len(run.requests),  # still running when the drain ended
     }
@@ -230,9 +236,11 @@ def targets(table: list[dict]) -> list[dict]:
         out.append({"target": "Zipf 1.0: p99 TTFT coldest decile / hottest", "goal": "<= 3",
                     "value": round(ratio, 2), "met": ratio <= 3, "samples": [by[0]["n"], by[9]["n"]]})
     for r in table:
-        growth = r["rss_end_mb"] / r["rss_start_mb"] - 1
-        out.append({"target": f"RSS after warm-up, {r['config']} {r['workload']}", "goal": "<= +5%",
-                    "value": f"{growth * 100:+.1f}%", "met": growth <= 0.05})
+        growth = r["rss_less_tier_end_mb"] / r["rss_less_tier_start_mb"] - 1
+        raw = r["rss_end_mb"] / r["rss_start_mb"] - 1
+        out.append({"target": f"RSS less host tier after warm-up, {r['config']} {r['workload']}",
+                    "goal": "<= +5%", "value": f"{growth * 100:+.1f}%", "met": growth <= 0.05,
+                    "raw_rss": f"{raw * 100:+.1f}%"})
     errors = sum(r["errors"] + r["unfinished"] for r in table)
     out.append({"target": "errors (and requests unfinished)", "goal": "0", "value": errors, "met": errors == 0})
     return out
@@ -240,14 +248,15 @@ def targets(table: list[dict]) -> list[dict]:
 
 def format_table(table: list[dict]) -> str:
     head = (f"{'config':<10} {'workload':<8} {'req':>5} {'tok/s':>7} {'ttft p50/p99 s':>15} {'slot hit':>8} "
-            f"{'tier hit':>8} {'reads/s':>7} {'rss MB start/end':>17} {'err':>4}")
+            f"{'tier hit':>8} {'reads/s':>7} {'rss MB start/end':>17} {'tier MB':>7} {'err':>4}")
     lines = [head, "-" * len(head)]
     for r in table:
         f = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
         lines.append(f"{r['config']:<10} {r['workload']:<8} {r['requests']:>5} {r['tok_s']:>7.1f} "
                      f"{r['ttft_p50']:>7.2f}/{r['ttft_p99']:<7.2f} {f(r['slot_hit_rate']):>8} "
                      f"{f(r['tier_hit_rate']):>8} {r['disk_reads_per_s']:>7.2f} "
-                     f"{r['rss_start_mb']:>8.0f}/{r['rss_end_mb']:<8.0f} {r['errors'] + r['unfinished']:>4}")
+                     f"{r['rss_start_mb']:>8.0f}/{r['rss_end_mb']:<8.0f} {r['tier_mb_end']:>7.0f} "
+            f"{r['errors'] + r['unfinished']:>4}")
     lines.append("\nTTFT p99 (s) by popularity decile (0: the most requested tenth of the adapters; n requests):")
     for r in table:
         cells = " ".join(f"{v['p99']:5.2f}({v['n']})" if v["n"] else "    -   " for v in r["ttft_by_decile"].values())
@@ -327,7 +336,8 @@ def main() -> int:
     goals = targets(table)
     print("\nTargets:")
     for t in goals:
-        print(f"  {t['target']:<52} {t['value']!s:>8}  (goal {t['goal']}) {'met' if t['met'] else 'MISSED'}")
+        raw = f"  (raw RSS {t['raw_rss']})" if "raw_rss" in t else ""
+        print(f"  {t['target']:<58} {t['value']!s:>8}  (goal {t['goal']}) {'met' if t['met'] else 'MISSED'}{raw}")
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "rate": rate,
                                  "table": table, "targets": goals}, indent=1))
     a.out.with_suffix(".runs.json").write_text(json.dumps([asdict(r) for r in runs]))

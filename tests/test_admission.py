@@ -152,6 +152,45 @@ def test_a_yield_is_taken_back_when_the_waiter_leaves(engine, paths):
     run(engine, paths, scenario, max_wait=0.3)
 
 
+def test_at_most_a_quarter_of_the_slots_yield_at_once(tiny_model, paths):
+    """Four slots, all busy; three adapters starve: one resident yields at a
+    time, the other three keep serving, and the starving adapters get slots
+    in arrival order."""
+    engine = Engine(lambda: load_base_model(str(tiny_model)), EngineConfig(max_loras=4, max_lora_rank=16))
+    engine.start()
+
+    async def scenario(registry):
+        extra = [registry.register(f"e{i}", str(paths["hot"]), "rest") for i in range(4)]
+        busy = [await registry.acquire(r.name) for r in extra]  # one long request on each slot
+        order = []
+        starving = []
+        for name in ("b", "c", "d"):
+            starving.append(asyncio.ensure_future(request(registry, name, 0.01, order)))
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.4)  # all three starve
+        assert sum(r.state is S.YIELDING for r in extra) == 1 and registry.queue.stats.yields == 1
+        for lease in busy:  # each long request ends in turn
+            lease.release()
+            await asyncio.sleep(0.05)
+        await asyncio.gather(*starving)
+        assert order == ["b", "c", "d"]
+
+    async def main():
+        loader = AdapterLoader(AsyncEngine(engine), engine.loaded.config)
+        registry = AdapterRegistry("tiny", loader, 4, tier=HostTier(max_entries=8), max_wait=0.3)
+        for name in ("b", "c", "d"):
+            registry.register(name, str(paths[name]), "rest")
+        try:
+            await asyncio.wait_for(scenario(registry), timeout=60)
+        finally:
+            registry.close()
+            loader.close()
+    try:
+        asyncio.run(main())
+    finally:
+        engine.stop()
+
+
 def test_adapters_taking_turns_in_one_slot_answer_exactly(tiny_model, paths):
     """Through a server with one slot: three clients keep "hot" busy while a
     request for "cold" comes; every answer is its adapter's own, as plain

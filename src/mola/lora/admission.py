@@ -15,7 +15,10 @@ adapter *starving*: slots then go to starving adapters only, oldest first,
 and for each starving adapter that finds no slot, one busy resident is made
 to yield (AdapterState.YIELDING): it finishes the requests it runs but takes
 no new ones (they wait, counted from their arrival like anyone's), so it
-drains and its slot goes to the starving adapter. The resident chosen is the
+drains and its slot goes to the starving adapter. At most a quarter of the
+slots (at least one) yield at once: when more adapters starve than that, as
+under overload, the others wait their turn, oldest first, and the rest of the
+slots keep taking requests, which keeps the batch full. The resident chosen is the
 one likely to drain soonest: the least recently used (no request has come
 for it for the longest time, so its running ones are the oldest), then the
 one with fewest requests in flight. The worst wait for a slot is therefore
@@ -136,10 +139,11 @@ def pick_yielder(residents: list[AdapterRecord]) -> AdapterRecord | None:
     return min(candidates, key=lambda r: (r.last_used or 0.0, r.in_flight, r.uid))
 
 
-def admit(queue: AdmissionQueue, control: SlotControl, now: float) -> None:
+def admit(queue: AdmissionQueue, control: SlotControl, now: float, max_yielding: int = 1) -> None:
     """Give slots to waiting adapters, oldest first, and make busy residents
-    yield for the starving ones that find none (see the module's doc).
-    Every waiting adapter not yet read is prefetched."""
+    yield for the starving ones that find none, at most ``max_yielding`` at
+    a time (see the module's doc). Every waiting adapter not yet read is
+    prefetched."""
     waiting = [r for r in queue.ordered() if r.state is S.KNOWN]
     for record in waiting:
         if not control.has_rows(record):
@@ -160,11 +164,12 @@ def admit(queue: AdmissionQueue, control: SlotControl, now: float) -> None:
             continue
         queue.admitted(record, now)
         control.install(record, slot)
-    _reconcile_yields(queue, control, blocked)
+    _reconcile_yields(queue, control, min(blocked, max_yielding))
 
 
 def _reconcile_yields(queue: AdmissionQueue, control: SlotControl, needed: int) -> None:
-    """One yielding resident per starving adapter without a slot."""
+    """One yielding resident per starving adapter without a slot (``needed``,
+    already capped); extra ones are taken back."""
     residents = control.residents()
     yielding = [r for r in residents if r.state is S.YIELDING]
     for _ in range(needed - len(yielding)):

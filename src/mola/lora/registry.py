@@ -300,7 +300,7 @@ class AdapterRegistry:
         if not len(self.queue):
             return
         now = time.monotonic()
-        admit(self.queue, self, now)
+        admit(self.queue, self, now, max_yielding=max(1, self.max_loras // 4))
         at = self.queue.next_starving_at(now)
         if self._timer is not None:
             self._timer.cancel()
