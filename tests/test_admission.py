@@ -129,6 +129,29 @@ def test_slots_go_to_waiting_adapters_oldest_first(engine, paths):
     run(engine, paths, scenario)
 
 
+def test_a_slot_goes_to_the_adapter_with_most_waiters_unless_one_starves(engine, paths):
+    async def scenario(registry):
+        first = await registry.acquire("hot")
+        order = []
+        lone = asyncio.ensure_future(request(registry, "b", 0.02, order))  # the oldest, alone
+        await asyncio.sleep(0.02)
+        crowd = [asyncio.ensure_future(request(registry, "c", 0.05, order)) for _ in range(3)]
+        await asyncio.wait_for(_all_cached(registry, ("b", "c")), 10)
+        first.release()  # nobody starves yet: c's three requests come first
+        await asyncio.gather(lone, *crowd)
+        assert order == ["c", "c", "c", "b"]
+        held = await registry.acquire("hot")
+        order.clear()
+        lone = asyncio.ensure_future(request(registry, "b", 0.02, order))
+        await asyncio.sleep(0.02)
+        crowd = [asyncio.ensure_future(request(registry, "c", 0.05, order)) for _ in range(3)]
+        await asyncio.sleep(0.4)  # b has waited past max_wait (hot yields, and its slot goes to b)
+        held.release()
+        await asyncio.gather(lone, *crowd)
+        assert order[0] == "b"
+    run(engine, paths, scenario, max_wait=0.3)
+
+
 async def _all_cached(registry, names):
     while not all(registry.get(n).cached for n in names):
         await asyncio.sleep(0.005)

@@ -4,12 +4,14 @@ resident must make room.
 Plain Python on the event loop, no arrays. Requests that find their adapter
 out of a slot wait here; each waiting adapter counts from its oldest waiting
 request, and all of an adapter's waiters are admitted together when it gets a
-slot (one load serves them all, which keeps throughput). Slots go to waiting
-adapters oldest first as they free up (a free slot, or the least recently
-used resident nobody uses).
+slot (one load serves them all). Slots go to waiting adapters as they free up
+(a free slot, or the least recently used resident nobody uses), the adapter
+with the most waiting requests first, which fills the decode batch fastest
+when more adapters are wanted than there are slots.
 
 That alone starves cold adapters when every slot is held by adapters with
-continuous traffic: their requests overlap, so they never go idle. So a
+continuous traffic: their requests overlap, so they never go idle; and
+grouping alone would pass over an adapter with one request forever. So a
 request that has waited ``max_wait`` seconds (--max-adapter-wait) makes its
 adapter *starving*: slots then go to starving adapters only, oldest first,
 and for each starving adapter that finds no slot, one busy resident is made
@@ -110,6 +112,15 @@ class AdmissionQueue:
         """Waiting adapters, the one whose request has waited longest first."""
         return sorted(self._waits, key=lambda r: (self.since(r), r.uid))
 
+    def turn_order(self, now: float) -> list[AdapterRecord]:
+        """Who gets the next slots: starving adapters, longest wait first;
+        then the others, most waiting requests first (one load admits them
+        all, which fills the batch), then longest wait."""
+        ordered = self.ordered()
+        starving = [r for r in ordered if self.is_starving(r, now)]
+        rest = [r for r in ordered if not self.is_starving(r, now)]
+        return starving + sorted(rest, key=lambda r: -len(self._waits[r]))
+
     def is_starving(self, record: AdapterRecord, now: float) -> bool:
         return now - self.since(record) >= self.max_wait
 
@@ -144,7 +155,7 @@ def admit(queue: AdmissionQueue, control: SlotControl, now: float, max_yielding:
     yield for the starving ones that find none, at most ``max_yielding`` at
     a time (see the module's doc). Every waiting adapter not yet read is
     prefetched."""
-    waiting = [r for r in queue.ordered() if r.state is S.KNOWN]
+    waiting = [r for r in queue.turn_order(now) if r.state is S.KNOWN]
     for record in waiting:
         if not control.has_rows(record):
             control.prefetch(record)
@@ -154,7 +165,7 @@ def admit(queue: AdmissionQueue, control: SlotControl, now: float, max_yielding:
         if blocked and not starving:
             break  # the next slot that frees is a starving adapter's
         if not control.has_rows(record):
-            blocked += starving  # its read is under way; younger adapters may go first unless it starves
+            blocked += starving  # its read is under way: others may go first, unless it starves
             continue
         slot = control.take_slot()
         if slot is None:
