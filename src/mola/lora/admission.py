@@ -151,10 +151,10 @@ def pick_yielder(residents: list[AdapterRecord]) -> AdapterRecord | None:
 
 
 def admit(queue: AdmissionQueue, control: SlotControl, now: float, max_yielding: int = 1) -> None:
-    """Give slots to waiting adapters, oldest first, and make busy residents
-    yield for the starving ones that find none, at most ``max_yielding`` at
-    a time (see the module's doc). Every waiting adapter not yet read is
-    prefetched."""
+    """Give slots to waiting adapters in turn order (starving ones first,
+    then those with most waiting requests), and make busy residents yield
+    for the starving ones that find none, at most ``max_yielding`` at a time
+    (see the module's doc). Every waiting adapter not yet read is prefetched."""
     waiting = [r for r in queue.turn_order(now) if r.state is S.KNOWN]
     for record in waiting:
         if not control.has_rows(record):
