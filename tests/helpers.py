@@ -237,6 +237,7 @@ class EngineRunner:
         )
         self.loaded = self.engine.start()
         self.slots: dict[str, int] = {}
+        self.versions: dict[str, int] = {}
         for name, path in adapters:
             self.add(name, read_adapter(path, dtype=self.engine.geometry.dtype))
 
@@ -246,9 +247,10 @@ class EngineRunner:
 
         geometry = self.engine.geometry
         validate(weights, geometry.dims, geometry.max_rank)
-        slot = len(self.slots) + 1
+        slot = self.slots.get(name, len(self.slots) + 1)
         self.engine.call(lambda: self.engine.packs.fill_from(slot, weights)).result()
         self.slots[name] = slot
+        self.versions[name] = self.versions.get(name, 0) + 1  # the prompt cache's key changes
 
     def _on_outputs(self, outputs):
         with self.cond:
@@ -257,11 +259,13 @@ class EngineRunner:
                     self.done[out.seq.seq_id] = out.seq
             self.cond.notify_all()
 
-    def submit(self, prompt, adapter=None, **params):
+    def submit(self, prompt, adapter=None, lora_scale=1.0, **params):
         from mola.engine.sequence import SamplingParams, Sequence
 
         params = {"max_tokens": self.max_tokens, "temperature": 0.0, **params}
-        seq = Sequence(prompt=list(prompt), params=SamplingParams(**params), slot=self.slots.get(adapter, 0))
+        key = None if adapter is None else (adapter, self.versions[adapter])  # as Lease.key
+        seq = Sequence(prompt=list(prompt), params=SamplingParams(**params), slot=self.slots.get(adapter, 0),
+                       lora_scale=lora_scale, adapter_key=key)
         self.engine.add(seq)
         return seq
 

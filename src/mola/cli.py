@@ -8,12 +8,20 @@ import sys
 
 from . import __version__
 from .blas import maybe_reexec_with_openblas
-from .config import FIELDS, AdapterSpec, ServeConfig, load_config_file, merge_adapters, parse_adapter_arg
+from .config import (FIELDS, AdapterSpec, ServeConfig, load_config_file, merge_adapters, parse_adapter_arg,
+                     parse_bytes)
 
 
 def _adapter(value: str) -> AdapterSpec:
     try:
         return parse_adapter_arg(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
+def _size(value: str) -> int:
+    try:
+        return parse_bytes(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e))
 
@@ -52,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-step-size", type=int,
                        help="prompt tokens prefilled per engine step (default 512)")
     serve.add_argument("--max-model-len", type=int, help="context limit (default: the model's own)")
+    serve.add_argument("--prompt-cache-bytes", type=_size, metavar="SIZE",
+                       help="KV state of earlier prompts and outputs kept for reuse, per adapter "
+                       "(e.g. 512MB, 2GiB; default 1GiB; 0 turns the prompt cache off)")
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--no-openblas", action="store_true",
                        help="on Linux CPU, do not preload the system's OpenBLAS (see mola/blas.py)")

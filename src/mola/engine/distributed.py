@@ -20,6 +20,7 @@ from dataclasses import asdict
 
 import mlx.core as mx
 
+from .prompt_cache import PrefixHit
 from .scheduler import StepPlan
 from .sequence import SamplingParams, Sequence, SequenceStatus
 
@@ -98,6 +99,11 @@ def wire_plan(plan: StepPlan) -> dict:
         "end": plan.end,
         "join": plan.join,
         "decode": [s.seq_id for s in plan.decode],
+        # the prompt cache's orders: entry ids and token counts only
+        "store_rows": plan.store_rows,
+        "hits": [None if h is None else (h.entry, h.num_tokens) for h in plan.hits],
+        "store_joined": plan.store_joined,
+        "evict": plan.evict,
     }
 
 
@@ -113,7 +119,9 @@ def unwire_plan(data: dict, seqs: dict[int, Sequence]) -> StepPlan:
     else:
         group = [seqs[i] for i in data["group"]]
     plan = StepPlan(keep=data["keep"], group=group, group_is_new=data["new"], start=data["start"],
-                    end=data["end"], join=data["join"], decode=[seqs[i] for i in data["decode"]])
+                    end=data["end"], join=data["join"], decode=[seqs[i] for i in data["decode"]],
+                    store_rows=data["store_rows"], store_joined=data["store_joined"], evict=data["evict"],
+                    hits=[None if h is None else PrefixHit(*h) for h in data["hits"]])
     alive = set(data["decode"]) | {s.seq_id for s in group}
     for seq_id in list(seqs):
         if seq_id not in alive:
@@ -138,7 +146,9 @@ def run_follower(loader, config, group: Group) -> int:
             loaded = loader()
             packs = AdapterPacks.install(loaded.model, max_loras=config.max_loras,
                                          max_rank=config.max_lora_rank)
-            runner = ModelRunner(loaded.model, packs, loaded.vocab_size)
+            # The same one-token probe as rank 0's runner (its collectives pair up).
+            runner = ModelRunner(loaded.model, packs, loaded.vocab_size,
+                                 prompt_cache=config.prompt_cache_bytes > 0)
             seqs: dict[int, Sequence] = {}
             log.info("rank %d of %d ready", group.rank, group.size)
             while True:
@@ -153,6 +163,8 @@ def run_follower(loader, config, group: Group) -> int:
                     packs.fill_from(slot, read_recipe(recipe, packs.geometry, loaded.config), recipe.scale)
                 elif kind == "clear":
                     packs.empty(message[1])
+                elif kind == "forget":  # rank 0's prompt cache dropped these entries
+                    runner.kv.drop(message[1])
     except Exception:
         log.exception("rank %d stops: the group broke or a step failed", group.rank)
         return 1

@@ -29,6 +29,7 @@ from ..lora.recipe import Recipe
 from .distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS, Group, Leader, wire_plan
 from .model import LoadedModel
 from .outputs import EngineSnapshot, SeqOutput
+from .prompt_cache import PromptCache, PromptCacheStats
 from .runner import ModelRunner, StepResult
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
@@ -41,17 +42,26 @@ log = logging.getLogger("mola.engine")
 atexit.register(mx.clear_streams)
 
 
+DEFAULT_PROMPT_CACHE_BYTES = 1 << 30  # 1 GiB of KV state
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_loras: int = 8  # adapter slots (slot 0, the base model, comes on top)
     max_lora_rank: int = 64
     max_num_seqs: int = 32  # rows decoded together
     prefill_step_size: int = 512  # prompt tokens prefilled per step
+    # KV state of earlier prompts (and outputs) kept for reuse; 0: no prompt cache.
+    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
 
     def __post_init__(self):
         for name in ("max_loras", "max_lora_rank", "max_num_seqs", "prefill_step_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if isinstance(self.prompt_cache_bytes, bool) or not isinstance(self.prompt_cache_bytes, int) \
+                or self.prompt_cache_bytes < 0:
+            raise ValueError(f"prompt_cache_bytes must be a whole number of bytes >= 0, "
+                             f"got {self.prompt_cache_bytes!r}")
 
 
 class Engine:
@@ -184,7 +194,15 @@ class Engine:
             loaded.model, max_loras=self.config.max_loras, max_rank=self.config.max_lora_rank
         )
         self.geometry = self.packs.geometry
-        self.runner = ModelRunner(loaded.model, self.packs, loaded.vocab_size)
+        wanted = self.config.prompt_cache_bytes > 0
+        self.runner = ModelRunner(loaded.model, self.packs, loaded.vocab_size, prompt_cache=wanted)
+        per_token = self.runner.kv_bytes_per_token
+        if per_token is not None:
+            self.scheduler.prompt_cache = PromptCache(self.config.prompt_cache_bytes, per_token,
+                                                      model_key=str(loaded.path or ""))
+        elif wanted:
+            log.warning("prompt cache off: this model's KV caches cannot be cut at a token "
+                        "(sliding windows or recurrent state)")
         self.loaded = loaded
 
     def _has_work(self) -> bool:
@@ -203,9 +221,11 @@ class Engine:
 
     def _publish(self) -> None:
         s = self.scheduler
+        cache = s.prompt_cache
         self.snapshot = EngineSnapshot(
             num_running=len(s.running), num_prefilling=len(s.group), num_waiting=len(s.waiting),
             num_steps=self.num_steps, stats=replace(self.runner.stats),
+            prompt_cache=cache.stats() if cache is not None else PromptCacheStats(),
         )
 
     def _drain_commands(self, block: bool) -> None:
@@ -275,6 +295,18 @@ class Engine:
         self._leader.tell(("clear", slot))
         self.packs.empty(slot)
 
+    def forget_prompts(self, adapter_keys: list[tuple]) -> int:
+        """Drop the prompt cache's entries of unloaded adapters (Lease.key's),
+        and store none for them again; returns how many were dropped."""
+        cache = self.scheduler.prompt_cache
+        if cache is None:
+            return 0
+        dropped = cache.retire(set(adapter_keys))
+        if dropped:
+            self._leader.tell(("forget", dropped))
+            self.runner.kv.drop(dropped)
+        return len(dropped)
+
     # ---- engine-thread helpers --------------------------------------------
 
     def _add(self, seq: Sequence) -> None:
@@ -297,7 +329,9 @@ class Engine:
         inflight = self.runner.inflight.rows if self.runner.inflight else []
         victims = [s for s in (*plan.decode, *plan.group, *inflight) if not s.is_finished]
         victims += self.scheduler.take_batch()
-        self.runner.reset()
+        self.runner.reset()  # the prompt cache's KV state too: it may hang on the failed step
+        if self.scheduler.prompt_cache is not None:
+            self.scheduler.prompt_cache.clear()
         self._fail(list(dict.fromkeys(victims)), message)
 
     def _fail_all(self, message: str) -> None:

@@ -49,7 +49,7 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel) 
         allow_any_path=config.allow_any_adapter_path,
         allow_symlinks=config.allow_adapter_symlinks,
     )
-    registry = AdapterRegistry(base_id, loader, config.max_loras, sources)
+    registry = AdapterRegistry(base_id, loader, config.max_loras, sources, forget=async_engine.forget_prompts)
     state = ServerState(
         config=config,
         engine=async_engine,

@@ -107,6 +107,12 @@ class Generation:
         return self.seq.num_prompt_tokens
 
     @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prompt cache held (set by the engine thread before
+        the first output reaches this choice)."""
+        return self.seq.num_cached_tokens
+
+    @property
     def num_tokens(self) -> int:
         return len(self.tokens)
 
@@ -231,7 +237,7 @@ async def start_generations(state: ServerState, body: _Sampling, prompts: list[l
             for j in range(body.n):
                 lease = await _acquire(state, body, stack, deadline)
                 seq = Sequence(prompt=list(prompt), params=params[i][j], slot=lease.slot,
-                               lora_scale=lease.row_scale, deadline=deadline)
+                               lora_scale=lease.row_scale, adapter_key=lease.key, deadline=deadline)
                 gens.append(Generation(state, seq, lease, body.stop_strings(),
                                        index=i * body.n + j, tools=tools, model=body.model))
     except BaseException:

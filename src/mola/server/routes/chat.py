@@ -33,6 +33,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     return JSONResponse(result) if result is not None else None
 
 
+def _usage(gens: list[Generation]) -> dict:
+    """One prompt for every choice: counted once, with the first choice's cached tokens."""
+    return r.usage(gens[0].num_prompt_tokens, sum(g.num_tokens for g in gens), gens[0].num_cached_tokens)
+
+
 async def _complete(state: ServerState, gens: list[Generation], body: ChatCompletionRequest) -> dict:
     async with contextlib.aclosing(merge(gens)) as deltas:
         async for _ in deltas:
@@ -44,8 +49,7 @@ async def _complete(state: ServerState, gens: list[Generation], body: ChatComple
         logprobs = r.chat_logprobs(token_text, g.tokens, g.logprobs) if token_text else None
         choices.append(r.chat_choice(g.index, r.chat_message(content, g.tool_calls),
                                      g.finish_reason, logprobs))
-    usage = r.usage(gens[0].num_prompt_tokens, sum(g.num_tokens for g in gens))
-    return r.chat_completion(r.new_id("chatcmpl"), body.model, r.now(), choices, usage)
+    return r.chat_completion(r.new_id("chatcmpl"), body.model, r.now(), choices, _usage(gens))
 
 
 async def _stream(state: ServerState, gens: list[Generation], body: ChatCompletionRequest,
@@ -78,8 +82,7 @@ async def _stream(state: ServerState, gens: list[Generation], body: ChatCompleti
                 if delta or logprobs or d.finish_reason:
                     yield chunk([r.chunk_choice(d.index, delta, d.finish_reason, logprobs)])
         if include_usage:
-            usage = r.usage(gens[0].num_prompt_tokens, sum(g.num_tokens for g in gens))
-            yield chunk([], usage)
+            yield chunk([], _usage(gens))
     except MolaError as e:
         yield sse(error_payload(e))
     yield sse_done()
