@@ -146,8 +146,12 @@ def test_hot_load_and_unload_during_traffic(group, single, setup):
     assert all(len(v) == 1 for v in by_model.values())  # no request saw a mixed-up slot
     assert httpx.post(url + "/v1/chat/completions", json={
         "model": "d1", "messages": [{"role": "user", "content": "x"}]}).status_code == 404
-    # The base and the remaining adapters still answer exactly as one process does.
+    # The base and the remaining adapters still answer exactly as one process does,
+    # from prompt-cache entries that both ranks hold (rank 0 decides, the other follows).
+    before = httpx.get(url + "/v1/adapters").json()["prompt_cache"]
     assert answers(url, ["model", "d0", "d2"]) == {k: v for k, v in single.items() if k[0] != "d1"}
+    after = httpx.get(url + "/v1/adapters").json()["prompt_cache"]
+    assert after["hits"] >= before["hits"] + 3 * len(QUESTIONS)
 
 
 def start_ranks(model, tmp_path) -> tuple[list[subprocess.Popen], str]:

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .engine.engine import DEFAULT_PROMPT_CACHE_BYTES, EngineConfig
+from .engine.config import DEFAULT_PROMPT_CACHE_BYTES, EngineConfig
 from .errors import InvalidAdapterName
 from .lora.names import check_adapter_id
 

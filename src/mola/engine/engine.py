@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -26,6 +26,7 @@ import mlx.core as mx
 from ..errors import EngineUnavailable
 from ..lora.pack import AdapterPacks, SlotGeometry, SlotRows
 from ..lora.recipe import Recipe
+from .config import EngineConfig
 from .distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS, Group, Leader, wire_plan
 from .model import LoadedModel
 from .outputs import EngineSnapshot, SeqOutput
@@ -40,28 +41,6 @@ log = logging.getLogger("mola.engine")
 # thread's included (importing mlx-lm creates a stream in the importing
 # thread); without this the process may abort at exit.
 atexit.register(mx.clear_streams)
-
-
-DEFAULT_PROMPT_CACHE_BYTES = 1 << 30  # 1 GiB of KV state
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_loras: int = 8  # adapter slots (slot 0, the base model, comes on top)
-    max_lora_rank: int = 64
-    max_num_seqs: int = 32  # rows decoded together
-    prefill_step_size: int = 512  # prompt tokens prefilled per step
-    # KV state of earlier prompts (and outputs) kept for reuse; 0: no prompt cache.
-    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
-
-    def __post_init__(self):
-        for name in ("max_loras", "max_lora_rank", "max_num_seqs", "prefill_step_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if isinstance(self.prompt_cache_bytes, bool) or not isinstance(self.prompt_cache_bytes, int) \
-                or self.prompt_cache_bytes < 0:
-            raise ValueError(f"prompt_cache_bytes must be a whole number of bytes >= 0, "
-                             f"got {self.prompt_cache_bytes!r}")
 
 
 class Engine:
