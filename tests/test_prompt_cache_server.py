@@ -136,3 +136,19 @@ def test_changed_composition_gets_no_stale_prefix(server, client, tiny_model, ad
     assert cached(other) == 0
     want = expected(server, tiny_model, msgs, [adapters["a"], adapters["b"]], [1.0, 2.0])
     assert other["choices"][0]["message"]["content"] == want != first["choices"][0]["message"]["content"]
+
+
+def test_responses_report_cached_input_tokens(client):
+    body = {"model": "c", "instructions": "You answer questions about rivers, briefly. " * 3,
+            "input": "Which river crosses Paris?", "max_output_tokens": MAX_TOKENS, "temperature": 0}
+    first = client.post("/v1/responses", json=body).json()
+    validate_schema("Response", first)
+    assert first["usage"]["input_tokens_details"]["cached_tokens"] == 0
+    second = client.post("/v1/responses", json={**body, "input": "And Rome?",
+                                                 "previous_response_id": first["id"]}).json()
+    validate_schema("Response", second)
+    # the same instructions: turn 1's prompt (and reply) start turn 2's
+    cached_two = second["usage"]["input_tokens_details"]["cached_tokens"]
+    assert first["usage"]["input_tokens"] - 1 <= cached_two < second["usage"]["input_tokens"]
+    again = client.post("/v1/responses", json=body).json()
+    assert again["usage"]["input_tokens_details"]["cached_tokens"] == first["usage"]["input_tokens"] - 1

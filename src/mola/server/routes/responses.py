@@ -58,7 +58,7 @@ async def _complete(state: ServerState, gen: Generation, builder: ResponseBuilde
     async with contextlib.aclosing(gen.deltas()) as deltas:
         async for d in deltas:
             builder.add(d.text, d.tool_calls)
-    builder.finish(gen.finish_reason, gen.num_prompt_tokens, gen.num_tokens)
+    builder.finish(gen.finish_reason, gen.num_prompt_tokens, gen.num_tokens, gen.num_cached_tokens)
     _remember(state, body, builder, items)
     return builder.response
 
@@ -74,12 +74,13 @@ async def _stream(state: ServerState, gen: Generation, builder: ResponseBuilder,
                     return  # leaving closes the generation, which frees its row
                 for event in builder.add(d.text, d.tool_calls):
                     yield sse_event(event)
-        events = builder.finish(gen.finish_reason, gen.num_prompt_tokens, gen.num_tokens)
+        events = builder.finish(gen.finish_reason, gen.num_prompt_tokens, gen.num_tokens,
+                                gen.num_cached_tokens)
         _remember(state, body, builder, items)
         for event in events:
             yield sse_event(event)
     except MolaError as e:
-        for event in builder.fail(e, gen.num_prompt_tokens, gen.num_tokens):
+        for event in builder.fail(e, gen.num_prompt_tokens, gen.num_tokens, gen.num_cached_tokens):
             yield sse_event(event)
 
 
