@@ -256,9 +256,14 @@ class Engine:
             if seq.is_finished:  # finished or aborted while this step ran
                 continue
             reason = seq.append(token)
+            error = seq.constraint.error if seq.constraint is not None else None
+            if error is not None:  # the grammar refused a token: never a wrong output
+                reason = "error"
+                log.error("sequence %d left its grammar: %s", seq.seq_id, error)
             if reason is not None:
                 seq.finish(reason)
-            outputs.append(SeqOutput(seq, [token], reason, logprobs=None if lp is None else [lp]))
+            outputs.append(SeqOutput(seq, [token], reason, error=error,
+                                     logprobs=None if lp is None else [lp]))
         if outputs:
             self.on_outputs(outputs)
 

@@ -17,6 +17,10 @@ token is dropped by the engine.
 With a prompt cache the runner also holds the cached KV state (a KVStore),
 and follows the plan's cache orders: store a leaving row or a joining member,
 start a group member from a cached prefix, drop entries.
+
+Rows under a grammar (``Sequence.constraint``) are sampled through one
+``where`` over the batch's [B, V] mask, filled while the step's forward pass
+runs (see :meth:`ModelRunner.run`); a batch without one pays nothing.
 """
 
 from __future__ import annotations
@@ -25,11 +29,13 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..lora.pack import AdapterPacks
+from .constraint import MaskFiller
 from .kv_store import KVStore, kv_bytes_per_token
-from .logits import add_biases, count_tokens, penalize
+from .logits import add_biases, apply_bitmask, count_tokens, penalize
 from .sampling import make_keys, sample
 from .scheduler import StepPlan, prefill_len
 from .sequence import Sequence
@@ -61,6 +67,15 @@ class _Launch:
 
 
 @dataclass
+class _Forward:
+    """A decode step's forward pass, not yet sampled."""
+
+    rows: list[Sequence]
+    logits: mx.array  # [B, V] the model's own
+    processed: mx.array  # [B, V] after biases and penalties
+
+
+@dataclass
 class RunnerStats:
     """Counters of what the runner computed (read by tests and metrics)."""
 
@@ -70,6 +85,14 @@ class RunnerStats:
     max_batch: int = 0
     max_slots_in_step: int = 0  # most distinct slots (base included) in one step
     prefill_tokens: int = 0  # prompt tokens written, padding excluded
+
+
+def _advance(result: StepResult) -> None:
+    """Each constrained row's matcher consumes its accepted token (rows that
+    finished or were aborted while the step ran accept nothing)."""
+    for seq, token in zip(result.rows, result.tokens):
+        if seq.constraint is not None and not seq.is_finished:
+            seq.constraint.advance(token)
 
 
 def merge_caches(caches: list[list]) -> list:
@@ -93,6 +116,7 @@ class ModelRunner:
         self.inputs: mx.array | None = None  # [B] next input token per row
         self.counts: mx.array | None = None  # [B, V] generated-token counts (penalties only)
         self.inflight: _Launch | None = None
+        self.masks = MaskFiller()  # next-token masks of constrained rows
         # The prefill group:
         self.group_cache: list | None = None
         self.group_tokens: mx.array | None = None  # [G, L] right-padded uncached prompt tokens
@@ -115,7 +139,12 @@ class ModelRunner:
 
     def run(self, plan: StepPlan) -> StepResult | None:
         """Execute ``plan``; returns the previous decode step's tokens (None
-        when nothing was in flight)."""
+        when nothing was in flight).
+
+        With a constrained row in the batch, sampling waits for the masks:
+        the forward pass is launched first, and while it runs the previous
+        tokens are read back, the matchers advance on them and the bitmask
+        is filled; then the masks are applied and the rows sampled."""
         if plan.keep is not None:
             for row, entry, num_tokens in plan.store_rows:
                 self.kv.put(entry, self.cache, row, num_tokens)
@@ -123,13 +152,22 @@ class ModelRunner:
         if plan.group:
             self._prefill(plan)
         previous, self.inflight = self.inflight, None
-        if plan.decode:
-            self.inflight = self._launch(plan.decode)
+        forward = self._forward(plan.decode) if plan.decode else None
+        constrained = forward is not None and any(s.constraint is not None for s in plan.decode)
+        if constrained:
+            mx.async_eval(forward.logits, forward.processed)
+        elif forward is not None:
+            self.inflight = self._sample(forward)
         self.kv.drop(plan.evict)
+        result = self._collect(previous) if previous is not None else None
+        if constrained:
+            if result is not None:
+                _advance(result)
+            self.inflight = self._sample(forward, self.masks.fill([s.constraint for s in plan.decode]))
         self.num_steps += 1
         if self.num_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
-        return self._collect(previous) if previous is not None else None
+        return result
 
     # ---- rows -------------------------------------------------------------
 
@@ -210,7 +248,7 @@ class ModelRunner:
 
     # ---- decode -------------------------------------------------------------
 
-    def _launch(self, rows: list[Sequence]) -> _Launch:
+    def _forward(self, rows: list[Sequence]) -> _Forward:
         assert self.num_rows == len(rows), (self.num_rows, len(rows))
         slots = [s.slot for s in rows]
         self.routing.set(slots, [s.lora_scale for s in rows])
@@ -223,6 +261,14 @@ class ModelRunner:
             processed = penalize(processed, self.counts, rows)
         elif self.counts is not None:
             self.counts = None  # no row needs them any more
+        return _Forward(rows, logits, processed)
+
+    def _sample(self, forward: _Forward, bitmask: np.ndarray | None = None) -> _Launch:
+        """Sample every row (under ``bitmask`` [B, W] int32, when given) and
+        launch the step."""
+        rows, logits, processed = forward.rows, forward.logits, forward.processed
+        if bitmask is not None:
+            processed = apply_bitmask(processed, bitmask)
         tokens, _, self.keys = sample(
             processed,
             [s.params.temperature for s in rows],

@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 _seq_ids = itertools.count()
 
@@ -78,6 +79,9 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() after which the request ends
     num_cached_tokens: int = 0  # prompt tokens whose KV state came from the prompt cache
+    # A grammar the output must follow (mola.engine.constraint.Constraint):
+    # the matcher's state, owned by the engine thread once the sequence is added.
+    constraint: Any = None
 
     def __post_init__(self):
         if not self.prompt:
