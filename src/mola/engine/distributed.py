@@ -86,7 +86,8 @@ class Leader:
 
 
 def _spec(seq: Sequence) -> tuple:
-    return (seq.seq_id, seq.prompt, seq.slot, seq.lora_scale, asdict(seq.params))
+    grammar = seq.constraint.grammar if seq.constraint is not None else None
+    return (seq.seq_id, seq.prompt, seq.slot, seq.lora_scale, asdict(seq.params), grammar)
 
 
 def wire_plan(plan: StepPlan) -> dict:
@@ -107,13 +108,16 @@ def wire_plan(plan: StepPlan) -> dict:
     }
 
 
-def unwire_plan(data: dict, seqs: dict[int, Sequence]) -> StepPlan:
-    """The StepPlan rank 0 ran, with this rank's own Sequence objects."""
+def unwire_plan(data: dict, seqs: dict[int, Sequence], rebuild=None) -> StepPlan:
+    """The StepPlan rank 0 ran, with this rank's own Sequence objects (and
+    their own matchers, ``rebuild(grammar)``: every rank samples the same
+    tokens, so every rank's matchers stay in step)."""
     if data["new"]:
         group = []
-        for seq_id, prompt, slot, scale, params in data["group"]:
+        for seq_id, prompt, slot, scale, params, grammar in data["group"]:
             seq = Sequence(prompt=prompt, params=SamplingParams(**params), slot=slot,
-                           lora_scale=scale, seq_id=seq_id, status=SequenceStatus.PREFILLING)
+                           lora_scale=scale, seq_id=seq_id, status=SequenceStatus.PREFILLING,
+                           constraint=rebuild(grammar) if grammar is not None else None)
             seqs[seq_id] = seq
             group.append(seq)
     else:
@@ -138,6 +142,7 @@ def run_follower(loader, config, group: Group) -> int:
     the recipe rank 0 wrote, read and checked the way rank 0 did."""
     from ..lora.pack import AdapterPacks
     from ..lora.recipe import read_recipe
+    from ..structured import StructuredOutputs
     from .runner import ModelRunner
 
     stream = mx.new_stream(mx.default_device())
@@ -149,6 +154,7 @@ def run_follower(loader, config, group: Group) -> int:
             # The same one-token probe as rank 0's runner (its collectives pair up).
             runner = ModelRunner(loaded.model, packs, loaded.vocab_size,
                                  prompt_cache=config.prompt_cache_bytes > 0)
+            grammars = StructuredOutputs(loaded.tokenizer, loaded.vocab_size)
             seqs: dict[int, Sequence] = {}
             log.info("rank %d of %d ready", group.rank, group.size)
             while True:
@@ -157,7 +163,7 @@ def run_follower(loader, config, group: Group) -> int:
                 if kind == "stop":
                     return 0
                 if kind == "step":
-                    runner.run(unwire_plan(message[1], seqs))
+                    runner.run(unwire_plan(message[1], seqs, grammars.rebuild))
                 elif kind == "write":
                     _, slot, recipe = message
                     packs.fill_from(slot, read_recipe(recipe, packs.geometry, loaded.config), recipe.scale)

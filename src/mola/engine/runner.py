@@ -85,6 +85,8 @@ class RunnerStats:
     max_batch: int = 0
     max_slots_in_step: int = 0  # most distinct slots (base included) in one step
     prefill_tokens: int = 0  # prompt tokens written, padding excluded
+    masked_steps: int = 0  # decode steps sampled under grammar masks
+    masked_rows: int = 0  # constrained rows over those steps
 
 
 def _advance(result: StepResult) -> None:
@@ -163,7 +165,10 @@ class ModelRunner:
         if constrained:
             if result is not None:
                 _advance(result)
-            self.inflight = self._sample(forward, self.masks.fill([s.constraint for s in plan.decode]))
+            constraints = [s.constraint for s in plan.decode]
+            self.stats.masked_steps += 1
+            self.stats.masked_rows += sum(c is not None for c in constraints)
+            self.inflight = self._sample(forward, self.masks.fill(constraints))
         self.num_steps += 1
         if self.num_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()

@@ -19,6 +19,7 @@ from ..errors import MolaError
 from ..lora.loader import AdapterLoader
 from ..lora.registry import AdapterRegistry
 from ..lora.sources import AdapterSources
+from ..structured import StructuredOutputs
 from .errors import error_response, install_error_handlers
 from .middleware import AuthMiddleware, BodyLimitMiddleware, HTTPMetricsMiddleware, RequestIdMiddleware
 from .responses_api.store import ResponseStore
@@ -61,6 +62,7 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel) 
         max_model_len=config.max_model_len or loaded.max_model_len,
         vocab_size=loaded.vocab_size,
         responses=ResponseStore(config.max_stored_responses),
+        structured=StructuredOutputs(loaded.tokenizer, loaded.vocab_size),
     )
     try:
         for spec in config.adapters:

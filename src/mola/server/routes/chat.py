@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions, streaming and not, n choices, tools, logprobs."""
+"""POST /v1/chat/completions, streaming and not, n choices, tools (forced
+calls too), response_format, logprobs."""
 
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     # Templating and tokenizing a long prompt takes a while: off the event loop.
     prompt = await state.prompts.chat(body)
     tools = body.tools if body.uses_tools() else None
-    gens = await start_generations(state, body, [prompt], tools)
+    grammar = await state.prompts.structured(
+        state.structured.for_request, response_format=body.response_format, tools=body.tools,
+        tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls)
+    gens = await start_generations(state, body, [prompt], tools, grammar)
     if body.stream:
         return event_stream(_stream(state, gens, body, request), lambda: [g.close() for g in gens])
     result = await run_until_disconnect(_complete(state, gens, body), request)
@@ -45,7 +49,7 @@ async def _complete(state: ServerState, gens: list[Generation], body: ChatComple
     token_text = r.TokenText(state.tokenizer) if body.logprobs else None
     choices = []
     for g in gens:
-        content = g.content if (g.content or not g.tool_calls) else None
+        content = g.content if (g.content.strip() or not g.tool_calls) else None
         logprobs = r.chat_logprobs(token_text, g.tokens, g.logprobs) if token_text else None
         choices.append(r.chat_choice(g.index, r.chat_message(content, g.tool_calls),
                                      g.finish_reason, logprobs))

@@ -1,5 +1,5 @@
 """POST /v1/completions: a prompt (string, strings, token ids, lists of token
-ids), streaming and not, n choices per prompt, logprobs."""
+ids), streaming and not, n choices per prompt, logprobs, response_format."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ async def create_completion(body: CompletionRequest, request: Request):
     state: ServerState = request.app.state.mola
     body.check_supported()
     prompts = await state.prompts.completion(body)
-    gens = await start_generations(state, body, prompts)
+    grammar = await state.prompts.structured(state.structured.for_request, response_format=body.response_format)
+    gens = await start_generations(state, body, prompts, grammar=grammar)
     if body.stream:
         return event_stream(_stream(state, gens, body, request), lambda: [g.close() for g in gens])
     result = await run_until_disconnect(_complete(state, gens, body), request)
