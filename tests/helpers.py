@@ -300,3 +300,33 @@ def detokenize(tokenizer, tokens, stop_at_eos=True) -> str:
         detok.add_token(t)
     detok.finalize()
     return detok.text
+
+
+# ---- tokenizers of other model families --------------------------------------------------
+
+# Chat templates in the style of other families, enough for mlx-lm to pick
+# their tool parser (mlx_lm.tokenizer_utils._infer_tool_parser).
+MISTRAL_TEMPLATE = """\
+{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' %}[INST]{{ message.content }}[/INST]
+{%- elif message.role == 'assistant' and message.tool_calls %}
+{%- for tc in message.tool_calls %}[TOOL_CALLS]{{ tc.function.name }}[ARGS]{{ tc.function.arguments | tojson }}{% endfor %}<|im_end|>
+{%- elif message.role == 'assistant' %}{{ message.content }}<|im_end|>
+{%- elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.content }}[/TOOL_RESULTS]
+{%- endif %}
+{%- endfor %}"""
+MISTRAL_V3_TEMPLATE = MISTRAL_TEMPLATE.replace(
+    "{%- for tc in message.tool_calls %}[TOOL_CALLS]{{ tc.function.name }}[ARGS]{{ tc.function.arguments | tojson }}{% endfor %}",
+    '[TOOL_CALLS][{%- for tc in message.tool_calls %}{"name": "{{ tc.function.name }}", "arguments": '
+    '{{ tc.function.arguments | tojson }}}{{ ", " if not loop.last }}{% endfor %}]')
+PYTHONIC_TEMPLATE = "{% for m in messages %}<|tool_call_start|>{{ m.content }}<|tool_call_end|>{% endfor %}"
+
+
+def with_chat_template(model_dir, out_dir, template: str):
+    """A copy of a model directory whose tokenizer has another chat template."""
+    import shutil
+
+    shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
+    (Path(out_dir) / "chat_template.jinja").write_text(template)
+    return Path(out_dir)
