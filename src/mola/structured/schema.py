@@ -65,7 +65,7 @@ class _Walk:
             if owners and types and not set(owners) & types:
                 self.fail(where, f"the keyword {key!r} applies to {'/'.join(owners)}, not to "
                                  f"type {'/'.join(sorted(types))}")
-        if "format" in node and node["format"] not in FORMATS:
+        if "format" in node and not (isinstance(node["format"], str) and node["format"] in FORMATS):
             self.fail(where, f"the string format {node['format']!r} is not supported; "
                              f"use one of {', '.join(sorted(FORMATS))}")
         if "enum" in node:
@@ -95,7 +95,7 @@ class _Walk:
             return set()
         types = t if isinstance(t, list) else [t]
         for name in types:
-            if name not in BY_TYPE:
+            if not isinstance(name, str) or name not in BY_TYPE:
                 self.fail(where, f"unknown type {name!r}")
         return set(types)
 
@@ -114,7 +114,7 @@ class _Walk:
         if self.num_properties > MAX_PROPERTIES:
             self.fail(where, f"more than {MAX_PROPERTIES} object properties in the schema")
         required = node.get("required", [])
-        if not isinstance(required, list) or any(r not in props for r in required):
+        if not isinstance(required, list) or any(not isinstance(r, str) or r not in props for r in required):
             self.fail(where, "'required' must list names of 'properties'")
         extra = node.get("additionalProperties", True)
         if self.strict:
