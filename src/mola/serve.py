@@ -67,8 +67,13 @@ def follow(config: ServeConfig, group) -> int:
     """A rank other than 0: hold a shard, replay rank 0's steps, no HTTP."""
     from .engine.distributed import run_follower
     from .engine.loader import load_base_model
+    from .structured import StructuredOutputs
 
-    return run_follower(lambda: load_base_model(config.model, group=group.group), config.engine, group)
+    def grammars(loaded):  # each rank compiles its own matchers from rank 0's grammar text
+        return StructuredOutputs(loaded.tokenizer, loaded.vocab_size).rebuild
+
+    return run_follower(lambda: load_base_model(config.model, group=group.group), config.engine, group,
+                        grammars)
 
 
 def exposure_warning(config: ServeConfig) -> str | None:

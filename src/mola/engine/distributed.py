@@ -136,13 +136,14 @@ def unwire_plan(data: dict, seqs: dict[int, Sequence], rebuild=None) -> StepPlan
 # ---- the other ranks ---------------------------------------------------------------
 
 
-def run_follower(loader, config, group: Group) -> int:
+def run_follower(loader, config, group: Group, grammars=None) -> int:
     """A rank other than 0: load the shard, then replay rank 0's messages
     until it says stop (or the group breaks). Adapters are re-created from
-    the recipe rank 0 wrote, read and checked the way rank 0 did."""
+    the recipe rank 0 wrote, read and checked the way rank 0 did; the
+    matchers of constrained rows from their grammar text, with
+    ``grammars(loaded)`` (grammar text -> Constraint)."""
     from ..lora.pack import AdapterPacks
     from ..lora.recipe import read_recipe
-    from ..structured import StructuredOutputs
     from .runner import ModelRunner
 
     stream = mx.new_stream(mx.default_device())
@@ -154,7 +155,7 @@ def run_follower(loader, config, group: Group) -> int:
             # The same one-token probe as rank 0's runner (its collectives pair up).
             runner = ModelRunner(loaded.model, packs, loaded.vocab_size,
                                  prompt_cache=config.prompt_cache_bytes > 0)
-            grammars = StructuredOutputs(loaded.tokenizer, loaded.vocab_size)
+            rebuild = grammars(loaded) if grammars is not None else None
             seqs: dict[int, Sequence] = {}
             log.info("rank %d of %d ready", group.rank, group.size)
             while True:
@@ -163,7 +164,7 @@ def run_follower(loader, config, group: Group) -> int:
                 if kind == "stop":
                     return 0
                 if kind == "step":
-                    runner.run(unwire_plan(message[1], seqs, grammars.rebuild))
+                    runner.run(unwire_plan(message[1], seqs, rebuild))
                 elif kind == "write":
                     _, slot, recipe = message
                     packs.fill_from(slot, read_recipe(recipe, packs.geometry, loaded.config), recipe.scale)
