@@ -62,9 +62,38 @@ def requests_for(fraction: float, n: int, max_tokens: int, eos: int, offset: int
     return out
 
 
+def mask_times(structured, rows: int = 32, steps: int = 50) -> dict:
+    """What a step of ``rows`` constrained rows costs the engine thread
+    beside the forward pass: filling the bitmask (llguidance's threads) and
+    applying it (one where over [B, V]); the rows walk the schema at random."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mola.engine.constraint import MaskFiller
+    from mola.engine.logits import apply_bitmask
+
+    rng = np.random.default_rng(0)
+    compiled = structured.for_request(response_format=response_format())
+    constraints = [compiled.new_constraint() for _ in range(rows)]
+    filler, fill, apply = MaskFiller(), [], []
+    logits = mx.random.normal((rows, structured.vocab_size))
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        bitmask = filler.fill(constraints)
+        t1 = time.perf_counter()
+        mx.eval(apply_bitmask(logits, bitmask))
+        apply.append(time.perf_counter() - t1)
+        fill.append(t1 - t0)
+        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
+        for i, c in enumerate(constraints):
+            c.advance(int(rng.choice(np.nonzero(bits[i, : structured.vocab_size])[0])))
+    return {"rows": rows, "fill_ms_median": round(statistics.median(fill) * 1e3, 2),
+            "apply_ms_median": round(statistics.median(apply) * 1e3, 2)}
+
+
 def compile_times(model: Path, num: int = 5) -> dict:
     """Seconds to build llguidance's tokenizer (once per server) and to
-    compile distinct schemas (each a cache miss)."""
+    compile distinct schemas (each a cache miss); and the masks' cost."""
     from mlx_lm.utils import load_tokenizer
 
     from mola.structured import StructuredOutputs
@@ -81,7 +110,7 @@ def compile_times(model: Path, num: int = 5) -> dict:
         structured.for_request(response_format=response_format(20 + i))
         times.append(time.perf_counter() - t0)
     return {"tokenizer_s": round(setup, 4), "compile_ms_median": round(statistics.median(times) * 1e3, 2),
-            "compile_ms_max": round(max(times) * 1e3, 2), "vocab": vocab}
+            "compile_ms_max": round(max(times) * 1e3, 2), "vocab": vocab, "masks": mask_times(structured)}
 
 
 def ratios(table: list[dict]) -> list[dict]:
@@ -146,6 +175,9 @@ def main() -> int:
     print(f"\nSchema compile (in-process, vocabulary {compile_['vocab']}): llguidance tokenizer "
           f"{compile_['tokenizer_s'] * 1e3:.0f} ms once, then {compile_['compile_ms_median']} ms per new schema "
           f"(max {compile_['compile_ms_max']} ms)")
+    masks = compile_["masks"]
+    print(f"Masks of {masks['rows']} constrained rows per step: fill {masks['fill_ms_median']} ms, "
+          f"apply {masks['apply_ms_median']} ms (medians; overlapped with the forward pass)")
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "table": table,
                                  "targets": targets, "compile": compile_}, indent=1))
     print(f"wrote {a.out}")
