@@ -209,3 +209,22 @@ def test_a_mistral_family_model_calls_in_its_own_syntax(tiny_model, tmp_path):
             check_calls([c.model_dump() for c in r.choices[0].message.tool_calls])
     finally:
         handle.stop()
+
+
+def test_responses_api_text_format_and_forced_calls_with_the_sdk(sdk, client):
+    """/v1/responses hands text.format and tool_choice to the same grammars."""
+    r = sdk.responses.parse(model="a", input=QUESTIONS[0], text_format=Pet, temperature=0, max_output_tokens=80)
+    assert r.status == "completed" and isinstance(r.output_parsed, Pet)
+    raw = client.post("/v1/responses", json={"model": "b", "input": QUESTIONS[2], "temperature": 0,
+                                             "max_output_tokens": 80, "text": {"format": {
+                                                 "type": "json_schema", "name": "pet", "strict": True,
+                                                 "schema": PET["json_schema"]["schema"]}}}).json()
+    validate_schema("Response", raw)
+    Pet.model_validate_json(raw["output"][0]["content"][0]["text"])
+    tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+             for t in TOOLS]
+    r = sdk.responses.create(model="c", input=QUESTIONS[1], tools=tools, temperature=0, max_output_tokens=120,
+                             tool_choice={"type": "function", "name": "get_weather"}, parallel_tool_calls=False)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), PARAMS["get_weather"])
