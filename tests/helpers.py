@@ -17,7 +17,7 @@ import uvicorn
 
 from mola.config import ServeConfig
 from mola.engine.engine import Engine
-from mola.engine.loader import load_base_model
+from mola.models.loader import load_base_model
 from mola.lora.formats import read_adapter
 from mola.server.app import build_state, create_app
 

@@ -66,7 +66,7 @@ def join_group():
 def follow(config: ServeConfig, group) -> int:
     """A rank other than 0: hold a shard, replay rank 0's steps, no HTTP."""
     from .engine.distributed import run_follower
-    from .engine.loader import load_base_model
+    from .models.loader import load_base_model
     from .structured import StructuredOutputs
 
     def grammars(loaded):  # each rank compiles its own matchers from rank 0's grammar text
@@ -93,7 +93,7 @@ def exposure_warning(config: ServeConfig) -> str | None:
 
 def serve(config: ServeConfig) -> int:
     from .engine.engine import Engine
-    from .engine.loader import load_base_model
+    from .models.loader import load_base_model
     from .errors import MolaError
 
     setup_logging(config.log_level)

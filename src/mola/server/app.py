@@ -32,8 +32,8 @@ log = logging.getLogger("mola.server")
 def base_model_id(config: ServeConfig, loaded: LoadedModel) -> str:
     if config.served_model_name:
         return config.served_model_name
-    if loaded.path is not None:
-        return loaded.path.name
+    if loaded.path is not None:  # a model directory's name, a GGUF file's stem
+        return loaded.path.stem if loaded.path.is_file() else loaded.path.name
     return config.model or "base"
 
 

@@ -1,5 +1,5 @@
 """Base-model loading: local paths and hub ids through huggingface-hub's
-cache, offline (mola/engine/loader.py)."""
+cache, offline, and GGUF files (mola/models/loader.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from mola.engine.loader import ModelLoadError, load_base_model, resolve_model_path
+from mola.models.loader import ModelLoadError, load_base_model, resolve_model_path
 
 
 def test_local_directory(tiny_model):

@@ -1,0 +1,321 @@
+"""llama.cpp GGUF model files -> mlx-lm models, read with gguf-py.
+
+The hyper-parameters come from the file's metadata (``llama.embedding_length``, ...)
+as an mlx-lm config dict; tensors get mlx-lm's module names (``blk.3.attn_q.weight``
+-> ``model.layers.3.self_attn.q_proj.weight``); the model is mlx-lm's own class for
+the architecture, quantized with ``nn.quantize`` where a tensor stays quantized (see
+codecs.py), as ``mlx_lm.utils.load_model`` does. For ``llama`` (Llama, Mistral,
+SmolLM) llama.cpp stores the rows of q and k in its own rope order
+(``LlamaModel.permute``); they are put back in Hugging Face's order, so the model is
+the Hugging Face layout and adapters of either layout apply to it.
+
+What cannot be mapped exactly is refused with a message naming it: other
+architectures, mixture-of-experts, rope scaling other than linear, llama 3's
+``rope_freqs`` factors, tensors that have no place in the mlx-lm model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import ModelLoadError
+from ..lora.formats.gguf import ARCHITECTURES, BLOCK_TENSORS, hf_row_order, is_gguf_file
+from .codecs import GROUP_SIZE, BFloat16, Quantized, UnsupportedTensor, read_tensor
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+@dataclass(frozen=True)
+class BaseArchitecture:
+    name: str  # general.architecture
+    model_type: str  # the mlx-lm model module
+    hf_class: str  # config.json "architectures", for `mola convert`
+    default_rope_theta: float  # llama.cpp's default when the file has none
+
+
+BASE_ARCHITECTURES = {
+    "llama": BaseArchitecture("llama", "llama", "LlamaForCausalLM", 10000.0),
+    "qwen2": BaseArchitecture("qwen2", "qwen2", "Qwen2ForCausalLM", 10000.0),
+    "qwen3": BaseArchitecture("qwen3", "qwen3", "Qwen3ForCausalLM", 10000.0),
+}
+
+# llama.cpp tensor -> mlx-lm parameter path (".weight"/".bias" appended)
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+BLOCK_NORMS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+_GLOBAL_NAME = re.compile(r"([a-z_]+)\.(weight|bias)")
+
+
+def hf_name(name: str) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None if
+    mola knows no place for it)."""
+    m = _BLOCK_NAME.fullmatch(name)
+    if m:
+        module = BLOCK_TENSORS.get(m.group(2)) or BLOCK_NORMS.get(m.group(2))
+        return module and f"model.layers.{int(m.group(1))}.{module}.{m.group(3)}"
+    m = _GLOBAL_NAME.fullmatch(name)
+    if m and m.group(1) in GLOBAL_TENSORS:
+        return f"{GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
+    return None
+
+
+def find_gguf(path: Path) -> Path | None:
+    """The GGUF model file ``path`` names: the file itself, or the one ``.gguf`` of
+    a directory that is not an mlx-lm model directory; None when it is neither."""
+    if path.is_file():
+        return path if is_gguf_file(path) else None
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(path.glob("*.gguf"))
+    if len(files) > 1:
+        raise ModelLoadError(
+            f"{path} holds {len(files)} .gguf files ({', '.join(f.name for f in files[:4])}); "
+            "name the one to serve.")
+    return files[0] if files else None
+
+
+@dataclass
+class GGUFFile:
+    path: Path
+    reader: object  # gguf.GGUFReader
+    metadata: dict  # key -> value (strings, numbers, lists)
+    arch: BaseArchitecture
+
+    def get(self, key: str, default=None):
+        """``{arch}.key`` when it starts with '.', else ``key``."""
+        return self.metadata.get(self.arch.name + key if key.startswith(".") else key, default)
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # truncated, corrupt, unknown tensor types
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from None
+    if getattr(reader, "byte_order", "I") != "I":
+        raise ModelLoadError(f"{path} is a big-endian GGUF file; mola reads little-endian ones.")
+    metadata = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    kind = metadata.get("general.type", "model")
+    if kind != "model":
+        raise ModelLoadError(
+            f"{path} has general.type '{kind}', not 'model'"
+            + (" (a LoRA adapter: serve it with --adapter NAME=PATH)" if kind == "adapter" else ""))
+    name = metadata.get("general.architecture")
+    if name not in BASE_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path} is a GGUF model of architecture '{name}', which mola cannot map onto an "
+            f"mlx-lm model (supported: {', '.join(BASE_ARCHITECTURES)}).")
+    return GGUFFile(path, reader, metadata, BASE_ARCHITECTURES[name])
+
+
+def _int(f: GGUFFile, key: str, default=None) -> int:
+    value = f.get(key, default)
+    if isinstance(value, list):
+        raise ModelLoadError(
+            f"{f.path}: {f.arch.name}{key} differs per layer ({value[:4]}...), which mlx-lm's "
+            f"{f.arch.model_type} model does not support.")
+    if value is None:
+        raise ModelLoadError(f"{f.path} has no {f.arch.name}{key}, which a {f.arch.name} model needs.")
+    return int(value)
+
+
+def model_config(f: GGUFFile, tensor_names: set[str], vocab_size: int) -> dict:
+    """The mlx-lm config dict (config.json) the file's metadata describes."""
+    arch = f.arch
+    if f.get(".expert_count", 0):
+        raise ModelLoadError(
+            f"{f.path} is a mixture-of-experts model ({arch.name}.expert_count = "
+            f"{f.get('.expert_count')}); mola serves dense {arch.name} GGUF models only.")
+    hidden, n_head = _int(f, ".embedding_length"), _int(f, ".attention.head_count")
+    head_dim = _int(f, ".attention.key_length", hidden // n_head)
+    if _int(f, ".attention.value_length", head_dim) != head_dim:
+        raise ModelLoadError(f"{f.path}: attention key and value lengths differ; mlx-lm's "
+                             f"{arch.model_type} model needs them equal.")
+    if _int(f, ".rope.dimension_count", head_dim) != head_dim:
+        raise ModelLoadError(
+            f"{f.path}: rope covers {f.get('.rope.dimension_count')} of {head_dim} head "
+            f"dimensions; mlx-lm's {arch.model_type} model ropes the whole head.")
+    if arch.model_type == "qwen2" and head_dim != hidden // n_head:
+        raise ModelLoadError(f"{f.path}: head size {head_dim} is not hidden / heads; mlx-lm's "
+                             "qwen2 model cannot hold it.")
+    config = {
+        "model_type": arch.model_type,
+        "architectures": [arch.hf_class],
+        "hidden_size": hidden,
+        "num_hidden_layers": _int(f, ".block_count"),
+        "intermediate_size": _int(f, ".feed_forward_length"),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": _int(f, ".attention.head_count_kv", n_head),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(f.get(".attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(f.get(".rope.freq_base", arch.default_rope_theta)),
+        "max_position_embeddings": _int(f, ".context_length", 4096),
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    if arch.model_type == "llama":
+        config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+        config["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
+    rope_scaling = _rope_scaling(f, tensor_names)
+    if rope_scaling:
+        config["rope_scaling"] = rope_scaling
+    for key in ("bos_token_id", "eos_token_id"):
+        value = f.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            config[key] = int(value)
+    return config
+
+
+def _rope_scaling(f: GGUFFile, tensor_names: set[str]) -> dict | None:
+    if "rope_freqs.weight" in tensor_names:
+        raise ModelLoadError(
+            f"{f.path} carries rope_freqs.weight (llama 3 style rope frequency factors), which "
+            "mola does not apply; serve the model's mlx-lm conversion instead.")
+    kind = f.get(".rope.scaling.type", "none")
+    factor = float(f.get(".rope.scaling.factor", 1.0) or 1.0)
+    if kind == "none" or (kind == "linear" and factor == 1.0):
+        return None
+    if kind == "linear":
+        return {"type": "linear", "factor": factor}
+    raise ModelLoadError(f"{f.path} uses rope scaling '{kind}' (factor {factor:g}), which mola "
+                         "does not map onto mlx-lm; only linear scaling is applied.")
+
+
+# ---- tensors ---------------------------------------------------------------------
+
+
+def _rows(value, fn):
+    """Apply ``fn`` to the output rows of a tensor in any of its held forms."""
+    if isinstance(value, Quantized):
+        return Quantized(fn(value.weight), fn(value.scales), fn(value.biases), value.bits)
+    if isinstance(value, BFloat16):
+        return BFloat16(fn(value.bits))
+    return fn(value)
+
+
+def _float_dtype(value) -> mx.Dtype | None:
+    """The dtype a float tensor is stored in (None for quantized ones)."""
+    if isinstance(value, BFloat16):
+        return mx.bfloat16
+    if isinstance(value, np.ndarray) and value.dtype in (np.float16, np.float32):
+        return mx.float16 if value.dtype == np.float16 else mx.float32
+    return None
+
+
+def _to_mx(value, dtype: mx.Dtype, keep: bool) -> dict[str, mx.array]:
+    """{"weight": ...} in ``dtype``, or {"weight", "scales", "biases"} for a quantized
+    value with ``keep``; without it quantized values are dequantized (in float32, then
+    cast)."""
+    if isinstance(value, Quantized):
+        w, s, b = mx.array(value.weight), mx.array(value.scales), mx.array(value.biases)
+        if keep:  # float16 scales widen exactly to float32; otherwise they stay float16
+            if dtype == mx.float32:
+                s, b = s.astype(dtype), b.astype(dtype)
+            return {"weight": w, "scales": s, "biases": b}
+        full = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32),
+                             group_size=GROUP_SIZE, bits=value.bits)
+        return {"weight": full.astype(dtype)}
+    if isinstance(value, BFloat16):
+        return {"weight": mx.array(value.bits).view(mx.bfloat16).astype(dtype)}
+    return {"weight": mx.array(value).astype(dtype)}
+
+
+def read_weights(f: GGUFFile, dtype: str) -> tuple[dict, dict[str, mx.array], dict[str, dict]]:
+    """(config, weights by mlx-lm name, {module path: {"bits", "group_size"}} of the
+    modules kept quantized). ``dtype``: "keep" or a key of DTYPES."""
+    keep = dtype == "keep"
+    held, names = {}, {}
+    for tensor in f.reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            raise ModelLoadError(
+                f"{f.path} holds tensor '{tensor.name}', which has no place in mlx-lm's "
+                f"{f.arch.model_type} model; mola does not drop part of a model silently.")
+        try:
+            held[name] = read_tensor(tensor)
+        except UnsupportedTensor as e:
+            raise UnsupportedTensor(f"{f.path}: {e.message}") from None
+        names[name] = tensor.name
+    embed = held.get("model.embed_tokens.weight")
+    if embed is None:
+        raise ModelLoadError(f"{f.path} has no token_embd.weight.")
+    config = model_config(f, set(names.values()), int(embed.shape[0]))
+    if ARCHITECTURES[f.arch.name].permutes_qk:
+        _unpermute_qk(held, config)
+    if keep:  # compute in the file's float matrices' dtype; float32 when all are quantized
+        floats = {_float_dtype(v) for v in held.values() if len(v.shape) == 2}
+        target = next((d for d in (mx.float16, mx.bfloat16) if d in floats), mx.float32)
+    else:
+        target = DTYPES[dtype]
+    weights, quantization = {}, {}
+    for name, value in held.items():
+        module, _, leaf = name.rpartition(".")
+        arrays = _to_mx(value, target, keep)
+        if "scales" in arrays:
+            quantization[module] = {"group_size": GROUP_SIZE, "bits": value.bits}
+        if leaf == "bias":
+            arrays = {"bias": arrays["weight"]}
+        weights.update({f"{module}.{k}": v for k, v in arrays.items()})
+    return config, weights, quantization
+
+
+def _unpermute_qk(held: dict, config: dict) -> None:
+    """Put llama.cpp's q/k rows (weights and biases) back in Hugging Face's order."""
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    for name in list(held):
+        proj = name.split(".")[-2]
+        if proj in heads:
+            held[name] = _rows(held[name], lambda rows, n=heads[proj]: hf_row_order(rows, n))
+
+
+def build_model(config: dict, weights: dict[str, mx.array], quantization: dict[str, dict]) -> nn.Module:
+    """mlx-lm's model for ``config``, quantized where ``quantization`` says, with
+    ``weights`` loaded (strictly: every parameter given, nothing left over)."""
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    weights = model.sanitize(dict(weights))
+    if quantization:
+        nn.quantize(model, class_predicate=lambda path, m: quantization.get(path, False))
+    from mlx.utils import tree_flatten
+
+    expected = {k for k, _ in tree_flatten(model.parameters())}
+    missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
+    if missing or extra:
+        raise ModelLoadError(
+            f"the file's tensors do not fit mlx-lm's {config['model_type']} model: "
+            + (f"missing {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"not in the model {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}" if extra else ""))
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:  # shapes that do not fit the metadata
+        raise ModelLoadError(f"the file's tensors do not fit its metadata: {e}") from None
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def load_gguf_model(path: Path, dtype: str) -> tuple[nn.Module, dict, GGUFFile]:
+    """(mlx-lm model, its config dict, the opened file) for a GGUF model file."""
+    f = open_gguf(path)
+    config, weights, quantization = read_weights(f, dtype)
+    try:
+        model = build_model(config, weights, quantization)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{path}: {e.message}") from None
+    if quantization:
+        config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4, **quantization}
+    return model, config, f
