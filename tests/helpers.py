@@ -239,7 +239,13 @@ class EngineRunner:
         self.slots: dict[str, int] = {}
         self.versions: dict[str, int] = {}
         for name, path in adapters:
-            self.add(name, read_adapter(path, dtype=self.engine.geometry.dtype))
+            self.add(name, self.read(path))
+
+    def read(self, path):
+        """The adapter at ``path`` as the server reads it (with the base's config)."""
+        config = self.loaded.config
+        return read_adapter(path, dtype=self.engine.geometry.dtype, model_type=config.get("model_type"),
+                            model_config=config)
 
     def add(self, name: str, weights) -> None:
         """Validate ``weights`` (LoRAWeights) and write them into the next slot."""

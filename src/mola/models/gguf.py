@@ -308,6 +308,16 @@ def build_model(config: dict, weights: dict[str, mx.array], quantization: dict[s
     return model
 
 
+def gguf_config(path: Path) -> dict:
+    """The mlx-lm config of a GGUF model file, without reading its weights."""
+    f = open_gguf(Path(path))
+    tensors = {t.name: t for t in f.reader.tensors}
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise ModelLoadError(f"{path} has no token_embd.weight.")
+    return model_config(f, set(tensors), int(embed.shape[-1]))
+
+
 def load_gguf_model(path: Path, dtype: str) -> tuple[nn.Module, dict, GGUFFile]:
     """(mlx-lm model, its config dict, the opened file) for a GGUF model file."""
     f = open_gguf(path)
