@@ -56,7 +56,7 @@ def start_server(**kwargs) -> ServerHandle:
     """Start engine + uvicorn (127.0.0.1, a free port) in this process; the
     event loop runs on a thread of its own."""
     config = ServeConfig(host="127.0.0.1", port=free_port(), log_level="warning", **kwargs)
-    engine = Engine(lambda: load_base_model(config.model), config.engine)
+    engine = Engine(lambda: load_base_model(config.model, dtype=config.dtype), config.engine)
     loaded = engine.start()
     box: dict = {}
 

@@ -86,6 +86,18 @@ def test_bad_values_are_refused():
         ServeConfig(max_lora_rank=0)
     with pytest.raises(ValueError, match="scale"):
         AdapterSpec("a", "/x", float("nan"))
+    with pytest.raises(ValueError, match="'int4'"):
+        ServeConfig(dtype="int4")
+
+
+def test_dtype_from_flag_and_file(tmp_path):
+    assert parse().dtype == "auto"
+    assert parse("--dtype", "keep").dtype == "keep"
+    f = tmp_path / "mola.toml"
+    f.write_text('model = "m.gguf"\ndtype = "float16"\n')
+    c = parse("--config", str(f))
+    assert c.dtype == "float16" and c.model == "m.gguf"
+    assert parse("--config", str(f), "--dtype", "bfloat16").dtype == "bfloat16"
 
 
 def test_access_and_limit_flags(monkeypatch):

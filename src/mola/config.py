@@ -14,6 +14,8 @@ from .engine.config import DEFAULT_PROMPT_CACHE_BYTES, EngineConfig
 from .errors import InvalidAdapterName
 from .lora.names import check_adapter_id
 
+DTYPE_CHOICES = ("auto", "keep", "float16", "bfloat16", "float32")
+
 
 @dataclass(frozen=True)
 class AdapterSpec:
@@ -62,6 +64,11 @@ class ServeConfig:
     # identity (bytes, or a size such as "512MB" or "2GiB"); 0 turns it off.
     prompt_cache_bytes: int | str = DEFAULT_PROMPT_CACHE_BYTES
     max_model_len: int | None = None  # context limit; None: the model's own
+    # Weights at load: "keep" leaves quantized layers quantized; "float16",
+    # "bfloat16", "float32" dequantize to that dtype; "auto": GGUF files float32
+    # on a CPU (MLX's quantized matmul is slow there) and kept on a GPU, mlx-lm
+    # directories as they are.
+    dtype: str = "auto"
     # max_tokens when a request sets none and the model declares no context
     # limit (otherwise the default is whatever room the context has left).
     default_max_tokens: int = 2048
@@ -117,6 +124,8 @@ class ServeConfig:
             key = getattr(self, name)
             if key is not None and (not isinstance(key, str) or len(key) < 8):
                 raise ValueError(f"{name} must be a string of at least 8 characters")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ValueError(f"unknown log level {self.log_level!r}")
         if isinstance(self.prompt_cache_bytes, str):

@@ -72,8 +72,8 @@ def follow(config: ServeConfig, group) -> int:
     def grammars(loaded):  # each rank compiles its own matchers from rank 0's grammar text
         return StructuredOutputs(loaded.tokenizer, loaded.vocab_size).rebuild
 
-    return run_follower(lambda: load_base_model(config.model, group=group.group), config.engine, group,
-                        grammars)
+    return run_follower(lambda: load_base_model(config.model, group=group.group, dtype=config.dtype),
+                        config.engine, group, grammars)
 
 
 def exposure_warning(config: ServeConfig) -> str | None:
@@ -110,8 +110,8 @@ def serve(config: ServeConfig) -> int:
         print(f"[mola] warning: {warning}", file=sys.stderr, flush=True)
     print(f"[mola] loading {config.model} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    engine = Engine(lambda: load_base_model(config.model, group=group and group.group), config.engine,
-                    group=group)
+    engine = Engine(lambda: load_base_model(config.model, group=group and group.group, dtype=config.dtype),
+                    config.engine, group=group)
     try:
         loaded = engine.start()
     except MolaError as e:

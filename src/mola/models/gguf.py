@@ -132,6 +132,12 @@ def _int(f: GGUFFile, key: str, default=None) -> int:
     return int(value)
 
 
+def _float(value) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not
+    9.999999747378752e-06)."""
+    return float(str(np.float32(value)))
+
+
 def model_config(f: GGUFFile, tensor_names: set[str], vocab_size: int) -> dict:
     """The mlx-lm config dict (config.json) the file's metadata describes."""
     arch = f.arch
@@ -160,8 +166,8 @@ def model_config(f: GGUFFile, tensor_names: set[str], vocab_size: int) -> dict:
         "num_attention_heads": n_head,
         "num_key_value_heads": _int(f, ".attention.head_count_kv", n_head),
         "head_dim": head_dim,
-        "rms_norm_eps": float(f.get(".attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(f.get(".rope.freq_base", arch.default_rope_theta)),
+        "rms_norm_eps": _float(f.get(".attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": _float(f.get(".rope.freq_base", arch.default_rope_theta)),
         "max_position_embeddings": _int(f, ".context_length", 4096),
         "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in tensor_names,
@@ -185,7 +191,7 @@ def _rope_scaling(f: GGUFFile, tensor_names: set[str]) -> dict | None:
             f"{f.path} carries rope_freqs.weight (llama 3 style rope frequency factors), which "
             "mola does not apply; serve the model's mlx-lm conversion instead.")
     kind = f.get(".rope.scaling.type", "none")
-    factor = float(f.get(".rope.scaling.factor", 1.0) or 1.0)
+    factor = _float(f.get(".rope.scaling.factor", 1.0) or 1.0)
     if kind == "none" or (kind == "linear" and factor == 1.0):
         return None
     if kind == "linear":

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from ..config import DTYPE_CHOICES
 from ..engine.engine import LoadedModel
 from ..errors import ModelLoadError
 from .gguf import DTYPES, find_gguf
@@ -21,7 +22,6 @@ __all__ = ["ModelLoadError", "load_base_model", "looks_like_hub_id", "resolve_mo
 MODEL_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
                   "tiktoken.model", "*.txt", "*.jsonl", "*.jinja"]
 
-DTYPE_CHOICES = ("auto", "keep", *DTYPES)
 
 
 def looks_like_hub_id(name: str) -> bool:
