@@ -20,7 +20,9 @@ from mola.synthetic.gguf_model import random_blocks, save_gguf_model
 from mola.synthetic.model import TinyModelSpec, make_tiny_model
 
 KEPT = ["Q4_0", "Q4_1", "Q8_0"]
-DEQUANTIZED = ["F16", "BF16", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]
+DEQUANTIZED = ["F16", "BF16", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M",
+               "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4"]
+QUANTIZABLE = ("F16", "BF16", "TQ1_0", "TQ2_0", "MXFP4")  # gguf-py writes these from real values
 # 256 wide so that every K-quant's 256-value blocks fit the rows
 SPEC = TinyModelSpec(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                      vocab_size=400, norm_noise=0.2)
@@ -62,7 +64,7 @@ def test_kept_codecs_are_exact_mlx_affine_triples(codec, tmp_path):
 @pytest.mark.parametrize("codec", DEQUANTIZED)
 def test_other_codecs_dequantize_to_gguf_py_values(codec, tmp_path):
     rng = np.random.default_rng(2)
-    data = rng.normal(0, 0.5, (8, 256)).astype(np.float32) if codec in ("F16", "BF16") else None
+    data = rng.normal(0, 0.5, (8, 256)).astype(np.float32) if codec in QUANTIZABLE else None
     path, raw = write_one(tmp_path / "t.gguf", codec, data, rng)
     got = read_tensor(GGUFReader(str(path)).tensors[0])
     expected = quants.dequantize(raw, GGMLQuantizationType[codec])

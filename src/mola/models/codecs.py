@@ -9,7 +9,8 @@ What mola does with each codec:
                                 Q4_1  w = d * q + m,  Q8_0  w = d * q  (q signed)
     every other codec gguf-py   dequantized to float32 by gguf-py (llama.cpp's own
     dequantizes (K-quants,      Python port of its dequantization), then cast to the
-    Q5_0/1, IQ*, TQ*, MXFP4)    model's dtype
+    Q5_0/1, IQ*, TQ*, MXFP4,    model's dtype (tests/test_models_codecs.py checks each
+    NVFP4)                      but NVFP4)
     the rest (Q8_1, Q8_K,       refused, naming the codec and the tensor
     integers, F64, unknown ids)
 

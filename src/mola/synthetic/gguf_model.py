@@ -23,7 +23,8 @@ from ..lora.formats.gguf import ARCHITECTURES, MODULE_TENSORS, llama_cpp_row_ord
 SCALE_FIELDS = {
     "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
     "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-    "IQ4_NL": (0,), "IQ4_XS": (0,),
+    "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ1_S": (0,), "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,),
+    "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ1_M": (),  # IQ1_M's scale lives in its sub-block scales' high bits
 }
 _NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
           "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
