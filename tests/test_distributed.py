@@ -169,6 +169,23 @@ def test_hot_load_and_unload_during_traffic(group, single, setup):
     assert after["hits"] >= before["hits"] + 3 * len(QUESTIONS)
 
 
+def test_a_gguf_base_shards_like_its_mlx_lm_twin(setup, single):
+    """The GGUF twin of the model (mola.synthetic.gguf_model), loaded on each rank and
+    sharded with mlx-lm's own model.shard, answers as one process on the directory."""
+    from mola.synthetic.gguf_model import save_gguf_model
+
+    model, adapters = setup
+    gguf = save_gguf_model(model.parent / "model.gguf", model)
+    proc, url = launch(["--model", str(gguf), "--served-model-name", "model", "--allow-any-adapter-path",
+                        "--max-lora-rank", "16", "--adapter", f"d0={adapters['d0']}",
+                        "--adapter", f"d2={adapters['d2']}"], True)
+    try:
+        got = answers(url, ["model", "d0", "d2"])
+    finally:
+        kill(proc)
+    assert got == {k: v for k, v in single.items() if k[0] in ("model", "d0", "d2")}
+
+
 def start_ranks(model, tmp_path) -> tuple[list[subprocess.Popen], str]:
     """The two ranks started by hand, as mlx.launch starts them (a ring
     hostfile and MLX_RANK), but with no launcher to tear the group down.

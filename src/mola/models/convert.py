@@ -13,7 +13,8 @@ import tempfile
 from pathlib import Path
 
 from ..errors import ModelLoadError
-from .gguf import find_gguf, load_gguf_model
+from .gguf import load_gguf_model
+from .metadata import find_gguf
 from .tokenizer import tokenizer_files
 
 CONVERT_DTYPES = ("keep", "float16", "bfloat16", "float32")

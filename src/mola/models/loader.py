@@ -12,7 +12,8 @@ import mlx.core as mx
 from ..config import DTYPE_CHOICES
 from ..engine.engine import LoadedModel
 from ..errors import ModelLoadError
-from .gguf import DTYPES, find_gguf
+from .gguf import DTYPES
+from .metadata import find_gguf
 
 log = logging.getLogger("mola.loader")
 

@@ -21,7 +21,7 @@ def read_model_config(model_path: Path) -> dict:
     """config.json of a model directory, or the config a GGUF model file describes."""
     model_path = Path(model_path)
     if model_path.is_file():
-        from ..models.gguf import gguf_config
+        from ..models.metadata import gguf_config
 
         return gguf_config(model_path)
     return json.loads((model_path / "config.json").read_text())

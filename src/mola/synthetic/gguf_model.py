@@ -106,23 +106,11 @@ def save_gguf_model(path: str | Path, model_dir: str | Path, codec: str = "F32",
     config = json.loads((model_dir / "config.json").read_text())
     arch = next(a for a in ARCHITECTURES.values() if config["model_type"] in a.model_types)
     n_head, n_kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), architecture or arch.name)
     writer.add_type("model")
     writer.add_name(model_dir.name)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config.get("max_position_embeddings", 2048))
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_kv)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
-    writer.add_vocab_size(config["vocab_size"])
+    _hyperparameters(writer, config)
     for key, value in (metadata or {}).items():
         writer.add_key_value(key, value[0], value[1]) if isinstance(value, tuple) else writer.add_string(key, value)
     _tokenizer(writer, model_dir)
@@ -144,3 +132,20 @@ def save_gguf_model(path: str | Path, model_dir: str | Path, codec: str = "F32",
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _hyperparameters(writer, config: dict) -> None:
+    n_head = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config.get("max_position_embeddings", 2048))
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(n_head)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or n_head)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
+    writer.add_vocab_size(config["vocab_size"])
