@@ -21,11 +21,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from ..errors import ModelLoadError
 from ..lora.formats.gguf import ARCHITECTURES, BLOCK_TENSORS, hf_row_order
-from .codecs import GROUP_SIZE, BFloat16, Quantized, UnsupportedTensor, read_tensor
+from .codecs import GROUP_SIZE, KEPT, BFloat16, Quantized, UnsupportedTensor, codec_name, read_tensor
 from .metadata import GGUFFile, model_config, open_gguf
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -68,15 +67,6 @@ def _rows(value, fn):
     return fn(value)
 
 
-def _float_dtype(value) -> mx.Dtype | None:
-    """The dtype a float tensor is stored in (None for quantized ones)."""
-    if isinstance(value, BFloat16):
-        return mx.bfloat16
-    if isinstance(value, np.ndarray) and value.dtype in (np.float16, np.float32):
-        return mx.float16 if value.dtype == np.float16 else mx.float32
-    return None
-
-
 def _to_mx(value, dtype: mx.Dtype, keep: bool) -> dict[str, mx.array]:
     """{"weight": ...} in ``dtype``, or {"weight", "scales", "biases"} for a quantized
     value with ``keep``; without it quantized values are dequantized (in float32, then
@@ -99,7 +89,7 @@ def read_weights(f: GGUFFile, dtype: str) -> tuple[dict, dict[str, mx.array], di
     """(config, weights by mlx-lm name, {module path: {"bits", "group_size"}} of the
     modules kept quantized). ``dtype``: "keep" or a key of DTYPES."""
     keep = dtype == "keep"
-    held, names = {}, {}
+    held, names, codecs = {}, {}, {}
     for tensor in f.reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
@@ -111,17 +101,15 @@ def read_weights(f: GGUFFile, dtype: str) -> tuple[dict, dict[str, mx.array], di
         except UnsupportedTensor as e:
             raise UnsupportedTensor(f"{f.path}: {e.message}") from None
         names[name] = tensor.name
+        if len(tensor.shape) > 1:
+            codecs[codec_name(tensor.tensor_type)] = True
     embed = held.get("model.embed_tokens.weight")
     if embed is None:
         raise ModelLoadError(f"{f.path} has no token_embd.weight.")
     config = model_config(f, set(names.values()), int(embed.shape[0]))
     if ARCHITECTURES[f.arch.name].permutes_qk:
         _unpermute_qk(held, config)
-    if keep:  # compute in the file's float matrices' dtype; float32 when all are quantized
-        floats = {_float_dtype(v) for v in held.values() if len(v.shape) == 2}
-        target = next((d for d in (mx.float16, mx.bfloat16) if d in floats), mx.float32)
-    else:
-        target = DTYPES[dtype]
+    target = keep_dtype(codecs) if keep else DTYPES[dtype]
     weights, quantization = {}, {}
     for name, value in held.items():
         module, _, leaf = name.rpartition(".")
@@ -132,6 +120,17 @@ def read_weights(f: GGUFFile, dtype: str) -> tuple[dict, dict[str, mx.array], di
             arrays = {"bias": arrays["weight"]}
         weights.update({f"{module}.{k}": v for k, v in arrays.items()})
     return config, weights, quantization
+
+
+def keep_dtype(codecs) -> mx.Dtype:
+    """The dtype a model kept as stored computes in, from its matrices' codecs:
+    float16 if any is F16 or dequantized from a codec MLX cannot hold (as MLX and
+    llama.cpp's GPU paths hold them), else bfloat16 if any is BF16, else float32
+    (every matrix F32 or kept quantized: the float16 scales widen exactly)."""
+    codecs = set(codecs)
+    if "F16" in codecs or codecs - {"F32", "BF16", *KEPT}:
+        return mx.float16
+    return mx.bfloat16 if "BF16" in codecs else mx.float32
 
 
 def _unpermute_qk(held: dict, config: dict) -> None:
