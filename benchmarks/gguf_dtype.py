@@ -9,7 +9,8 @@ against dequantized float32 (and float16), at batch 1 and 8. This is what chose
 The model defaults to the real one (SmolLM2-135M-Instruct Q4_1, fetched into mola's
 cache). Each figure is the median over --repeats interleaved runs of --steps greedy
 decode steps (after a 16-token prefill and two warm-up steps), through mlx-lm's model
-and KV cache: tokens per second over all rows. Written to
+and KV cache: tokens per second over all rows; the ratios are the medians of each
+repeat's back-to-back ratio to the first dtype. Written to
 benchmarks/results/gguf_dtype.json.
 """
 
@@ -72,13 +73,16 @@ def main() -> int:
                 print(f"repeat {r + 1}: {d:8s} batch {b}: {runs[d][b][-1]:7.1f} tok/s", file=sys.stderr)
     table = {d: {str(b): round(statistics.median(v), 1) for b, v in by.items()} for d, by in runs.items()}
     base = a.dtypes[0]
+    # On a shared machine the absolute rates move a lot between repeats; the ratio of
+    # two runs made back to back moves less: the median of those paired ratios.
+    ratios = {d: {str(b): round(statistics.median(x / y for x, y in zip(runs[d][b], runs[base][b])), 2)
+                  for b in a.batch} for d in a.dtypes}
     print(f"\n{'dtype':8s} " + " ".join(f"batch {b:<3d} (x {base})" for b in a.batch))
     for d in a.dtypes:
-        print(f"{d:8s} " + " ".join(f"{table[d][str(b)]:7.1f} ({table[d][str(b)] / table[base][str(b)]:4.1f}x)"
-                                    for b in a.batch))
+        print(f"{d:8s} " + " ".join(f"{table[d][str(b)]:7.1f} ({ratios[d][str(b)]:4.1f}x)" for b in a.batch))
     result = {"model": Path(path).name, "device": str(mx.default_device()), "machine": platform.machine(),
               "openblas": openblas_loaded(), "mlx": mx.__version__, "steps": a.steps,
-              "repeats": a.repeats, "tok_per_s_median": table,
+              "repeats": a.repeats, "tok_per_s_median": table, f"paired_ratio_to_{base}_median": ratios,
               "tok_per_s_runs": {d: {str(b): v for b, v in by.items()} for d, by in runs.items()}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")

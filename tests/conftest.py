@@ -78,6 +78,14 @@ def smollm(smollm_gguf):
     return load_base_model(str(smollm_gguf), dtype="float32")
 
 
+@pytest.fixture(scope="session")
+def llama_cpp(smollm_gguf):
+    """llama.cpp's forward in numpy on the real model (tests/llama_cpp_reference.py)."""
+    from llama_cpp_reference import LlamaCppReference
+
+    return LlamaCppReference(smollm_gguf)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model, adapters) -> ServerHandle:
     """A mola server on 127.0.0.1 serving the tiny model and adapters a, b, c."""

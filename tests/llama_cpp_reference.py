@@ -22,7 +22,7 @@ def _read(path) -> tuple[dict, dict[str, np.ndarray]]:
 
 
 class LlamaCppReference:
-    def __init__(self, model_path, lora_path=None, lora_scale: float = 1.0):
+    def __init__(self, model_path):
         meta, self.t = _read(model_path)
         arch = meta["general.architecture"]
         assert arch == "llama", arch
@@ -31,8 +31,13 @@ class LlamaCppReference:
         self.n_kv = int(meta[f"{arch}.attention.head_count_kv"])
         self.eps = float(meta[f"{arch}.attention.layer_norm_rms_epsilon"])
         self.base = float(meta[f"{arch}.rope.freq_base"])
-        if lora_path is not None:
-            self._apply_lora(lora_path, lora_scale)
+
+    def with_lora(self, path, lora_scale: float = 1.0) -> "LlamaCppReference":
+        """A copy with a GGUF LoRA applied (sharing the tensors it leaves alone)."""
+        other = object.__new__(LlamaCppReference)
+        other.__dict__.update(self.__dict__, t=dict(self.t))
+        other._apply_lora(path, lora_scale)
+        return other
 
     def _apply_lora(self, path, extra_scale: float) -> None:
         meta, lora = _read(path)

@@ -10,7 +10,6 @@ import httpx
 import pytest
 
 from helpers import EngineRunner, start_server
-from llama_cpp_reference import LlamaCppReference
 from mola.config import AdapterSpec
 from mola.errors import InvalidAdapter
 from mola.synthetic.adapter import linear_shapes, random_lora, save_mlx_lm_adapter
@@ -51,10 +50,10 @@ def alone(runner, prompt):
     return {name: runner.run(prompt, name) for name in (None, "gguf", "mlx", "peft")}
 
 
-def test_a_gguf_lora_gives_llama_cpps_tokens(alone, prompt, smollm_gguf, lora_files):
+def test_a_gguf_lora_gives_llama_cpps_tokens(alone, prompt, llama_cpp, lora_files):
     tokens = alone["gguf"]
     assert tokens != alone[None]  # the adapter changes the answer
-    ref = LlamaCppReference(smollm_gguf, lora_files["gguf"]).logits(prompt + tokens)
+    ref = llama_cpp.with_lora(lora_files["gguf"]).logits(prompt + tokens)
     assert list(ref[len(prompt) - 1: len(prompt) - 1 + len(tokens)].argmax(-1)) == tokens
 
 

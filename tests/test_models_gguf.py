@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType
 
-from llama_cpp_reference import LlamaCppReference
 from mola.errors import ModelLoadError
 from mola.models.loader import load_base_model, resolve_model_path
 from mola.server.app import base_model_id
@@ -128,13 +127,13 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def test_the_real_model_matches_llama_cpp_in_numpy(smollm, smollm_gguf):
+def test_the_real_model_matches_llama_cpp_in_numpy(smollm, llama_cpp):
     """Greedy tokens equal, and every step's log-probabilities agree to 1e-3."""
     tok = smollm.tokenizer
     prompt = tok.apply_chat_template(FRANCE, add_generation_prompt=True)
     tokens, logprobs = mola_greedy(smollm, prompt, 12)
     assert tok.decode(tokens, skip_special_tokens=True) == "The capital of France is Paris."
-    ref = LlamaCppReference(smollm_gguf).logits(prompt + tokens)  # the file's own layout
+    ref = llama_cpp.logits(prompt + tokens)  # the file's own layout
     ref = ref[len(prompt) - 1: len(prompt) - 1 + len(tokens)]
     assert list(ref.argmax(-1)) == tokens  # so numpy's greedy path is the same
     np.testing.assert_allclose(logprobs, log_softmax(ref), rtol=0, atol=1e-3)

@@ -10,7 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ..config import DTYPE_CHOICES
-from ..engine.engine import LoadedModel
+from ..engine.model import LoadedModel
 from ..errors import ModelLoadError
 from .gguf import DTYPES
 from .metadata import find_gguf
