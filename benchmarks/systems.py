@@ -104,7 +104,7 @@ def start_mola(model: Path, adapters: list[Path], max_loras: int, max_rank: int,
     args = [sys.executable, "-m", "mola", "serve", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--served-model-name", "base", "--max-loras", str(max_loras),
             "--max-lora-rank", str(max_rank), "--max-num-seqs", str(max_num_seqs),
-            "--log-level", "warning", "--allow-any-adapter-path"]
+            "--log-level", "warning", "--allow-any-adapter-path", *extra]
     for i, a in enumerate(adapters):
         args += ["--adapter", f"a{i}={a}"]
     args += list(extra)
@@ -114,11 +114,12 @@ def start_mola(model: Path, adapters: list[Path], max_loras: int, max_rank: int,
     return Server("mola", url, proc)
 
 
-def start_mlx_lm(model: Path, max_num_seqs: int, log: Path, openblas: bool = True) -> Server:
+def start_mlx_lm(model: Path, max_num_seqs: int, log: Path, openblas: bool = True,
+                 extra: tuple[str, ...] = ()) -> Server:
     port = free_port()
     args = [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--host", "127.0.0.1",
             "--port", str(port), "--decode-concurrency", str(max_num_seqs),
-            "--prompt-concurrency", str(min(max_num_seqs, 8)), "--log-level", "WARNING"]
+            "--prompt-concurrency", str(min(max_num_seqs, 8)), "--log-level", "WARNING", *extra]
     proc = subprocess.Popen(args, env=bench_env(openblas), stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     _wait(url, proc, "/health")

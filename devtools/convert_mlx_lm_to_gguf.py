@@ -4,8 +4,9 @@ convert_lora_to_gguf.py would write for the same weights as a PEFT adapter).
     python devtools/convert_mlx_lm_to_gguf.py SRC OUT.gguf --model MODEL_DIR
         [--architecture llama|qwen2|qwen3] [--outtype f32|f16|bf16|q8_0]
 
-The head counts (for llama's q/k row order) come from MODEL_DIR/config.json; the
-architecture defaults to the one its model_type converts to in llama.cpp.
+The head counts (for llama's q/k row order) come from MODEL_DIR/config.json, or from
+the metadata when MODEL is a GGUF model file; the architecture defaults to the one
+its model_type converts to in llama.cpp.
 adapter.lora.alpha is written as scale * rank, which llama.cpp reads back as the
 adapter's scale (alpha / rank).
 """
@@ -33,7 +34,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("src", help="the adapter to convert (an mlx-lm adapter directory)")
     p.add_argument("out", help="the .gguf file to write")
-    p.add_argument("--model", required=True, help="the base model directory (for config.json)")
+    p.add_argument("--model", required=True,
+                   help="the base model: a directory (its config.json) or a GGUF model file (its metadata)")
     p.add_argument("--architecture", choices=sorted(ARCHITECTURES),
                    help="general.architecture (default: from the model's model_type)")
     p.add_argument("--outtype", choices=OUTTYPES, default="f32", help="tensor type (default f32)")

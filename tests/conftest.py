@@ -55,6 +55,37 @@ def quantized_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-q4", spec)
 
 
+@pytest.fixture(scope="session")
+def smollm_gguf():
+    """The real model's GGUF file (SmolLM2-135M-Instruct, Q4_1), fetched into mola's
+    cache once. Skipped when it cannot be had, unless MOLA_REQUIRE_REAL_MODEL=1 (CI
+    fetches it first), which makes that a failure."""
+    from mola.models.fetch import FetchError, ensure_smollm
+
+    try:
+        return ensure_smollm()
+    except FetchError as e:
+        if os.environ.get("MOLA_REQUIRE_REAL_MODEL") == "1":
+            pytest.fail(f"MOLA_REQUIRE_REAL_MODEL=1 but the real model cannot be had: {e.message}")
+        pytest.skip(f"the real model cannot be had: {e.message}")
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_gguf):
+    """The real model loaded by mola (dequantized float32)."""
+    from mola.models.loader import load_base_model
+
+    return load_base_model(str(smollm_gguf), dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def llama_cpp(smollm_gguf):
+    """llama.cpp's forward in numpy on the real model (tests/llama_cpp_reference.py)."""
+    from llama_cpp_reference import LlamaCppReference
+
+    return LlamaCppReference(smollm_gguf)
+
+
 @pytest.fixture(scope="module")
 def server(tiny_model, adapters) -> ServerHandle:
     """A mola server on 127.0.0.1 serving the tiny model and adapters a, b, c."""

@@ -17,7 +17,7 @@ import uvicorn
 
 from mola.config import ServeConfig
 from mola.engine.engine import Engine
-from mola.engine.loader import load_base_model
+from mola.models.loader import load_base_model
 from mola.lora.formats import read_adapter
 from mola.server.app import build_state, create_app
 
@@ -56,7 +56,7 @@ def start_server(**kwargs) -> ServerHandle:
     """Start engine + uvicorn (127.0.0.1, a free port) in this process; the
     event loop runs on a thread of its own."""
     config = ServeConfig(host="127.0.0.1", port=free_port(), log_level="warning", **kwargs)
-    engine = Engine(lambda: load_base_model(config.model), config.engine)
+    engine = Engine(lambda: load_base_model(config.model, dtype=config.dtype), config.engine)
     loaded = engine.start()
     box: dict = {}
 
@@ -237,8 +237,15 @@ class EngineRunner:
         )
         self.loaded = self.engine.start()
         self.slots: dict[str, int] = {}
+        self.versions: dict[str, int] = {}
         for name, path in adapters:
-            self.add(name, read_adapter(path, dtype=self.engine.geometry.dtype))
+            self.add(name, self.read(path))
+
+    def read(self, path):
+        """The adapter at ``path`` as the server reads it (with the base's config)."""
+        config = self.loaded.config
+        return read_adapter(path, dtype=self.engine.geometry.dtype, model_type=config.get("model_type"),
+                            model_config=config)
 
     def add(self, name: str, weights) -> None:
         """Validate ``weights`` (LoRAWeights) and write them into the next slot."""
@@ -246,9 +253,10 @@ class EngineRunner:
 
         geometry = self.engine.geometry
         validate(weights, geometry.dims, geometry.max_rank)
-        slot = len(self.slots) + 1
+        slot = self.slots.get(name, len(self.slots) + 1)
         self.engine.call(lambda: self.engine.packs.fill_from(slot, weights)).result()
         self.slots[name] = slot
+        self.versions[name] = self.versions.get(name, 0) + 1  # the prompt cache's key changes
 
     def _on_outputs(self, outputs):
         with self.cond:
@@ -257,11 +265,13 @@ class EngineRunner:
                     self.done[out.seq.seq_id] = out.seq
             self.cond.notify_all()
 
-    def submit(self, prompt, adapter=None, **params):
+    def submit(self, prompt, adapter=None, lora_scale=1.0, constraint=None, **params):
         from mola.engine.sequence import SamplingParams, Sequence
 
         params = {"max_tokens": self.max_tokens, "temperature": 0.0, **params}
-        seq = Sequence(prompt=list(prompt), params=SamplingParams(**params), slot=self.slots.get(adapter, 0))
+        key = None if adapter is None else (adapter, self.versions[adapter])  # as Lease.key
+        seq = Sequence(prompt=list(prompt), params=SamplingParams(**params), slot=self.slots.get(adapter, 0),
+                       lora_scale=lora_scale, adapter_key=key, constraint=constraint)
         self.engine.add(seq)
         return seq
 
@@ -296,3 +306,33 @@ def detokenize(tokenizer, tokens, stop_at_eos=True) -> str:
         detok.add_token(t)
     detok.finalize()
     return detok.text
+
+
+# ---- tokenizers of other model families --------------------------------------------------
+
+# Chat templates in the style of other families, enough for mlx-lm to pick
+# their tool parser (mlx_lm.tokenizer_utils._infer_tool_parser).
+MISTRAL_TEMPLATE = """\
+{%- if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'user' %}[INST]{{ message.content }}[/INST]
+{%- elif message.role == 'assistant' and message.tool_calls %}
+{%- for tc in message.tool_calls %}[TOOL_CALLS]{{ tc.function.name }}[ARGS]{{ tc.function.arguments | tojson }}{% endfor %}<|im_end|>
+{%- elif message.role == 'assistant' %}{{ message.content }}<|im_end|>
+{%- elif message.role == 'tool' %}[TOOL_RESULTS]{{ message.content }}[/TOOL_RESULTS]
+{%- endif %}
+{%- endfor %}"""
+MISTRAL_V3_TEMPLATE = MISTRAL_TEMPLATE.replace(
+    "{%- for tc in message.tool_calls %}[TOOL_CALLS]{{ tc.function.name }}[ARGS]{{ tc.function.arguments | tojson }}{% endfor %}",
+    '[TOOL_CALLS][{%- for tc in message.tool_calls %}{"name": "{{ tc.function.name }}", "arguments": '
+    '{{ tc.function.arguments | tojson }}}{{ ", " if not loop.last }}{% endfor %}]')
+PYTHONIC_TEMPLATE = "{% for m in messages %}<|tool_call_start|>{{ m.content }}<|tool_call_end|>{% endfor %}"
+
+
+def with_chat_template(model_dir, out_dir, template: str):
+    """A copy of a model directory whose tokenizer has another chat template."""
+    import shutil
+
+    shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
+    (Path(out_dir) / "chat_template.jinja").write_text(template)
+    return Path(out_dir)

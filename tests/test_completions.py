@@ -42,8 +42,11 @@ def test_string_prompt_matches_reference(client, server, models):
         tokens, _ = reference_decode(models[model_id], tok.encode(PROMPT), 12)
         assert body["choices"][0]["text"] == detok(tok, tokens)
         assert body["object"] == "text_completion" and body["model"] == model_id
-        assert body["usage"] == {"prompt_tokens": len(tok.encode(PROMPT)), "completion_tokens": 12,
-                                 "total_tokens": len(tok.encode(PROMPT)) + 12}
+        usage = dict(body["usage"])
+        details = usage.pop("prompt_tokens_details")  # cached_tokens: tests/test_prompt_cache_server.py
+        assert usage == {"prompt_tokens": len(tok.encode(PROMPT)), "completion_tokens": 12,
+                         "total_tokens": len(tok.encode(PROMPT)) + 12}
+        assert set(details) == {"cached_tokens"} and 0 <= details["cached_tokens"] < usage["prompt_tokens"]
 
 
 def test_default_max_tokens_is_16(client):

@@ -86,6 +86,18 @@ def test_bad_values_are_refused():
         ServeConfig(max_lora_rank=0)
     with pytest.raises(ValueError, match="scale"):
         AdapterSpec("a", "/x", float("nan"))
+    with pytest.raises(ValueError, match="'int4'"):
+        ServeConfig(dtype="int4")
+
+
+def test_dtype_from_flag_and_file(tmp_path):
+    assert parse().dtype == "auto"
+    assert parse("--dtype", "keep").dtype == "keep"
+    f = tmp_path / "mola.toml"
+    f.write_text('model = "m.gguf"\ndtype = "float16"\n')
+    c = parse("--config", str(f))
+    assert c.dtype == "float16" and c.model == "m.gguf"
+    assert parse("--config", str(f), "--dtype", "bfloat16").dtype == "bfloat16"
 
 
 def test_access_and_limit_flags(monkeypatch):
@@ -104,6 +116,25 @@ def test_access_and_limit_flags(monkeypatch):
         ServeConfig(request_timeout=0)
     with pytest.raises(ValueError, match="max_stored_responses"):
         ServeConfig(max_stored_responses=-1)
+
+
+def test_prompt_cache_bytes_from_flags_and_files(tmp_path):
+    assert parse().engine.prompt_cache_bytes == 2**30  # the documented default, 1 GiB
+    assert parse("--prompt-cache-bytes", "0").engine.prompt_cache_bytes == 0  # off
+    assert parse("--prompt-cache-bytes", "512MB").prompt_cache_bytes == 512 * 10**6
+    assert parse("--prompt-cache-bytes", "2GiB").engine.prompt_cache_bytes == 2 * 2**30
+    f = tmp_path / "mola.toml"
+    f.write_text('prompt_cache_bytes = "1.5G"\n')
+    assert parse("--config", str(f)).engine.prompt_cache_bytes == 1_500_000_000
+    f.write_text("prompt-cache-bytes = 4096\n")
+    assert parse("--config", str(f), "--prompt-cache-bytes", "8192").prompt_cache_bytes == 8192
+    for bad in ("-1", "lots", "1TB", "nan"):
+        with pytest.raises(ValueError, match="size in bytes"):
+            ServeConfig(prompt_cache_bytes=bad)
+    with pytest.raises(ValueError, match="prompt_cache_bytes"):
+        ServeConfig(prompt_cache_bytes=1.5)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--prompt-cache-bytes", "-5"])
 
 
 def test_host_tier_and_admission_settings(tmp_path):

@@ -78,14 +78,28 @@ def kill(proc):
     proc.wait(timeout=30)
 
 
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+          "required": ["ok", "n"], "additionalProperties": False}
+
+
 def answers(url, models):
+    """Greedy answers of every model to every question, free and under a
+    json_schema (each rank keeps its own matchers), all in one batch."""
+    def request(m, q, constrained):
+        extra = {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}},
+                 "max_tokens": 40} if constrained else {"ignore_eos": True}
+        return {"model": m, "messages": [{"role": "user", "content": q}], "max_tokens": 12,
+                "temperature": 0, **extra}
+
     async def go():
         async with httpx.AsyncClient(base_url=url, timeout=120) as c:
-            jobs = [(m, q) for q in QUESTIONS for m in models]
-            rs = await asyncio.gather(*(c.post("/v1/chat/completions", json={
-                "model": m, "messages": [{"role": "user", "content": q}], "max_tokens": 12,
-                "temperature": 0, "ignore_eos": True}) for m, q in jobs))
-            return {job: r.json()["choices"][0]["message"]["content"] for job, r in zip(jobs, rs)}
+            jobs = [(m, q, k) for q in QUESTIONS for m in models for k in (False, True)]
+            rs = await asyncio.gather(*(c.post("/v1/chat/completions", json=request(*job)) for job in jobs))
+            out = {job: r.json()["choices"][0]["message"]["content"] for job, r in zip(jobs, rs)}
+            for (m, q, constrained), r in zip(jobs, rs):
+                if constrained and r.json()["choices"][0]["finish_reason"] == "stop":
+                    assert set(json.loads(out[m, q, constrained])) == {"ok", "n"}
+            return out
     return asyncio.run(go())
 
 
@@ -115,7 +129,8 @@ def test_two_ranks_answer_like_one_process(group, single):
         assert httpx.post(url + "/v1/adapters", json={"name": name, "path": str(adapters[name])}).status_code == 200
     got = answers(url, ["model", *adapters])  # base and three adapters, mixed in one batch
     assert got == single
-    assert len(set(got.values())) == len(got)  # every model id answered differently
+    free = [v for (_, _, constrained), v in got.items() if not constrained]
+    assert len(set(free)) == len(free)  # every model id answered differently
 
 
 def test_hot_load_and_unload_during_traffic(group, single, setup):
@@ -146,8 +161,29 @@ def test_hot_load_and_unload_during_traffic(group, single, setup):
     assert all(len(v) == 1 for v in by_model.values())  # no request saw a mixed-up slot
     assert httpx.post(url + "/v1/chat/completions", json={
         "model": "d1", "messages": [{"role": "user", "content": "x"}]}).status_code == 404
-    # The base and the remaining adapters still answer exactly as one process does.
+    # The base and the remaining adapters still answer exactly as one process does,
+    # from prompt-cache entries that both ranks hold (rank 0 decides, the other follows).
+    before = httpx.get(url + "/v1/adapters").json()["prompt_cache"]
     assert answers(url, ["model", "d0", "d2"]) == {k: v for k, v in single.items() if k[0] != "d1"}
+    after = httpx.get(url + "/v1/adapters").json()["prompt_cache"]
+    assert after["hits"] >= before["hits"] + 3 * len(QUESTIONS)
+
+
+def test_a_gguf_base_shards_like_its_mlx_lm_twin(setup, single):
+    """The GGUF twin of the model (mola.synthetic.gguf_model), loaded on each rank and
+    sharded with mlx-lm's own model.shard, answers as one process on the directory."""
+    from mola.synthetic.gguf_model import save_gguf_model
+
+    model, adapters = setup
+    gguf = save_gguf_model(model.parent / "model.gguf", model)
+    proc, url = launch(["--model", str(gguf), "--served-model-name", "model", "--allow-any-adapter-path",
+                        "--max-lora-rank", "16", "--adapter", f"d0={adapters['d0']}",
+                        "--adapter", f"d2={adapters['d2']}"], True)
+    try:
+        got = answers(url, ["model", "d0", "d2"])
+    finally:
+        kill(proc)
+    assert got == {k: v for k, v in single.items() if k[0] in ("model", "d0", "d2")}
 
 
 def start_ranks(model, tmp_path) -> tuple[list[subprocess.Popen], str]:

@@ -10,7 +10,7 @@ import numpy as np
 
 from mola.engine.client import AsyncEngine
 from mola.engine.engine import Engine, EngineConfig
-from mola.engine.loader import load_base_model
+from mola.models.loader import load_base_model
 from mola.lora.formats import read_adapter
 from mola.lora.loader import AdapterLoader
 from mola.lora.recipe import Recipe

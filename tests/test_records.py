@@ -11,7 +11,7 @@ import pytest
 
 from mola.engine.client import AsyncEngine
 from mola.engine.engine import Engine, EngineConfig
-from mola.engine.loader import load_base_model
+from mola.models.loader import load_base_model
 from mola.errors import InvalidAdapter, ModelNotFound
 from mola.lora.loader import AdapterLoader
 from mola.lora.records import TRANSITIONS, AdapterRecord, AdapterState, InvalidTransition

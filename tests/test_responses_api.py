@@ -165,22 +165,20 @@ def test_length_is_incomplete_and_failure_is_failed():
     validate_schema("Response", b.response)
 
 
-def test_the_hook_sees_chat_shapes_and_refuses_for_now():
+def test_the_hook_hands_on_chat_shapes():
     schema = {"type": "object", "properties": {"a": {"type": "string"}}}
     tools = [{"type": "function", "name": "f", "parameters": schema}]
     body = ResponsesRequest(model="m", input="x", tools=tools, tool_choice={"type": "function", "name": "f"},
                             text={"format": {"type": "json_schema", "name": "A", "schema": schema,
-                                             "strict": True}})
-    assert body.chat_equivalents() == (
+                                             "strict": True}}, parallel_tool_calls=False)
+    assert constrain(body) == (
         {"type": "json_schema", "json_schema": {"name": "A", "schema": schema, "strict": True}},
         {"type": "function", "function": {"name": "f"}})
     assert body.chat_tools() == [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    # one call at most is enforced only where calls are forced
     with pytest.raises(InvalidRequest) as e:
-        constrain(body)
-    assert e.value.param == "text.format"
-    with pytest.raises(InvalidRequest) as e:
-        constrain(ResponsesRequest(model="m", input="x", tools=tools, tool_choice="required"))
-    assert e.value.param == "tool_choice"
-    constrain(ResponsesRequest(model="m", input="x", tools=tools, tool_choice="auto",
-                               text={"format": {"type": "text"}}))
+        constrain(ResponsesRequest(model="m", input="x", tools=tools, tool_choice="auto", parallel_tool_calls=False))
+    assert e.value.param == "parallel_tool_calls"
+    assert constrain(ResponsesRequest(model="m", input="x", tools=tools, tool_choice="auto",
+                                      text={"format": {"type": "text"}})) == (None, "auto")
     constrain(ResponsesRequest(model="m", input="x", parallel_tool_calls=False))  # no tools: nothing to limit

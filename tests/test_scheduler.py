@@ -108,3 +108,36 @@ def test_take_batch_and_take_all_empty_what_they_say():
     assert not s.running and not s.group and list(s.waiting) == [queued]
     s.schedule()
     assert s.take_all() == [queued] and not s.has_work()
+
+
+def test_prompt_cache_orders_in_the_plan():
+    """Hits shorten the group's columns; joining members and leaving rows are
+    stored (prompt, then prompt and output); identities never mix."""
+    from mola.engine.prompt_cache import PromptCache
+
+    cache = PromptCache(max_bytes=10_000, bytes_per_token=1)
+    s = Scheduler(max_num_seqs=8, prefill_step_size=128, prompt_cache=cache)
+    first = seq(21)
+    s.add(first)
+    plan = s.schedule()
+    assert plan.hits == [None] and (plan.start, plan.end) == (0, 20)
+    assert [(i, n) for i, _, n in plan.store_joined] == [(0, 20)]  # its prompt but the last token
+    first.append(7)
+    first.finish("stop")
+    again, other_scale, adapter = seq(21), seq(21), seq(21)
+    adapter.slot, adapter.adapter_key = 1, ("a", 1)
+    other_scale.slot, other_scale.adapter_key, other_scale.lora_scale = 1, ("a", 1), 0.5
+    unknown = seq(21)
+    unknown.slot = 2  # an adapter row with no key is never cached
+    for q in (again, other_scale, adapter, unknown):
+        q.prompt = first.prompt + [7] + [99] * 4  # the next turn, and other identities
+        s.add(q)
+    plan = s.schedule()
+    (row, entry, n), = plan.store_rows
+    assert (row, n) == (0, 22) and plan.keep == []  # prompt + output
+    assert plan.evict and plan.evict[0] != entry  # the joined prompt's entry is a prefix of it
+    assert plan.hits[0].entry == entry and plan.hits[0].num_tokens == 22
+    assert plan.hits[1:] == [None, None, None]
+    assert [q.num_cached_tokens for q in (again, other_scale, adapter, unknown)] == [22, 0, 0, 0]
+    assert (plan.start, plan.end) == (0, 25)  # the longest uncached part, not 25 + 22
+    assert cache.stats().hits == 1 and cache.stats().misses == 3  # first, other_scale, adapter

@@ -8,8 +8,8 @@ import sys
 
 from . import __version__
 from .blas import maybe_reexec_with_openblas
-from .config import (FIELDS, AdapterSpec, ServeConfig, load_config_file, merge_adapters, parse_adapter_arg,
-                     parse_bytes)
+from .config import (DTYPE_CHOICES, FIELDS, AdapterSpec, ServeConfig, load_config_file, merge_adapters,
+                     parse_adapter_arg, parse_bytes)
 
 
 def _adapter(value: str) -> AdapterSpec:
@@ -19,7 +19,7 @@ def _adapter(value: str) -> AdapterSpec:
         raise argparse.ArgumentTypeError(str(e))
 
 
-def _bytes(value: str) -> int:
+def _size(value: str) -> int:
     try:
         return parse_bytes(value)
     except ValueError as e:
@@ -37,10 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     serve.add_argument("--config", help="a TOML or YAML file declaring the model, adapters and settings")
-    serve.add_argument("--model", help="base model: a local directory or a Hugging Face hub id "
+    serve.add_argument("--model", help="base model: a local mlx-lm directory, a Hugging Face hub id, "
+                       "or a llama.cpp GGUF file (or a directory holding one) "
                        "(default: the embedded demo, built offline on first run)")
     serve.add_argument("--served-model-name", help="the id clients use for the base model "
-                       "(default: the model directory's name)")
+                       "(default: the model directory's name, or the GGUF file's name without .gguf)")
+    serve.add_argument("--dtype", choices=DTYPE_CHOICES,
+                       help="weights at load: keep (quantized layers stay quantized), float16, "
+                       "bfloat16 or float32 (dequantized); auto (default): GGUF files float32 on a "
+                       "CPU and kept on a GPU, mlx-lm directories as they are")
     serve.add_argument("--adapter", dest="adapters", action="append", type=_adapter, metavar="NAME=PATH",
                        help="serve the adapter at PATH (a directory, .gguf file or hub id) as model "
                        "id NAME (repeatable)")
@@ -59,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-cpu-loras", type=int, metavar="N",
                        help="keep up to N recently used adapters read and prepared in host memory, "
                        "so that loading one into a slot is only the copy (default: no host tier)")
-    serve.add_argument("--adapter-cache-bytes", type=_bytes, metavar="BYTES",
+    serve.add_argument("--adapter-cache-bytes", type=_size, metavar="SIZE",
                        help="cap the host tier's memory, e.g. 4GB or 512MiB (with or without "
                        "--max-cpu-loras; default: no host tier)")
     serve.add_argument("--max-adapter-wait", type=float, metavar="SECONDS",
@@ -69,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-step-size", type=int,
                        help="prompt tokens prefilled per engine step (default 512)")
     serve.add_argument("--max-model-len", type=int, help="context limit (default: the model's own)")
+    serve.add_argument("--prompt-cache-bytes", type=_size, metavar="SIZE",
+                       help="KV state of earlier prompts and outputs kept for reuse, per adapter "
+                       "(e.g. 512MB, 2GiB; default 1GiB; 0 turns the prompt cache off)")
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--no-openblas", action="store_true",
                        help="on Linux CPU, do not preload the system's OpenBLAS (see mola/blas.py)")
@@ -92,6 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--distributed", action="store_true",
                        help="shard the base over the ranks started by mlx.launch (see README)")
     add_train_parser(commands)
+    convert = commands.add_parser(
+        "convert", help="write a GGUF model as an mlx-lm model directory",
+        description="Write the llama.cpp GGUF model SRC as an mlx-lm model directory OUT "
+        "(config.json, model.safetensors, tokenizer files) that mlx_lm.load, mlx_lm.generate "
+        "and mlx_lm.server load: the weights mola serve holds for the file at the same --dtype.")
+    convert.add_argument("src", metavar="FILE.gguf", help="the GGUF model (or a directory holding one)")
+    convert.add_argument("out", metavar="OUT_DIR", help="the directory to write")
+    convert.add_argument("--dtype", choices=("keep", "float16", "bfloat16", "float32"), default="keep",
+                         help="keep (default: quantized layers stay quantized) or a float dtype")
+    convert.add_argument("--force", action="store_true", help="replace OUT_DIR if it is not empty")
     return parser
 
 
@@ -184,6 +202,23 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(**values)
 
 
+def run_convert(args: argparse.Namespace) -> int:
+    import time
+
+    from .errors import MolaError
+    from .models.convert import convert
+
+    t0 = time.perf_counter()
+    try:
+        out = convert(args.src, args.out, dtype=args.dtype, force=args.force)
+    except MolaError as e:
+        print(f"[mola] error: {e.message}", file=sys.stderr)
+        return 1
+    print(f"[mola] wrote {out} ({args.dtype}) in {time.perf_counter() - t0:.1f} s; "
+          f"e.g. mlx_lm.generate --model {out} --prompt 'Hello'", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
@@ -206,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         from .train import run
 
         return run(train_config)
+    if args.command == "convert":
+        return run_convert(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

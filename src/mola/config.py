@@ -10,9 +10,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .engine.engine import EngineConfig
+from .engine.config import DEFAULT_PROMPT_CACHE_BYTES, EngineConfig
 from .errors import InvalidAdapterName
 from .lora.names import check_adapter_id
+
+DTYPE_CHOICES = ("auto", "keep", "float16", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,15 @@ class ServeConfig:
     max_adapter_wait: float = 2.0
     max_num_seqs: int = 32  # rows in one decode batch
     prefill_step_size: int = 512  # prompt tokens prefilled per engine step
+    # KV state of earlier prompts and outputs kept for reuse, per adapter
+    # identity (bytes, or a size such as "512MB" or "2GiB"); 0 turns it off.
+    prompt_cache_bytes: int | str = DEFAULT_PROMPT_CACHE_BYTES
     max_model_len: int | None = None  # context limit; None: the model's own
+    # Weights at load: "keep" leaves quantized layers quantized; "float16",
+    # "bfloat16", "float32" dequantize to that dtype; "auto": GGUF files float32
+    # on a CPU (MLX's quantized matmul is slow there) and kept on a GPU, mlx-lm
+    # directories as they are.
+    dtype: str = "auto"
     # max_tokens when a request sets none and the model declares no context
     # limit (otherwise the default is whatever room the context has left).
     default_max_tokens: int = 2048
@@ -131,8 +141,12 @@ class ServeConfig:
             key = getattr(self, name)
             if key is not None and (not isinstance(key, str) or len(key) < 8):
                 raise ValueError(f"{name} must be a string of at least 8 characters")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ValueError(f"unknown log level {self.log_level!r}")
+        if isinstance(self.prompt_cache_bytes, str):
+            object.__setattr__(self, "prompt_cache_bytes", parse_bytes(self.prompt_cache_bytes))
         # Raises on its own bad values (max_loras, ranks, batch sizes).
         object.__setattr__(
             self,
@@ -142,11 +156,29 @@ class ServeConfig:
                 max_lora_rank=self.max_lora_rank,
                 max_num_seqs=self.max_num_seqs,
                 prefill_step_size=self.prefill_step_size,
+                prompt_cache_bytes=self.prompt_cache_bytes,
             ),
         )
 
 
 FIELDS = {f.name for f in dataclasses.fields(ServeConfig) if f.init}
+SIZE_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_bytes(value: str) -> int:
+    """A size in bytes: "1073741824", "512MB", "1.5G", "2GiB" (K, M, G are
+    powers of 10, as mlx_lm.server reads them; KiB, MiB, GiB powers of 2)."""
+    text = str(value).strip()
+    number = text.rstrip("BbKkMmGgIi ")
+    unit = text[len(number):].strip().upper()
+    try:
+        amount = float(number)
+    except ValueError:
+        amount = -1.0
+    if unit not in SIZE_UNITS or not amount >= 0 or amount == float("inf"):
+        raise ValueError(f"expected a size in bytes such as 1000000, 512MB or 2GiB, got {value!r}")
+    return int(amount * SIZE_UNITS[unit])
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,

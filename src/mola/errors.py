@@ -16,6 +16,10 @@ class MolaError(Exception):
         self.param = param
 
 
+class ModelLoadError(MolaError):
+    """The base model cannot be found or loaded (or converted)."""
+
+
 class InvalidRequest(MolaError):
     """A request whose body or parameters cannot be served as given."""
 

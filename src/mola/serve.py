@@ -66,9 +66,14 @@ def join_group():
 def follow(config: ServeConfig, group) -> int:
     """A rank other than 0: hold a shard, replay rank 0's steps, no HTTP."""
     from .engine.distributed import run_follower
-    from .engine.loader import load_base_model
+    from .models.loader import load_base_model
+    from .structured import StructuredOutputs
 
-    return run_follower(lambda: load_base_model(config.model, group=group.group), config.engine, group)
+    def grammars(loaded):  # each rank compiles its own matchers from rank 0's grammar text
+        return StructuredOutputs(loaded.tokenizer, loaded.vocab_size).rebuild
+
+    return run_follower(lambda: load_base_model(config.model, group=group.group, dtype=config.dtype),
+                        config.engine, group, grammars)
 
 
 def exposure_warning(config: ServeConfig) -> str | None:
@@ -88,7 +93,7 @@ def exposure_warning(config: ServeConfig) -> str | None:
 
 def serve(config: ServeConfig) -> int:
     from .engine.engine import Engine
-    from .engine.loader import load_base_model
+    from .models.loader import load_base_model
     from .errors import MolaError
 
     setup_logging(config.log_level)
@@ -105,8 +110,8 @@ def serve(config: ServeConfig) -> int:
         print(f"[mola] warning: {warning}", file=sys.stderr, flush=True)
     print(f"[mola] loading {config.model} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    engine = Engine(lambda: load_base_model(config.model, group=group and group.group), config.engine,
-                    group=group)
+    engine = Engine(lambda: load_base_model(config.model, group=group and group.group, dtype=config.dtype),
+                    config.engine, group=group)
     try:
         loaded = engine.start()
     except MolaError as e:

@@ -79,3 +79,7 @@ class AsyncEngine:
 
     async def clear_slot(self, slot: int) -> None:
         await self.call(lambda: self.engine.clear_slot(slot))
+
+    async def forget_prompts(self, adapter_keys: list[tuple]) -> int:
+        """Drop the prompt cache's entries of unloaded adapters."""
+        return await self.call(lambda: self.engine.forget_prompts(adapter_keys))

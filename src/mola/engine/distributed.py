@@ -20,6 +20,7 @@ from dataclasses import asdict
 
 import mlx.core as mx
 
+from .prompt_cache import PrefixHit
 from .scheduler import StepPlan
 from .sequence import SamplingParams, Sequence, SequenceStatus
 
@@ -85,7 +86,8 @@ class Leader:
 
 
 def _spec(seq: Sequence) -> tuple:
-    return (seq.seq_id, seq.prompt, seq.slot, seq.lora_scale, asdict(seq.params))
+    grammar = seq.constraint.grammar if seq.constraint is not None else None
+    return (seq.seq_id, seq.prompt, seq.slot, seq.lora_scale, asdict(seq.params), grammar)
 
 
 def wire_plan(plan: StepPlan) -> dict:
@@ -98,22 +100,32 @@ def wire_plan(plan: StepPlan) -> dict:
         "end": plan.end,
         "join": plan.join,
         "decode": [s.seq_id for s in plan.decode],
+        # the prompt cache's orders: entry ids and token counts only
+        "store_rows": plan.store_rows,
+        "hits": [None if h is None else (h.entry, h.num_tokens) for h in plan.hits],
+        "store_joined": plan.store_joined,
+        "evict": plan.evict,
     }
 
 
-def unwire_plan(data: dict, seqs: dict[int, Sequence]) -> StepPlan:
-    """The StepPlan rank 0 ran, with this rank's own Sequence objects."""
+def unwire_plan(data: dict, seqs: dict[int, Sequence], rebuild=None) -> StepPlan:
+    """The StepPlan rank 0 ran, with this rank's own Sequence objects (and
+    their own matchers, ``rebuild(grammar)``: every rank samples the same
+    tokens, so every rank's matchers stay in step)."""
     if data["new"]:
         group = []
-        for seq_id, prompt, slot, scale, params in data["group"]:
+        for seq_id, prompt, slot, scale, params, grammar in data["group"]:
             seq = Sequence(prompt=prompt, params=SamplingParams(**params), slot=slot,
-                           lora_scale=scale, seq_id=seq_id, status=SequenceStatus.PREFILLING)
+                           lora_scale=scale, seq_id=seq_id, status=SequenceStatus.PREFILLING,
+                           constraint=rebuild(grammar) if grammar is not None else None)
             seqs[seq_id] = seq
             group.append(seq)
     else:
         group = [seqs[i] for i in data["group"]]
     plan = StepPlan(keep=data["keep"], group=group, group_is_new=data["new"], start=data["start"],
-                    end=data["end"], join=data["join"], decode=[seqs[i] for i in data["decode"]])
+                    end=data["end"], join=data["join"], decode=[seqs[i] for i in data["decode"]],
+                    store_rows=data["store_rows"], store_joined=data["store_joined"], evict=data["evict"],
+                    hits=[None if h is None else PrefixHit(*h) for h in data["hits"]])
     alive = set(data["decode"]) | {s.seq_id for s in group}
     for seq_id in list(seqs):
         if seq_id not in alive:
@@ -124,10 +136,12 @@ def unwire_plan(data: dict, seqs: dict[int, Sequence]) -> StepPlan:
 # ---- the other ranks ---------------------------------------------------------------
 
 
-def run_follower(loader, config, group: Group) -> int:
+def run_follower(loader, config, group: Group, grammars=None) -> int:
     """A rank other than 0: load the shard, then replay rank 0's messages
     until it says stop (or the group breaks). Adapters are re-created from
-    the recipe rank 0 wrote, read and checked the way rank 0 did."""
+    the recipe rank 0 wrote, read and checked the way rank 0 did; the
+    matchers of constrained rows from their grammar text, with
+    ``grammars(loaded)`` (grammar text -> Constraint)."""
     from ..lora.pack import AdapterPacks
     from ..lora.recipe import read_recipe
     from .runner import ModelRunner
@@ -138,7 +152,10 @@ def run_follower(loader, config, group: Group) -> int:
             loaded = loader()
             packs = AdapterPacks.install(loaded.model, max_loras=config.max_loras,
                                          max_rank=config.max_lora_rank)
-            runner = ModelRunner(loaded.model, packs, loaded.vocab_size)
+            # The same one-token probe as rank 0's runner (its collectives pair up).
+            runner = ModelRunner(loaded.model, packs, loaded.vocab_size,
+                                 prompt_cache=config.prompt_cache_bytes > 0)
+            rebuild = grammars(loaded) if grammars is not None else None
             seqs: dict[int, Sequence] = {}
             log.info("rank %d of %d ready", group.rank, group.size)
             while True:
@@ -147,12 +164,14 @@ def run_follower(loader, config, group: Group) -> int:
                 if kind == "stop":
                     return 0
                 if kind == "step":
-                    runner.run(unwire_plan(message[1], seqs))
+                    runner.run(unwire_plan(message[1], seqs, rebuild))
                 elif kind == "write":
                     _, slot, recipe = message
                     packs.fill_from(slot, read_recipe(recipe, packs.geometry, loaded.config), recipe.scale)
                 elif kind == "clear":
                     packs.empty(message[1])
+                elif kind == "forget":  # rank 0's prompt cache dropped these entries
+                    runner.kv.drop(message[1])
     except Exception:
         log.exception("rank %d stops: the group broke or a step failed", group.rank)
         return 1

@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -26,9 +26,11 @@ import mlx.core as mx
 from ..errors import EngineUnavailable
 from ..lora.pack import AdapterPacks, SlotGeometry, SlotRows
 from ..lora.recipe import Recipe
+from .config import EngineConfig
 from .distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS, Group, Leader, wire_plan
 from .model import LoadedModel
 from .outputs import EngineSnapshot, SeqOutput
+from .prompt_cache import PromptCache, PromptCacheStats
 from .runner import ModelRunner, StepResult
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
@@ -39,19 +41,6 @@ log = logging.getLogger("mola.engine")
 # thread's included (importing mlx-lm creates a stream in the importing
 # thread); without this the process may abort at exit.
 atexit.register(mx.clear_streams)
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    max_loras: int = 8  # adapter slots (slot 0, the base model, comes on top)
-    max_lora_rank: int = 64
-    max_num_seqs: int = 32  # rows decoded together
-    prefill_step_size: int = 512  # prompt tokens prefilled per step
-
-    def __post_init__(self):
-        for name in ("max_loras", "max_lora_rank", "max_num_seqs", "prefill_step_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
 class Engine:
@@ -184,7 +173,15 @@ class Engine:
             loaded.model, max_loras=self.config.max_loras, max_rank=self.config.max_lora_rank
         )
         self.geometry = self.packs.geometry
-        self.runner = ModelRunner(loaded.model, self.packs, loaded.vocab_size)
+        wanted = self.config.prompt_cache_bytes > 0
+        self.runner = ModelRunner(loaded.model, self.packs, loaded.vocab_size, prompt_cache=wanted)
+        per_token = self.runner.kv_bytes_per_token
+        if per_token is not None:
+            self.scheduler.prompt_cache = PromptCache(self.config.prompt_cache_bytes, per_token,
+                                                      model_key=str(loaded.path or ""))
+        elif wanted:
+            log.warning("prompt cache off: this model's KV caches cannot be cut at a token "
+                        "(sliding windows or recurrent state)")
         self.loaded = loaded
 
     def _has_work(self) -> bool:
@@ -203,9 +200,11 @@ class Engine:
 
     def _publish(self) -> None:
         s = self.scheduler
+        cache = s.prompt_cache
         self.snapshot = EngineSnapshot(
             num_running=len(s.running), num_prefilling=len(s.group), num_waiting=len(s.waiting),
             num_steps=self.num_steps, stats=replace(self.runner.stats),
+            prompt_cache=cache.stats() if cache is not None else PromptCacheStats(),
         )
 
     def _drain_commands(self, block: bool) -> None:
@@ -257,9 +256,14 @@ class Engine:
             if seq.is_finished:  # finished or aborted while this step ran
                 continue
             reason = seq.append(token)
+            error = seq.constraint.error if seq.constraint is not None else None
+            if error is not None:  # the grammar refused a token: never a wrong output
+                reason = "error"
+                log.error("sequence %d left its grammar: %s", seq.seq_id, error)
             if reason is not None:
                 seq.finish(reason)
-            outputs.append(SeqOutput(seq, [token], reason, logprobs=None if lp is None else [lp]))
+            outputs.append(SeqOutput(seq, [token], reason, error=error,
+                                     logprobs=None if lp is None else [lp]))
         if outputs:
             self.on_outputs(outputs)
 
@@ -274,6 +278,18 @@ class Engine:
     def clear_slot(self, slot: int) -> None:
         self._leader.tell(("clear", slot))
         self.packs.empty(slot)
+
+    def forget_prompts(self, adapter_keys: list[tuple]) -> int:
+        """Drop the prompt cache's entries of unloaded adapters (Lease.key's),
+        and store none for them again; returns how many were dropped."""
+        cache = self.scheduler.prompt_cache
+        if cache is None:
+            return 0
+        dropped = cache.retire(set(adapter_keys))
+        if dropped:
+            self._leader.tell(("forget", dropped))
+            self.runner.kv.drop(dropped)
+        return len(dropped)
 
     # ---- engine-thread helpers --------------------------------------------
 
@@ -297,7 +313,9 @@ class Engine:
         inflight = self.runner.inflight.rows if self.runner.inflight else []
         victims = [s for s in (*plan.decode, *plan.group, *inflight) if not s.is_finished]
         victims += self.scheduler.take_batch()
-        self.runner.reset()
+        self.runner.reset()  # the prompt cache's KV state too: it may hang on the failed step
+        if self.scheduler.prompt_cache is not None:
+            self.scheduler.prompt_cache.clear()
         self._fail(list(dict.fromkeys(victims)), message)
 
     def _fail_all(self, message: str) -> None:

@@ -1,5 +1,5 @@
-"""Per-row logit processing before sampling: OpenAI's logit_bias and
-frequency/presence penalties, for a whole batch at once.
+"""Per-row logit processing before sampling: OpenAI's logit_bias,
+frequency/presence penalties and grammar masks, for a whole batch at once.
 
 Penalties need how often each token was generated so far. That count lives
 on the device, one row of [B, V] per decode row, updated from the sampled
@@ -10,6 +10,7 @@ before the previous step's tokens are read back.
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from .sequence import Sequence
 
@@ -40,3 +41,13 @@ def count_tokens(counts: mx.array, tokens: mx.array) -> mx.array:
     """One more occurrence of each row's sampled token: [B, V] += onehot."""
     rows = mx.arange(tokens.shape[0])
     return counts.at[rows, tokens].add(1.0)
+
+
+def apply_bitmask(logits: mx.array, bitmask: np.ndarray) -> mx.array:
+    """Every row's allowed tokens in one op: -inf where bit t of row i of
+    ``bitmask`` [B, W] int32 (llguidance's layout, bit t % 32 of word t // 32)
+    is clear. The mask may cover more tokens than the logits [B, V]."""
+    vocab = logits.shape[-1]
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]  # [B, V]
+    allowed = mx.array(bits.astype(np.bool_))
+    return mx.where(allowed, logits, mx.array(-mx.inf, dtype=logits.dtype))

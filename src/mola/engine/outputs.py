@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .prompt_cache import PromptCacheStats
 from .runner import RunnerStats
 from .sequence import Sequence
 
@@ -33,3 +34,4 @@ class EngineSnapshot:
     num_waiting: int = 0  # queued, nothing computed yet
     num_steps: int = 0
     stats: RunnerStats = field(default_factory=RunnerStats)  # a copy, never updated
+    prompt_cache: PromptCacheStats = field(default_factory=PromptCacheStats)  # frozen

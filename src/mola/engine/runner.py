@@ -13,6 +13,14 @@ Decode is pipelined, as mlx-lm's generator does it: a step is launched with
 step was launched, so the device never waits for Python between steps. A
 sequence that finished is therefore computed one step too many; its extra
 token is dropped by the engine.
+
+With a prompt cache the runner also holds the cached KV state (a KVStore),
+and follows the plan's cache orders: store a leaving row or a joining member,
+start a group member from a cached prefix, drop entries.
+
+Rows under a grammar (``Sequence.constraint``) are sampled through one
+``where`` over the batch's [B, V] mask, filled while the step's forward pass
+runs (see :meth:`ModelRunner.run`); a batch without one pays nothing.
 """
 
 from __future__ import annotations
@@ -21,10 +29,13 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..lora.pack import AdapterPacks
-from .logits import add_biases, count_tokens, penalize
+from .constraint import MaskFiller
+from .kv_store import KVStore, kv_bytes_per_token
+from .logits import add_biases, apply_bitmask, count_tokens, penalize
 from .sampling import make_keys, sample
 from .scheduler import StepPlan, prefill_len
 from .sequence import Sequence
@@ -56,6 +67,15 @@ class _Launch:
 
 
 @dataclass
+class _Forward:
+    """A decode step's forward pass, not yet sampled."""
+
+    rows: list[Sequence]
+    logits: mx.array  # [B, V] the model's own
+    processed: mx.array  # [B, V] after biases and penalties
+
+
+@dataclass
 class RunnerStats:
     """Counters of what the runner computed (read by tests and metrics)."""
 
@@ -65,6 +85,16 @@ class RunnerStats:
     max_batch: int = 0
     max_slots_in_step: int = 0  # most distinct slots (base included) in one step
     prefill_tokens: int = 0  # prompt tokens written, padding excluded
+    masked_steps: int = 0  # decode steps sampled under grammar masks
+    masked_rows: int = 0  # constrained rows over those steps
+
+
+def _advance(result: StepResult) -> None:
+    """Each constrained row's matcher consumes its accepted token (rows that
+    finished or were aborted while the step ran accept nothing)."""
+    for seq, token in zip(result.rows, result.tokens):
+        if seq.constraint is not None and not seq.is_finished:
+            seq.constraint.advance(token)
 
 
 def merge_caches(caches: list[list]) -> list:
@@ -73,20 +103,26 @@ def merge_caches(caches: list[list]) -> list:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, packs: AdapterPacks, vocab_size: int):
+    def __init__(self, model: nn.Module, packs: AdapterPacks, vocab_size: int, prompt_cache: bool = False):
         self.model = model
         self.packs = packs
         self.routing = packs.routing
         self.vocab_size = vocab_size
+        # The prompt cache's KV state, and what one token of it takes (None:
+        # no prompt cache, or a model whose caches cannot be cut at a token).
+        self.kv = KVStore()
+        self.kv_bytes_per_token = kv_bytes_per_token(model, self.routing) if prompt_cache else None
         # Decode rows, aligned with the scheduler's running list:
         self.cache: list | None = None  # one batch cache per layer
         self.keys: mx.array | None = None  # [B, 2] PRNG key per row
         self.inputs: mx.array | None = None  # [B] next input token per row
         self.counts: mx.array | None = None  # [B, V] generated-token counts (penalties only)
         self.inflight: _Launch | None = None
+        self.masks = MaskFiller()  # next-token masks of constrained rows
         # The prefill group:
         self.group_cache: list | None = None
-        self.group_tokens: mx.array | None = None  # [G, L] right-padded prompts
+        self.group_tokens: mx.array | None = None  # [G, L] right-padded uncached prompt tokens
+        self.group_todo: list[int] = []  # per member: prompt tokens to prefill
         self.group_padding: list[int] = []
         self.num_steps = 0
         self.stats = RunnerStats()
@@ -99,23 +135,44 @@ class ModelRunner:
         """Drop every cache and the step in flight (after a failed step)."""
         self.cache = self.keys = self.inputs = self.counts = self.inflight = None
         self.group_cache = self.group_tokens = None
-        self.group_padding = []
+        self.group_todo, self.group_padding = [], []
         self.routing.clear()
+        self.kv.clear()
 
     def run(self, plan: StepPlan) -> StepResult | None:
         """Execute ``plan``; returns the previous decode step's tokens (None
-        when nothing was in flight)."""
+        when nothing was in flight).
+
+        With a constrained row in the batch, sampling waits for the masks:
+        the forward pass is launched first, and while it runs the previous
+        tokens are read back, the matchers advance on them and the bitmask
+        is filled; then the masks are applied and the rows sampled."""
         if plan.keep is not None:
+            for row, entry, num_tokens in plan.store_rows:
+                self.kv.put(entry, self.cache, row, num_tokens)
             self._keep_rows(plan.keep)
         if plan.group:
             self._prefill(plan)
         previous, self.inflight = self.inflight, None
-        if plan.decode:
-            self.inflight = self._launch(plan.decode)
+        forward = self._forward(plan.decode) if plan.decode else None
+        constrained = forward is not None and any(s.constraint is not None for s in plan.decode)
+        if constrained:
+            mx.async_eval(forward.logits, forward.processed)
+        elif forward is not None:
+            self.inflight = self._sample(forward)
+        self.kv.drop(plan.evict)
+        result = self._collect(previous) if previous is not None else None
+        if constrained:
+            if result is not None:
+                _advance(result)
+            constraints = [s.constraint for s in plan.decode]
+            self.stats.masked_steps += 1
+            self.stats.masked_rows += sum(c is not None for c in constraints)
+            self.inflight = self._sample(forward, self.masks.fill(constraints))
         self.num_steps += 1
         if self.num_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
-        return self._collect(previous) if previous is not None else None
+        return result
 
     # ---- rows -------------------------------------------------------------
 
@@ -149,32 +206,43 @@ class ModelRunner:
     def _prefill(self, plan: StepPlan) -> None:
         group = plan.group
         if plan.group_is_new:
-            lengths = [prefill_len(s) for s in group]
-            width = max(lengths)
-            self.group_padding = [width - n for n in lengths]
-            self.group_cache = merge_caches([make_prompt_cache(self.model) for _ in group])
-            self.group_tokens = mx.array(
-                [s.prompt[:-1] + [0] * pad for s, pad in zip(group, self.group_padding)],
-                dtype=mx.uint32,
-            )  # [G, L]
-            if max(self.group_padding) > 0:
-                for c in self.group_cache:
-                    c.prepare(lengths=lengths, right_padding=self.group_padding)
+            self._start_group(group, plan.hits or [None] * len(group))
         if plan.end > plan.start:
             self.stats.prefill_tokens += sum(
-                max(0, min(plan.end, prefill_len(s)) - plan.start) for s in group
+                max(0, min(plan.end, n) - plan.start) for n in self.group_todo
             )
             self.routing.set([s.slot for s in group], [s.lora_scale for s in group])
             self.model(self.group_tokens[:, plan.start : plan.end], cache=self.group_cache)
             mx.eval([c.state for c in self.group_cache])
         if plan.join is not None:
-            self._join(group, plan.join)
+            self._join(group, plan)
 
-    def _join(self, group: list[Sequence], join: list[int]) -> None:
-        cache = self.group_cache
+    def _start_group(self, group: list[Sequence], hits: list) -> None:
+        """The group's cache: each member's cached prefix (mlx-lm's merge
+        left-pads them to one length) and room for the rest of its prompt
+        (right-padded, rolled into left padding when the group joins)."""
+        done = [h.num_tokens if h else 0 for h in hits]
+        self.group_todo = [prefill_len(s) - d for s, d in zip(group, done)]
+        width = max(self.group_todo)
+        self.group_padding = [width - n for n in self.group_todo]
+        self.group_cache = merge_caches(
+            [self.kv.view(h.entry, h.num_tokens) if h else make_prompt_cache(self.model) for h in hits]
+        )
+        self.group_tokens = mx.array(
+            [s.prompt[d:-1] + [0] * pad for s, d, pad in zip(group, done, self.group_padding)],
+            dtype=mx.uint32,
+        )  # [G, width]
+        if max(self.group_padding) > 0:
+            for c in self.group_cache:
+                c.prepare(lengths=self.group_todo, right_padding=self.group_padding)
+
+    def _join(self, group: list[Sequence], plan: StepPlan) -> None:
+        cache, join = self.group_cache, plan.join
         if max(self.group_padding) > 0:
             for c in cache:
                 c.finalize()
+        for member, entry, num_tokens in plan.store_joined:
+            self.kv.put(entry, cache, member, num_tokens)
         self.group_cache = self.group_tokens = None
         if not join:
             return
@@ -185,7 +253,7 @@ class ModelRunner:
 
     # ---- decode -------------------------------------------------------------
 
-    def _launch(self, rows: list[Sequence]) -> _Launch:
+    def _forward(self, rows: list[Sequence]) -> _Forward:
         assert self.num_rows == len(rows), (self.num_rows, len(rows))
         slots = [s.slot for s in rows]
         self.routing.set(slots, [s.lora_scale for s in rows])
@@ -198,6 +266,14 @@ class ModelRunner:
             processed = penalize(processed, self.counts, rows)
         elif self.counts is not None:
             self.counts = None  # no row needs them any more
+        return _Forward(rows, logits, processed)
+
+    def _sample(self, forward: _Forward, bitmask: np.ndarray | None = None) -> _Launch:
+        """Sample every row (under ``bitmask`` [B, W] int32, when given) and
+        launch the step."""
+        rows, logits, processed = forward.rows, forward.logits, forward.processed
+        if bitmask is not None:
+            processed = apply_bitmask(processed, bitmask)
         tokens, _, self.keys = sample(
             processed,
             [s.params.temperature for s in rows],

@@ -4,6 +4,11 @@ Three collections: ``waiting`` (a FIFO deque), one prefill ``group`` whose
 prompts are being written into a KV cache chunk by chunk, and ``running``, the
 rows of the decode batch in row order. Every step decodes one token for each
 running row; a finished prefill group joins the decode batch in the same step.
+
+With a prompt cache, a prompt whose prefix has KV state stored prefills only
+the rest; what a sequence computed is stored when it joins the decode batch
+(its prompt) and when it leaves it (prompt and output, for the next turn of a
+conversation). The plan says which entries the runner reads, writes and drops.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from .prompt_cache import PrefixHit, PromptCache
 from .sequence import Sequence, SequenceStatus
 
 
@@ -30,6 +36,15 @@ class StepPlan:
     join: list[int] | None = None
     # This step's decode rows, in row order: kept rows, then joined ones.
     decode: list[Sequence] = field(default_factory=list)
+    # The prompt cache, in the order the runner acts: rows of the previous
+    # decode batch to store before they leave, as (row, entry id, tokens);
+    # the cached prefix of each member of a new group (None: none); members
+    # to store as they join, as (index into the group, entry id, tokens);
+    # entries to drop once the step is done.
+    store_rows: list[tuple[int, int, int]] = field(default_factory=list)
+    hits: list[PrefixHit | None] = field(default_factory=list)
+    store_joined: list[tuple[int, int, int]] = field(default_factory=list)
+    evict: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -42,11 +57,18 @@ def prefill_len(seq: Sequence) -> int:
     return seq.num_prompt_tokens - 1
 
 
+def prefill_todo(seq: Sequence) -> int:
+    """Prompt tokens prefill computes: those the prompt cache did not hold."""
+    return prefill_len(seq) - seq.num_cached_tokens
+
+
 class Scheduler:
-    def __init__(self, max_num_seqs: int = 32, prefill_step_size: int = 512, max_group: int = 8):
+    def __init__(self, max_num_seqs: int = 32, prefill_step_size: int = 512, max_group: int = 8,
+                 prompt_cache: PromptCache | None = None):
         self.max_num_seqs = max_num_seqs  # decode rows plus prefilling ones
         self.prefill_step_size = prefill_step_size  # prompt tokens per step
         self.max_group = max_group  # prompts prefilled together
+        self.prompt_cache = prompt_cache  # None: no prompt cache
         self.waiting: deque[Sequence] = deque()
         self.group: list[Sequence] = []
         self.group_done = 0  # columns of the group's prompts already prefilled
@@ -108,6 +130,9 @@ class Scheduler:
         plan = StepPlan()
         kept = [i for i, s in enumerate(self.running) if not s.is_finished]
         if len(kept) < len(self.running):
+            for i, seq in enumerate(self.running):
+                if seq.is_finished:  # its KV state holds the prompt and every output token
+                    self._store(plan, plan.store_rows, i, seq, seq.prompt + seq.output)
             plan.keep = kept
             self.running = [self.running[i] for i in kept]
 
@@ -121,23 +146,45 @@ class Scheduler:
     def _form_group(self, plan: StepPlan) -> None:
         room = self.max_num_seqs - len(self.running)
         group: list[Sequence] = []
+        hits: list[PrefixHit | None] = []
         longest = 0
         while self.waiting and len(group) < min(room, self.max_group):
             seq = self.waiting[0]
-            cols = max(longest, prefill_len(seq))
+            hit = self._lookup(seq)
+            cols = max(longest, prefill_len(seq) - (hit.num_tokens if hit else 0))
             # Batch prompts only while the whole group fits in one step; a
             # long prompt is prefilled alone, chunk by chunk.
             if group and cols * (len(group) + 1) > self.prefill_step_size:
                 break
             group.append(self.waiting.popleft())
+            hits.append(hit)
             longest = cols
-        for seq in group:
+        for seq, hit in zip(group, hits):
             seq.status = SequenceStatus.PREFILLING
+            seq.num_cached_tokens = hit.num_tokens if hit else 0
+            if self.prompt_cache is not None and seq.cache_key is not None and prefill_len(seq) > 0:
+                self.prompt_cache.use(hit)
         self.group, self.group_done = group, 0
         plan.group_is_new = bool(group)
+        plan.hits = hits
+
+    def _lookup(self, seq: Sequence) -> PrefixHit | None:
+        if self.prompt_cache is None or seq.cache_key is None:
+            return None
+        return self.prompt_cache.peek(seq.cache_key, seq.prompt[:-1])
+
+    def _store(self, plan: StepPlan, where: list, index: int, seq: Sequence, tokens: list[int]) -> None:
+        """Give ``tokens`` of ``seq`` an entry in the prompt cache, if it has
+        none yet; the runner stores the KV state at ``index`` under it."""
+        if self.prompt_cache is None or seq.cache_key is None:
+            return
+        entry, dropped = self.prompt_cache.store(seq.cache_key, tokens)
+        plan.evict += dropped
+        if entry is not None:
+            where.append((index, entry, len(tokens)))
 
     def _advance_group(self, plan: StepPlan) -> None:
-        total = max(prefill_len(s) for s in self.group)
+        total = max(prefill_todo(s) for s in self.group)
         chunk = max(1, self.prefill_step_size // len(self.group))
         plan.group = list(self.group)
         plan.start = self.group_done
@@ -147,6 +194,8 @@ class Scheduler:
             return
         plan.join = [i for i, s in enumerate(self.group) if not s.is_finished]
         for i in plan.join:
-            self.group[i].status = SequenceStatus.RUNNING
-            self.running.append(self.group[i])
+            seq = self.group[i]
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._store(plan, plan.store_joined, i, seq, seq.prompt[:-1])
         self.group, self.group_done = [], 0

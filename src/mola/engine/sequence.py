@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 _seq_ids = itertools.count()
 
@@ -67,12 +68,20 @@ class Sequence:
     params: SamplingParams
     slot: int = 0  # adapter slot; 0 is the base model
     lora_scale: float = 1.0  # multiplies the adapter's delta for this row
+    # What the slot holds, for the prompt cache: (adapter name, version), or a
+    # stack's (key of parts' versions and scales, 1); see Lease.key. None: the
+    # base model in slot 0, otherwise unknown, and then nothing is cached.
+    adapter_key: tuple | None = None
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     status: SequenceStatus = SequenceStatus.WAITING
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop", "length", "abort", "timeout" or "error"
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() after which the request ends
+    num_cached_tokens: int = 0  # prompt tokens whose KV state came from the prompt cache
+    # A grammar the output must follow (mola.engine.constraint.Constraint):
+    # the matcher's state, owned by the engine thread once the sequence is added.
+    constraint: Any = None
 
     def __post_init__(self):
         if not self.prompt:
@@ -89,6 +98,14 @@ class Sequence:
     @property
     def last_token(self) -> int:
         return self.output[-1] if self.output else self.prompt[-1]
+
+    @property
+    def cache_key(self) -> tuple | None:
+        """What the KV state of this row depends on besides the base model and
+        the tokens (None: unknown, so never cached)."""
+        if self.adapter_key is None:
+            return (("", 0), 1.0) if self.slot == 0 else None
+        return (self.adapter_key, float(self.lora_scale))
 
     @property
     def is_finished(self) -> bool:

@@ -37,7 +37,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Protocol
+from typing import Any, Awaitable, Callable, Protocol
 
 from ..errors import AdapterExists, AdapterNotFound, InvalidRequest, ModelNotFound
 from .admission import AdmissionQueue, admit
@@ -88,8 +88,12 @@ class Lease:
 
     @property
     def key(self) -> tuple[str, int]:
-        """What a cache keyed by adapter contents uses: (name, uid)."""
-        return ("", 0) if self.record is None else (self.record.name, self.record.uid)
+        """What the slot holds, for a cache keyed by adapter contents (the
+        prompt cache): ("", 0) for the base model, else (name, version). A
+        name's versions never repeat, so a reloaded adapter has a new key; a
+        stack's name spells its parts' names, versions and scales, so a stack
+        rebuilt after an eviction keeps its key."""
+        return ("", 0) if self.record is None else (self.record.name, self.record.version)
 
     def release(self) -> None:
         if not self._released:
@@ -104,11 +108,15 @@ class AdapterRegistry:
         backend: SlotBackend,
         max_loras: int,
         sources: AdapterSources | None = None,
+        forget: Callable[[list[tuple[str, int]]], Awaitable[Any]] | None = None,
         tier: HostTier | None = None,
         max_wait: float = math.inf,
     ):
         self.base_id = base_id
         self.backend = backend
+        # Told the Lease.key's of adapters (and stacks) unloaded, whose
+        # cached state (the engine's prompt cache) can go.
+        self._forget = forget
         self.max_loras = max_loras
         self.sources = sources or AdapterSources(allow_any_path=True)
         self.stats = RegistryStats()
@@ -435,13 +443,23 @@ class AdapterRegistry:
         del self._known[name]
         self._unloaded.add(name)
         self.stats.unloads += 1
-        for stack in self.stacks.using(record):
+        stacks = self.stacks.using(record)
+        for stack in stacks:
             self.stacks.drop(stack)
             await self._retire(stack)
         log.info("adapter unloading: name=%s slot=%s in_flight=%d", name, record.slot, record.in_flight)
         await self._retire(record)
         self._admit()
+        await self._forget_cached([record, *stacks])
         return record
+
+    async def _forget_cached(self, records: list[AdapterRecord]) -> None:
+        if self._forget is None:
+            return
+        try:
+            await self._forget([(r.name, r.version) for r in records])
+        except Exception:  # the engine is gone, and its cache with it
+            log.exception("could not drop the cached prompts of %s", records[0].name)
 
     async def _retire(self, record: AdapterRecord) -> None:
         """A record no longer current: its rows leave the host tier, its

@@ -65,7 +65,7 @@ def validate(
         shown = ", ".join(unknown[:5]) + (" ..." if len(unknown) > 5 else "")
         raise InvalidAdapter(
             f"Adapter at {where} targets modules the base model does not have "
-            f"(or that mola cannot put LoRA on): {shown}"
+            f"(or that mola cannot put LoRA on): {shown}; {_describe(targets)}"
         )
     for path, m in sorted(weights.modules.items()):
         if m.a.ndim != 2 or m.b.ndim != 2:
@@ -94,6 +94,16 @@ def validate(
         m = weights.modules[path]
         if not (all_finite(m.a) and all_finite(m.b)):
             raise InvalidAdapter(f"Adapter at {where}: {path} contains non-finite values (NaN or Inf).")
+
+
+def _describe(targets: dict[str, tuple[int, int]]) -> str:
+    """What the base offers, for messages: its layers and the linears of a block."""
+    layers = {int(p.split(".")[2]) for p in targets if p.startswith("model.layers.")}
+    kinds = sorted({p.split(".", 3)[3] for p in targets if p.startswith("model.layers.")})
+    if not layers:
+        return f"the base model's LoRA targets are {', '.join(sorted(targets)[:5])}"
+    return (f"the base model has {len(layers)} layers (model.layers.0-{max(layers)}) with "
+            f"LoRA targets {', '.join(kinds)}")
 
 
 def all_finite(x: mx.array) -> bool:

@@ -20,6 +20,7 @@ from ..lora.host_tier import HostTier
 from ..lora.loader import AdapterLoader
 from ..lora.registry import AdapterRegistry
 from ..lora.sources import AdapterSources
+from ..structured import StructuredOutputs
 from .errors import error_response, install_error_handlers
 from .middleware import AuthMiddleware, BodyLimitMiddleware, HTTPMetricsMiddleware, RequestIdMiddleware
 from .responses_api.store import ResponseStore
@@ -32,8 +33,8 @@ log = logging.getLogger("mola.server")
 def base_model_id(config: ServeConfig, loaded: LoadedModel) -> str:
     if config.served_model_name:
         return config.served_model_name
-    if loaded.path is not None:
-        return loaded.path.name
+    if loaded.path is not None:  # a model directory's name, a GGUF file's stem
+        return loaded.path.stem if loaded.path.is_file() else loaded.path.name
     return config.model or "base"
 
 
@@ -51,7 +52,8 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel) 
         allow_symlinks=config.allow_adapter_symlinks,
     )
     tier = HostTier(config.max_cpu_loras, config.adapter_cache_bytes)
-    registry = AdapterRegistry(base_id, loader, config.max_loras, sources, tier, config.max_adapter_wait)
+    registry = AdapterRegistry(base_id, loader, config.max_loras, sources, forget=async_engine.forget_prompts,
+                               tier=tier, max_wait=config.max_adapter_wait)
     state = ServerState(
         config=config,
         engine=async_engine,
@@ -63,6 +65,7 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel) 
         max_model_len=config.max_model_len or loaded.max_model_len,
         vocab_size=loaded.vocab_size,
         responses=ResponseStore(config.max_stored_responses),
+        structured=StructuredOutputs(loaded.tokenizer, loaded.vocab_size),
     )
     try:
         for spec in config.adapters:

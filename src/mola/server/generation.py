@@ -13,9 +13,10 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from ..engine.sequence import SamplingParams, Sequence
-from ..errors import (ContextLengthExceeded, MolaError, Overloaded, RequestTimedOut,
+from ..errors import (ContextLengthExceeded, InvalidRequest, MolaError, Overloaded, RequestTimedOut,
                       ShuttingDown)
 from ..lora.registry import Lease
+from ..structured import CompiledGrammar
 from .protocol import ChatCompletionRequest, _Sampling
 from .state import ServerState
 from .textstream import TextStream
@@ -105,6 +106,12 @@ class Generation:
     @property
     def num_prompt_tokens(self) -> int:
         return self.seq.num_prompt_tokens
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens the prompt cache held (set by the engine thread before
+        the first output reaches this choice)."""
+        return self.seq.num_cached_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -217,9 +224,26 @@ async def merge(gens: list[Generation]) -> AsyncIterator[Delta]:
 # ---- plumbing shared by the routes ---------------------------------------------------------
 
 
+def check_constrainable(body: _Sampling, grammar: CompiledGrammar | None) -> None:
+    """What a grammar cannot be combined with: a stop string would cut the
+    output short of the grammar, and ignore_eos would run past its end."""
+    if grammar is None:
+        return
+    what = grammar.grammar.param
+    if body.stop_strings():
+        raise InvalidRequest(f"'stop' cannot be combined with {what}: a stop string would cut "
+                             "the constrained output before it is complete.", param="stop")
+    if body.ignore_eos:
+        raise InvalidRequest(f"'ignore_eos' cannot be combined with {what}: the output ends "
+                             "where its grammar does.", param="ignore_eos")
+
+
 async def start_generations(state: ServerState, body: _Sampling, prompts: list[list[int]],
-                            tools: list[dict] | None = None) -> list[Generation]:
-    """One Generation per (prompt, choice), each with its own lease."""
+                            tools: list[dict] | None = None,
+                            grammar: CompiledGrammar | None = None) -> list[Generation]:
+    """One Generation per (prompt, choice), each with its own lease (and,
+    under ``grammar``, its own matcher)."""
+    check_constrainable(body, grammar)
     admit(state, len(prompts) * body.n)
     stack = [(a.name, a.scale) for a in body.adapters] if body.adapters else None
     timeout = state.config.request_timeout
@@ -231,7 +255,8 @@ async def start_generations(state: ServerState, body: _Sampling, prompts: list[l
             for j in range(body.n):
                 lease = await _acquire(state, body, stack, deadline)
                 seq = Sequence(prompt=list(prompt), params=params[i][j], slot=lease.slot,
-                               lora_scale=lease.row_scale, deadline=deadline)
+                               lora_scale=lease.row_scale, adapter_key=lease.key, deadline=deadline,
+                               constraint=grammar.new_constraint() if grammar else None)
                 gens.append(Generation(state, seq, lease, body.stop_strings(),
                                        index=i * body.n + j, tools=tools, model=body.model))
     except BaseException:

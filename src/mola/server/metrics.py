@@ -6,7 +6,8 @@ generated tokens by model id, time to first token, inter-token latency and
 end-to-end latency. Read at scrape time from the engine and the registry:
 running and waiting requests, batch sizes, resident adapters and slot
 occupancy, adapter loads, evictions and load time, the host tier's occupancy
-and hits, adapters waiting for a slot, memory in use.
+and hits, adapters waiting for a slot, memory in use, and the prompt cache
+(bytes, entries, hits, misses, tokens saved).
 """
 
 from __future__ import annotations
@@ -62,6 +63,17 @@ class StateCollector:
         yield c("mola_mixed_decode_steps", "Decode steps whose rows used several slots", value=st.mixed_steps)
         yield c("mola_prefill_tokens", "Prompt tokens prefilled", value=st.prefill_tokens)
         yield g("mola_batch_size_max", "Largest decode batch so far", value=st.max_batch)
+        pc = snap.prompt_cache
+        yield g("mola_prompt_cache_bytes", "KV bytes held by the prompt cache", value=pc.bytes)
+        yield g("mola_prompt_cache_max_bytes", "The prompt cache's budget (--prompt-cache-bytes)",
+                value=pc.max_bytes)
+        yield g("mola_prompt_cache_entries", "Prompts (with outputs) held by the prompt cache", value=pc.entries)
+        yield c("mola_prompt_cache_hits", "Prompts that reused a cached prefix", value=pc.hits)
+        yield c("mola_prompt_cache_misses", "Prompts that found no cached prefix", value=pc.misses)
+        yield c("mola_prompt_cache_cached_tokens", "Prompt tokens served from the prompt cache, not prefilled",
+                value=pc.cached_tokens)
+        yield c("mola_prompt_cache_evictions", "Prompt cache entries evicted for the byte budget",
+                value=pc.evictions)
         rs = reg.stats
         yield c("mola_adapter_loads", "Adapters written into a slot", value=rs.loads)
         yield c("mola_adapter_load_failures", "Adapter loads that failed", value=rs.load_failures)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
+import functools
 import json
 import logging
 from typing import Callable
@@ -200,6 +201,12 @@ class PromptLanes:
         tokenizer, thread = self.long if chars > LONG_PROMPT_CHARS else self.short
         return await asyncio.get_running_loop().run_in_executor(
             thread, render_messages, tokenizer, messages, tools, uses_tools, param, self.limit, self.max_chars)
+
+    async def structured(self, fn, **kwargs):
+        """``fn(**kwargs)`` on the short lane, whose thread alone uses the
+        server's tokenizer (mola.structured reads it to build llguidance's)."""
+        call = functools.partial(fn, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self.short[1], call)
 
     def close(self) -> None:
         for _, thread in [self.short] if self.long is self.short else [self.short, self.long]:

@@ -8,6 +8,9 @@ mola's own extensions, beside the standard fields:
 - ``lora_scale``: multiplies the adapter that ``model`` names, for this request;
 - ``adapters``: ``[{"name", "scale"}]`` applied together (stacked) to this request;
 - ``ignore_eos`` (vLLM's): keep generating past EOS, up to max_tokens.
+
+``response_format`` and ``tool_choice`` are checked and turned into grammars
+by :mod:`mola.structured`.
 """
 
 from __future__ import annotations
@@ -152,19 +155,6 @@ class ChatCompletionRequest(_Sampling):
         return bool(self.tools) and self.tool_choice != "none"
 
     def check_supported(self) -> None:
-        if self.response_format not in (None, {"type": "text"}):
-            kind = (self.response_format or {}).get("type")
-            raise InvalidRequest(
-                f"response_format of type {kind!r} is not supported: mola does not constrain "
-                "decoding, so it would not guarantee the format.",
-                param="response_format",
-            )
-        if isinstance(self.tool_choice, dict) or self.tool_choice == "required":
-            raise InvalidRequest(
-                "tool_choice 'required' or a named function is not supported (mola does not "
-                "force tool calls); use 'auto' or 'none'.",
-                param="tool_choice",
-            )
         if self.tool_choice not in (None, "auto", "none", "required") and not isinstance(self.tool_choice, dict):
             raise InvalidRequest(f"Invalid tool_choice {self.tool_choice!r}.", param="tool_choice")
 
@@ -175,6 +165,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None  # as in chat (vLLM accepts it here too)
     best_of: int | None = None
 
     def prompts(self) -> list[str | list[int]]:

@@ -10,6 +10,7 @@ from ..config import ServeConfig
 from ..engine.client import AsyncEngine
 from ..lora.loader import AdapterLoader
 from ..lora.registry import AdapterRegistry
+from ..structured import StructuredOutputs
 from .metrics import Metrics
 from .prompts import PromptLanes
 from .responses_api.store import ResponseStore
@@ -26,6 +27,7 @@ class ServerState:
     base_root: str  # where the base model came from
     max_model_len: int | None  # context limit, when known
     vocab_size: int  # rows of the model's output layer
+    structured: StructuredOutputs  # response_format / tool_choice -> grammars
     metrics: Metrics = field(default_factory=Metrics)
     responses: ResponseStore = field(default_factory=ResponseStore)  # for previous_response_id
     created: int = field(default_factory=lambda: int(time.time()))

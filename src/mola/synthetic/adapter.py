@@ -18,7 +18,13 @@ DEFAULT_KEYS = ("self_attn.q_proj", "self_attn.v_proj")
 
 
 def read_model_config(model_path: Path) -> dict:
-    return json.loads((Path(model_path) / "config.json").read_text())
+    """config.json of a model directory, or the config a GGUF model file describes."""
+    model_path = Path(model_path)
+    if model_path.is_file():
+        from ..models.metadata import gguf_config
+
+        return gguf_config(model_path)
+    return json.loads((model_path / "config.json").read_text())
 
 
 def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:

@@ -76,10 +76,17 @@ class TinyModelSpec:
     dtype: str = "float32"  # "float32", "bfloat16" or "float16"
     quantize_bits: int | None = None  # e.g. 4: an nn.QuantizedLinear base
     quantize_group_size: int = 32
+    model_type: str = "llama"  # also "qwen2" (q/k/v biases) and "qwen3" (q/k norms)
+    # Norm weights are 1 + this * N(0, 1), so that swapped norms change the output.
+    norm_noise: float = 0.0
 
     def config(self) -> dict:
+        extra = {}
+        if self.model_type == "qwen3":
+            extra["head_dim"] = self.hidden_size // self.num_attention_heads
         return {
-            "model_type": "llama",
+            **extra,
+            "model_type": self.model_type,
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_hidden_layers,
             "intermediate_size": self.intermediate_size,
@@ -136,14 +143,16 @@ def train_tokenizer(vocab_size: int):
 
 
 def random_model(spec: TinyModelSpec) -> nn.Module:
-    from mlx_lm.models import llama
+    import importlib
 
+    arch = importlib.import_module(f"mlx_lm.models.{spec.model_type}")
     mx.random.seed(spec.seed)
-    args = llama.ModelArgs.from_dict(spec.config())
-    model = llama.Model(args)
+    model = arch.Model(arch.ModelArgs.from_dict(spec.config()))
     gain = spec.weight_gain
 
     def scale(path, w):
+        if w.ndim == 1 and "norm" in path and spec.norm_noise:
+            return w + spec.norm_noise * mx.random.normal(w.shape)
         return w * gain if path.endswith("weight") and w.ndim == 2 and "embed" not in path else w
 
     flat = [(p, scale(p, w)) for p, w in tree_flatten(model.parameters())]

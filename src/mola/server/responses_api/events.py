@@ -49,7 +49,8 @@ class ResponseBuilder:
             events += self._call(call)
         return events
 
-    def finish(self, finish_reason: str | None, input_tokens: int, output_tokens: int) -> list[dict]:
+    def finish(self, finish_reason: str | None, input_tokens: int, output_tokens: int,
+               cached_tokens: int = 0) -> list[dict]:
         incomplete = finish_reason == "length"
         events = []
         if not self.output:  # no item yet: the answer is this (possibly empty) text
@@ -57,19 +58,20 @@ class ResponseBuilder:
             events += self._delta(self._blank) if self._blank else []
         self._blank = ""
         events += self._close_message("incomplete" if incomplete else "completed")
-        usage = o.usage(input_tokens, output_tokens)
+        usage = o.usage(input_tokens, output_tokens, cached_tokens)
         if incomplete:
             self.response = self._snapshot("incomplete", usage=usage, incomplete_reason="max_output_tokens")
             return events + [self._event("response.incomplete", response=self.response)]
         self.response = self._snapshot("completed", usage=usage, completed_at=o.now())
         return events + [self._event("response.completed", response=self.response)]
 
-    def fail(self, error: MolaError, input_tokens: int, output_tokens: int) -> list[dict]:
+    def fail(self, error: MolaError, input_tokens: int, output_tokens: int,
+             cached_tokens: int = 0) -> list[dict]:
         for item in self.output:
             if item["status"] == "in_progress":
                 item["status"] = "incomplete"
         code = "rate_limit_exceeded" if isinstance(error, Overloaded) else "server_error"
-        self.response = self._snapshot("failed", usage=o.usage(input_tokens, output_tokens),
+        self.response = self._snapshot("failed", usage=o.usage(input_tokens, output_tokens, cached_tokens),
                                        error={"code": code, "message": error.message})
         return [self._event("response.failed", response=self.response)]
 

@@ -177,28 +177,18 @@ class ResponsesRequest(_Sampling):
         return response_format, choice
 
 
-def constrain(body: ResponsesRequest) -> None:
-    """THE HOOK FOR CONSTRAINED DECODING on /v1/responses (issue 15, item 1).
-
-    Every field of a Responses request that needs the output constrained
-    passes here, already in chat's shapes: ``text.format`` json_object /
-    json_schema (as chat's ``response_format``), ``tool_choice`` "required" or
-    a named function (as chat's ``tool_choice``), and ``parallel_tool_calls:
-    false`` with tools (which only a constraint can guarantee). Until the
-    constraint code lands, each is refused with a 400 naming the field; to wire
-    it, build the constraint chat builds from (response_format, tool_choice)
-    and hand it to start_generations instead of raising.
-    """
+def constrain(body: ResponsesRequest) -> tuple[dict | None, str | dict | None]:
+    """The hook for constrained decoding on /v1/responses: (response_format,
+    tool_choice) in chat's shapes, which the route hands to
+    mola.structured (``text.format`` json_object / json_schema, ``tool_choice``
+    "required" or a named function). ``parallel_tool_calls: false`` is
+    honoured only where calls are forced (the grammar allows one); under
+    "auto" nothing could hold the model to one call, so it is refused."""
     response_format, tool_choice = body.chat_equivalents()
-    if response_format is not None:
+    forced = tool_choice == "required" or isinstance(tool_choice, dict)
+    if body.parallel_tool_calls is False and body.uses_tools() and not forced:
         raise InvalidRequest(
-            f"text.format of type {response_format['type']!r} is not supported yet: mola does not "
-            "constrain decoding, so it would not guarantee the format.", param="text.format")
-    if tool_choice == "required" or isinstance(tool_choice, dict):
-        raise InvalidRequest(
-            "tool_choice 'required' or a named function is not supported yet (mola does not force "
-            "tool calls); use 'auto' or 'none'.", param="tool_choice")
-    if body.parallel_tool_calls is False and body.uses_tools():
-        raise InvalidRequest(
-            "parallel_tool_calls: false is not supported yet (mola does not constrain the number "
-            "of calls); leave it out or set it to true.", param="parallel_tool_calls")
+            "parallel_tool_calls: false is honoured only with tool_choice 'required' or a named "
+            "function (mola constrains the number of calls only when it forces them); leave it out, "
+            "set it to true, or force the call.", param="parallel_tool_calls")
+    return response_format, tool_choice

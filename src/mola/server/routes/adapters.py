@@ -2,7 +2,8 @@
 
     GET    /v1/adapters            every known adapter: resident or not, slot, rank,
                                    scale, version, requests in flight, last use; the
-                                   host tier's occupancy and hits; slot admission
+                                   host tier's occupancy and hits; slot admission; and
+                                   the prompt cache: size, entries, hits, misses, tokens saved
     POST   /v1/adapters            {"name", "path", "scale"?}: check it now, serve it
     DELETE /v1/adapters/{name}     stop serving it; its slot frees when in-flight requests end
 
@@ -39,6 +40,7 @@ async def list_adapters(request: Request):
         "stats": vars(registry.stats),
         "host_tier": registry.tier.describe(),
         "admission": registry.describe_admission(),
+        "prompt_cache": state.engine.snapshot.prompt_cache.describe(),
     }
 
 

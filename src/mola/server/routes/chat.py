@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions, streaming and not, n choices, tools, logprobs."""
+"""POST /v1/chat/completions, streaming and not, n choices, tools (forced
+calls too), response_format, logprobs."""
 
 from __future__ import annotations
 
@@ -26,11 +27,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     # Templating and tokenizing a long prompt takes a while: off the event loop.
     prompt = await state.prompts.chat(body)
     tools = body.tools if body.uses_tools() else None
-    gens = await start_generations(state, body, [prompt], tools)
+    grammar = await state.prompts.structured(
+        state.structured.for_request, response_format=body.response_format, tools=body.tools,
+        tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls)
+    gens = await start_generations(state, body, [prompt], tools, grammar)
     if body.stream:
         return event_stream(_stream(state, gens, body, request), lambda: [g.close() for g in gens])
     result = await run_until_disconnect(_complete(state, gens, body), request)
     return JSONResponse(result) if result is not None else None
+
+
+def _usage(gens: list[Generation]) -> dict:
+    """One prompt for every choice: counted once, with the first choice's cached tokens."""
+    return r.usage(gens[0].num_prompt_tokens, sum(g.num_tokens for g in gens), gens[0].num_cached_tokens)
 
 
 async def _complete(state: ServerState, gens: list[Generation], body: ChatCompletionRequest) -> dict:
@@ -40,12 +49,11 @@ async def _complete(state: ServerState, gens: list[Generation], body: ChatComple
     token_text = r.TokenText(state.tokenizer) if body.logprobs else None
     choices = []
     for g in gens:
-        content = g.content if (g.content or not g.tool_calls) else None
+        content = g.content if (g.content.strip() or not g.tool_calls) else None
         logprobs = r.chat_logprobs(token_text, g.tokens, g.logprobs) if token_text else None
         choices.append(r.chat_choice(g.index, r.chat_message(content, g.tool_calls),
                                      g.finish_reason, logprobs))
-    usage = r.usage(gens[0].num_prompt_tokens, sum(g.num_tokens for g in gens))
-    return r.chat_completion(r.new_id("chatcmpl"), body.model, r.now(), choices, usage)
+    return r.chat_completion(r.new_id("chatcmpl"), body.model, r.now(), choices, _usage(gens))
 
 
 async def _stream(state: ServerState, gens: list[Generation], body: ChatCompletionRequest,
@@ -78,8 +86,7 @@ async def _stream(state: ServerState, gens: list[Generation], body: ChatCompleti
                 if delta or logprobs or d.finish_reason:
                     yield chunk([r.chunk_choice(d.index, delta, d.finish_reason, logprobs)])
         if include_usage:
-            usage = r.usage(gens[0].num_prompt_tokens, sum(g.num_tokens for g in gens))
-            yield chunk([], usage)
+            yield chunk([], _usage(gens))
     except MolaError as e:
         yield sse(error_payload(e))
     yield sse_done()

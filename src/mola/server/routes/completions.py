@@ -1,5 +1,5 @@
 """POST /v1/completions: a prompt (string, strings, token ids, lists of token
-ids), streaming and not, n choices per prompt, logprobs."""
+ids), streaming and not, n choices per prompt, logprobs, response_format."""
 
 from __future__ import annotations
 
@@ -25,19 +25,23 @@ async def create_completion(body: CompletionRequest, request: Request):
     state: ServerState = request.app.state.mola
     body.check_supported()
     prompts = await state.prompts.completion(body)
-    gens = await start_generations(state, body, prompts)
+    grammar = await state.prompts.structured(state.structured.for_request, response_format=body.response_format)
+    gens = await start_generations(state, body, prompts, grammar=grammar)
     if body.stream:
         return event_stream(_stream(state, gens, body, request), lambda: [g.close() for g in gens])
-    result = await run_until_disconnect(_complete(state, gens, body, prompts), request)
+    result = await run_until_disconnect(_complete(state, gens, body), request)
     return JSONResponse(result) if result is not None else None
 
 
-def _usage(gens: list[Generation], prompts: list[list[int]]) -> dict:
-    return r.usage(sum(len(p) for p in prompts), sum(g.num_tokens for g in gens))
+def _usage(gens: list[Generation], n: int) -> dict:
+    """Each prompt counted once (with its first choice's cached tokens), every
+    choice's tokens."""
+    firsts = [g for g in gens if g.index % n == 0]
+    return r.usage(sum(g.num_prompt_tokens for g in firsts), sum(g.num_tokens for g in gens),
+                   sum(g.num_cached_tokens for g in firsts))
 
 
-async def _complete(state: ServerState, gens: list[Generation], body: CompletionRequest,
-                    prompts: list[list[int]]) -> dict:
+async def _complete(state: ServerState, gens: list[Generation], body: CompletionRequest) -> dict:
     async with contextlib.aclosing(merge(gens)) as deltas:
         async for _ in deltas:
             pass
@@ -46,7 +50,7 @@ async def _complete(state: ServerState, gens: list[Generation], body: Completion
     for g in sorted(gens, key=lambda g: g.index):
         logprobs = r.completion_logprobs(token_text, g.tokens, g.logprobs, 0) if token_text else None
         choices.append(r.completion_choice(g.index, g.content, g.finish_reason, logprobs))
-    return r.completion(r.new_id("cmpl"), body.model, r.now(), choices, _usage(gens, prompts))
+    return r.completion(r.new_id("cmpl"), body.model, r.now(), choices, _usage(gens, body.n))
 
 
 async def _stream(state: ServerState, gens: list[Generation], body: CompletionRequest,
@@ -67,8 +71,7 @@ async def _stream(state: ServerState, gens: list[Generation], body: CompletionRe
                     choice = r.completion_choice(d.index, d.text, d.finish_reason, logprobs)
                     yield sse(r.completion(id_, model, created, [choice], None))
         if body.include_usage():
-            yield sse(r.completion(id_, model, created, [], _usage(gens, [g.seq.prompt for g in gens
-                                                                          if g.index % body.n == 0])))
+            yield sse(r.completion(id_, model, created, [], _usage(gens, body.n)))
     except MolaError as e:
         yield sse(error_payload(e))
     yield sse_done()

@@ -32,14 +32,17 @@ router = APIRouter()
 async def create_response(body: ResponsesRequest, request: Request):
     state: ServerState = request.app.state.mola
     body.check_supported()
-    constrain(body)  # structured output and forced tool calls: refused until wired
+    response_format, tool_choice = constrain(body)
     items = normalize_input(body.input)
     if body.previous_response_id is not None:
         items = [*state.responses.get(body.previous_response_id).items, *items]
     tools = body.chat_tools()
     messages = to_messages(items, body.instructions)
     prompt = await state.prompts.messages(messages, tools, body.uses_tools(), "input")
-    gen, = await start_generations(state, body, [prompt], tools if body.uses_tools() else None)
+    grammar = await state.prompts.structured(
+        state.structured.for_request, response_format=response_format, tools=tools, tool_choice=tool_choice,
+        parallel_tool_calls=body.parallel_tool_calls, format_param="text.format")
+    gen, = await start_generations(state, body, [prompt], tools if body.uses_tools() else None, grammar)
     builder = ResponseBuilder(request_fields(body))
     if body.stream:
         return event_stream(_stream(state, gen, builder, body, items, request), gen.close)
@@ -58,7 +61,7 @@ async def _complete(state: ServerState, gen: Generation, builder: ResponseBuilde
     async with contextlib.aclosing(gen.deltas()) as deltas:
         async for d in deltas:
             builder.add(d.text, d.tool_calls)
-    builder.finish(gen.finish_reason, gen.num_prompt_tokens, gen.num_tokens)
+    builder.finish(gen.finish_reason, gen.num_prompt_tokens, gen.num_tokens, gen.num_cached_tokens)
     _remember(state, body, builder, items)
     return builder.response
 
@@ -74,12 +77,13 @@ async def _stream(state: ServerState, gen: Generation, builder: ResponseBuilder,
                     return  # leaving closes the generation, which frees its row
                 for event in builder.add(d.text, d.tool_calls):
                     yield sse_event(event)
-        events = builder.finish(gen.finish_reason, gen.num_prompt_tokens, gen.num_tokens)
+        events = builder.finish(gen.finish_reason, gen.num_prompt_tokens, gen.num_tokens,
+                                gen.num_cached_tokens)
         _remember(state, body, builder, items)
         for event in events:
             yield sse_event(event)
     except MolaError as e:
-        for event in builder.fail(e, gen.num_prompt_tokens, gen.num_tokens):
+        for event in builder.fail(e, gen.num_prompt_tokens, gen.num_tokens, gen.num_cached_tokens):
             yield sse_event(event)
 
 

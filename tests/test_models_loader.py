@@ -1,5 +1,5 @@
 """Base-model loading: local paths and hub ids through huggingface-hub's
-cache, offline (mola/engine/loader.py)."""
+cache, offline, and GGUF files (mola/models/loader.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from mola.engine.loader import ModelLoadError, load_base_model, resolve_model_path
+from mola.models.loader import ModelLoadError, load_base_model, resolve_model_path
 
 
 def test_local_directory(tiny_model):
@@ -50,3 +50,33 @@ def test_bad_local_paths(tmp_path):
         resolve_model_path(str(tmp_path / "a" / "b" / "c"))
     with pytest.raises(ModelLoadError, match="no config.json"):
         resolve_model_path(str(tmp_path))
+
+
+def test_dtype_dequantizes_an_mlx_lm_directory(quantized_model):
+    import mlx.core as mx
+    import mlx.nn as nn
+    import numpy as np
+
+    tokens = mx.array([[1, 5, 9, 40, 7]])
+    kept = load_base_model(str(quantized_model), dtype="keep")
+    full = load_base_model(str(quantized_model), dtype="float32")
+    assert isinstance(kept.model.model.layers[0].self_attn.q_proj, nn.QuantizedLinear)
+    q = full.model.model.layers[0].self_attn.q_proj
+    assert type(q) is nn.Linear and q.weight.dtype == mx.float32 and "quantization" not in full.config
+    np.testing.assert_allclose(np.array(full.model(tokens)), np.array(kept.model(tokens)), atol=1e-4)
+    half = load_base_model(str(quantized_model), dtype="bfloat16")
+    assert half.model.model.layers[0].self_attn.q_proj.weight.dtype == mx.bfloat16
+    assert load_base_model(str(quantized_model)).config.get("quantization")  # auto: as it is
+
+
+def test_auto_dtype(monkeypatch):
+    import mlx.core as mx
+
+    from mola.models.loader import resolve_dtype
+
+    on_cpu = mx.default_device() == mx.cpu
+    assert resolve_dtype("auto", is_gguf=True) == ("float32" if on_cpu else "keep")
+    assert resolve_dtype("auto", is_gguf=False) == "keep"
+    assert resolve_dtype("float16", is_gguf=True) == "float16"
+    with pytest.raises(ModelLoadError, match="'half'"):
+        resolve_dtype("half", is_gguf=True)

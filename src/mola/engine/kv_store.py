@@ -1,0 +1,64 @@
+"""The prompt cache's KV arrays, held by the runner on the engine thread, by
+the entry ids that mola.engine.prompt_cache hands out.
+
+An entry is one sequence's mlx-lm KVCache per layer, cut out of a batch
+cache with BatchKVCache.extract and trimmed to the tokens it is stored
+under. A hit is served as a view of an entry's first tokens, which
+BatchKVCache.merge copies into the new prefill group's cache: the stored
+arrays are never written to.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
+
+
+def kv_bytes_per_token(model: nn.Module, routing) -> int | None:
+    """KV bytes one token takes in ``model``'s cache, measured on a one-token
+    forward pass; None when the model's caches are not plain KVCaches (sliding
+    windows, recurrent state), whose state cannot be cut at a token."""
+    cache = make_prompt_cache(model)
+    if not cache or any(type(c) is not KVCache for c in cache):
+        return None
+    routing.set([0], [1.0])
+    model(mx.array([[0]], dtype=mx.uint32), cache=cache)
+    mx.eval([c.state for c in cache])
+    # keys, values: [1, H, capacity, D]
+    return sum((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in cache)
+
+
+class KVStore:
+    def __init__(self):
+        self._entries: dict[int, list[KVCache]] = {}  # entry id -> one KVCache per layer
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, entry: int, batch_cache: list, row: int, num_tokens: int) -> None:
+        """Store the first ``num_tokens`` tokens of ``row`` of a batch cache."""
+        layers = [c.extract(row) for c in batch_cache]  # keys, values: [1, H, n, D]
+        extra = layers[0].offset - num_tokens
+        assert extra >= 0, (layers[0].offset, num_tokens)
+        if extra:
+            trim_prompt_cache(layers, extra)
+        mx.async_eval([c.state[:2] for c in layers])
+        self._entries[entry] = layers
+
+    def view(self, entry: int, num_tokens: int) -> list[KVCache]:
+        """The first ``num_tokens`` of an entry, as caches for BatchKVCache.merge
+        (which copies them, leaving the entry as it is)."""
+        views = []
+        for stored in self._entries[entry]:
+            c = KVCache()
+            c.keys, c.values, c.offset = stored.keys, stored.values, num_tokens
+            views.append(c)
+        return views
+
+    def drop(self, entries: list[int]) -> None:
+        for entry in entries:
+            self._entries.pop(entry, None)
+
+    def clear(self) -> None:
+        self._entries.clear()

@@ -1,0 +1,11 @@
+"""Base models: mlx-lm directories, hub ids and llama.cpp GGUF files, loaded as
+mlx-lm models with mlx-lm tokenizers.
+
+    loader.py     where a model comes from, and --dtype
+    metadata.py   a GGUF file's metadata -> mlx-lm config
+    gguf.py       a GGUF file -> mlx-lm weights and model
+    codecs.py     GGUF tensor types -> MLX arrays (kept quantized or dequantized)
+    tokenizer.py  the tokenizer in a GGUF's metadata -> Hugging Face files -> mlx-lm
+    convert.py    `mola convert`: a GGUF file -> an mlx-lm model directory
+    fetch.py      the real test/demo model (SmolLM2-135M-Instruct), fetched once
+"""

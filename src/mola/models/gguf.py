@@ -1,0 +1,182 @@
+"""llama.cpp GGUF model files -> mlx-lm models, read with gguf-py.
+
+The hyper-parameters come from the file's metadata (``llama.embedding_length``, ...)
+as an mlx-lm config dict (metadata.py); tensors get mlx-lm's module names (``blk.3.attn_q.weight``
+-> ``model.layers.3.self_attn.q_proj.weight``); the model is mlx-lm's own class for
+the architecture, quantized with ``nn.quantize`` where a tensor stays quantized (see
+codecs.py), as ``mlx_lm.utils.load_model`` does. For ``llama`` (Llama, Mistral,
+SmolLM) llama.cpp stores the rows of q and k in its own rope order
+(``LlamaModel.permute``); they are put back in Hugging Face's order, so the model is
+the Hugging Face layout and adapters of either layout apply to it.
+
+What cannot be mapped exactly is refused with a message naming it: what metadata.py
+refuses, tensors that have no place in the mlx-lm model, codecs codecs.py refuses.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import ModelLoadError
+from ..lora.formats.gguf import ARCHITECTURES, BLOCK_TENSORS, hf_row_order
+from .codecs import GROUP_SIZE, KEPT, BFloat16, Quantized, UnsupportedTensor, codec_name, read_tensor
+from .metadata import GGUFFile, model_config, open_gguf
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+# llama.cpp tensor -> mlx-lm parameter path (".weight"/".bias" appended)
+GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+BLOCK_NORMS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+_GLOBAL_NAME = re.compile(r"([a-z_]+)\.(weight|bias)")
+
+
+def hf_name(name: str) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None if
+    mola knows no place for it)."""
+    m = _BLOCK_NAME.fullmatch(name)
+    if m:
+        module = BLOCK_TENSORS.get(m.group(2)) or BLOCK_NORMS.get(m.group(2))
+        return module and f"model.layers.{int(m.group(1))}.{module}.{m.group(3)}"
+    m = _GLOBAL_NAME.fullmatch(name)
+    if m and m.group(1) in GLOBAL_TENSORS:
+        return f"{GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
+    return None
+
+
+# ---- tensors ---------------------------------------------------------------------
+
+
+def _rows(value, fn):
+    """Apply ``fn`` to the output rows of a tensor in any of its held forms."""
+    if isinstance(value, Quantized):
+        return Quantized(fn(value.weight), fn(value.scales), fn(value.biases), value.bits)
+    if isinstance(value, BFloat16):
+        return BFloat16(fn(value.bits))
+    return fn(value)
+
+
+def _to_mx(value, dtype: mx.Dtype, keep: bool) -> dict[str, mx.array]:
+    """{"weight": ...} in ``dtype``, or {"weight", "scales", "biases"} for a quantized
+    value with ``keep``; without it quantized values are dequantized (in float32, then
+    cast)."""
+    if isinstance(value, Quantized):
+        w, s, b = mx.array(value.weight), mx.array(value.scales), mx.array(value.biases)
+        if keep:  # float16 scales widen exactly to float32; otherwise they stay float16
+            if dtype == mx.float32:
+                s, b = s.astype(dtype), b.astype(dtype)
+            return {"weight": w, "scales": s, "biases": b}
+        full = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32),
+                             group_size=GROUP_SIZE, bits=value.bits)
+        return {"weight": full.astype(dtype)}
+    if isinstance(value, BFloat16):
+        return {"weight": mx.array(value.bits).view(mx.bfloat16).astype(dtype)}
+    return {"weight": mx.array(value).astype(dtype)}
+
+
+def read_weights(f: GGUFFile, dtype: str) -> tuple[dict, dict[str, mx.array], dict[str, dict]]:
+    """(config, weights by mlx-lm name, {module path: {"bits", "group_size"}} of the
+    modules kept quantized). ``dtype``: "keep" or a key of DTYPES."""
+    keep = dtype == "keep"
+    held, names, codecs = {}, {}, {}
+    for tensor in f.reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            raise ModelLoadError(
+                f"{f.path} holds tensor '{tensor.name}', which has no place in mlx-lm's "
+                f"{f.arch.model_type} model; mola does not drop part of a model silently.")
+        try:
+            held[name] = read_tensor(tensor)
+        except UnsupportedTensor as e:
+            raise UnsupportedTensor(f"{f.path}: {e.message}") from None
+        names[name] = tensor.name
+        if len(tensor.shape) > 1:
+            codecs[codec_name(tensor.tensor_type)] = True
+    embed = held.get("model.embed_tokens.weight")
+    if embed is None:
+        raise ModelLoadError(f"{f.path} has no token_embd.weight.")
+    config = model_config(f, set(names.values()), int(embed.shape[0]))
+    if ARCHITECTURES[f.arch.name].permutes_qk:
+        _unpermute_qk(held, config)
+    target = keep_dtype(codecs) if keep else DTYPES[dtype]
+    weights, quantization = {}, {}
+    for name, value in held.items():
+        module, _, leaf = name.rpartition(".")
+        arrays = _to_mx(value, target, keep)
+        if "scales" in arrays:
+            quantization[module] = {"group_size": GROUP_SIZE, "bits": value.bits}
+        if leaf == "bias":
+            arrays = {"bias": arrays["weight"]}
+        weights.update({f"{module}.{k}": v for k, v in arrays.items()})
+    return config, weights, quantization
+
+
+def keep_dtype(codecs) -> mx.Dtype:
+    """The dtype a model kept as stored computes in, from its matrices' codecs:
+    float16 if any is F16 or dequantized from a codec MLX cannot hold (as MLX and
+    llama.cpp's GPU paths hold them), else bfloat16 if any is BF16, else float32
+    (every matrix F32 or kept quantized: the float16 scales widen exactly)."""
+    codecs = set(codecs)
+    if "F16" in codecs or codecs - {"F32", "BF16", *KEPT}:
+        return mx.float16
+    return mx.bfloat16 if "BF16" in codecs else mx.float32
+
+
+def _unpermute_qk(held: dict, config: dict) -> None:
+    """Put llama.cpp's q/k rows (weights and biases) back in Hugging Face's order."""
+    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+    for name in list(held):
+        proj = name.split(".")[-2]
+        if proj in heads:
+            held[name] = _rows(held[name], lambda rows, n=heads[proj]: hf_row_order(rows, n))
+
+
+def build_model(config: dict, weights: dict[str, mx.array], quantization: dict[str, dict]) -> nn.Module:
+    """mlx-lm's model for ``config``, quantized where ``quantization`` says, with
+    ``weights`` loaded (strictly: every parameter given, nothing left over)."""
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    weights = model.sanitize(dict(weights))
+    if quantization:
+        nn.quantize(model, class_predicate=lambda path, m: quantization.get(path, False))
+    from mlx.utils import tree_flatten
+
+    expected = {k for k, _ in tree_flatten(model.parameters())}
+    missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
+    if missing or extra:
+        raise ModelLoadError(
+            f"the file's tensors do not fit mlx-lm's {config['model_type']} model: "
+            + (f"missing {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}" if missing else "")
+            + ("; " if missing and extra else "")
+            + (f"not in the model {', '.join(extra[:4])}{' ...' if len(extra) > 4 else ''}" if extra else ""))
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:  # shapes that do not fit the metadata
+        raise ModelLoadError(f"the file's tensors do not fit its metadata: {e}") from None
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def load_gguf_model(path: Path, dtype: str) -> tuple[nn.Module, dict, GGUFFile]:
+    """(mlx-lm model, its config dict, the opened file) for a GGUF model file."""
+    f = open_gguf(path)
+    config, weights, quantization = read_weights(f, dtype)
+    try:
+        model = build_model(config, weights, quantization)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{path}: {e.message}") from None
+    if quantization:
+        config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4, **quantization}
+    return model, config, f

@@ -1,0 +1,129 @@
+"""Loading the base model: an mlx-lm directory, a Hugging Face hub id, or a
+llama.cpp GGUF file (or a directory holding one), in the dtype --dtype asks for."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+from ..config import DTYPE_CHOICES
+from ..engine.model import LoadedModel
+from ..errors import ModelLoadError
+from .gguf import DTYPES
+from .metadata import find_gguf
+
+log = logging.getLogger("mola.loader")
+
+__all__ = ["ModelLoadError", "load_base_model", "looks_like_hub_id", "resolve_model_path", "resolve_dtype"]
+
+# What a model directory needs (mlx-lm downloads the same set).
+MODEL_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
+                  "tiktoken.model", "*.txt", "*.jsonl", "*.jinja"]
+
+
+
+def looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "/", "~"))
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> Path:
+    """A local directory (or GGUF file) as is; otherwise a hub id through
+    huggingface-hub's cache (downloading only if the hub is reachable)."""
+    path = Path(model).expanduser()
+    if path.exists():
+        gguf = find_gguf(path)
+        if gguf is not None:
+            return gguf
+        if path.is_file():
+            raise ModelLoadError(f"{path} is a file but not a GGUF model (no GGUF magic); a model is "
+                                 "a GGUF file or a directory with config.json")
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is not a model directory: it has no config.json (nor a .gguf file)")
+        return path
+    if not looks_like_hub_id(model):
+        raise ModelLoadError(f"The model path does not exist: {path}")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(model, revision=revision, allow_patterns=MODEL_PATTERNS))
+    except Exception as e:  # offline, unknown repo, gated, ...
+        raise ModelLoadError(
+            f"Could not fetch '{model}' from the Hugging Face hub (nor find it in "
+            f"the local cache): {type(e).__name__}: {e}"
+        ) from e
+
+
+def resolve_dtype(dtype: str, is_gguf: bool) -> str:
+    """``auto`` -> what mola picks: for GGUF files, dequantized float32 on a CPU (MLX's
+    quantized matmul is far slower there, see benchmarks/gguf_dtype.py) and kept
+    quantized on a GPU; mlx-lm directories as they are."""
+    if dtype not in DTYPE_CHOICES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+    if dtype != "auto":
+        return dtype
+    if is_gguf and mx.default_device() == mx.cpu:
+        return "float32"
+    return "keep"
+
+
+def load_base_model(model: str, revision: str | None = None, group=None, dtype: str = "auto") -> LoadedModel:
+    """Load model and tokenizer; with a distributed ``group``, this rank's
+    tensor-parallel shard (mlx-lm's own sharding). Call on the engine thread."""
+    path = resolve_model_path(model, revision)
+    is_gguf = path.is_file()
+    dtype = resolve_dtype(dtype, is_gguf)
+    log.info("loading model from %s (dtype %s)%s", path, dtype,
+             f" (shard {group.rank() + 1} of {group.size()})" if group else "")
+    t0 = time.perf_counter()
+    loaded = _load_gguf(path, dtype, group) if is_gguf else _load_mlx_lm(path, dtype, group)
+    log.info("model loaded in %.1f s", time.perf_counter() - t0)
+    return loaded
+
+
+def _load_gguf(path: Path, dtype: str, group) -> LoadedModel:
+    from .gguf import load_gguf_model
+    from .tokenizer import load_tokenizer
+
+    model, config, f = load_gguf_model(path, dtype)
+    try:
+        tokenizer = load_tokenizer(f.metadata, f.arch.name, config.get("max_position_embeddings"))
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{path}: {e.message}") from None
+    if group is not None:
+        _shard(model, group, path)
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
+
+
+def _shard(model, group, path: Path) -> None:
+    if not hasattr(model, "shard"):
+        raise ModelLoadError(f"mlx-lm's {type(model).__module__} model has no tensor-parallel sharding")
+    model.shard(group)
+    mx.eval(model.parameters())
+
+
+def _load_mlx_lm(path: Path, dtype: str, group) -> LoadedModel:
+    from mlx_lm.utils import dequantize_model, load, sharded_load
+
+    try:
+        if group is not None:
+            model, tokenizer, config = sharded_load(
+                str(path), tensor_group=group, return_config=True,
+                tokenizer_config={"trust_remote_code": False},
+            )
+        else:
+            model, tokenizer, config = load(str(path), return_config=True)
+    except Exception as e:
+        raise ModelLoadError(f"mlx-lm could not load the model at {path}: {e}") from e
+    if dtype != "keep":
+        if group is not None and "quantization" in config:
+            raise ModelLoadError(f"--dtype {dtype} with --distributed: mola does not dequantize a "
+                                 "sharded quantized model; use --dtype keep or a float model")
+        dequantize_model(model)
+        model.set_dtype(DTYPES[dtype])
+        mx.eval(model.parameters())
+        config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
