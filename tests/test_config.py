@@ -157,4 +157,4 @@ def test_host_tier_and_admission_settings(tmp_path):
         ServeConfig(max_adapter_wait=0)
     f.write_text('adapter_cache_bytes = "-3GB"\n')
     with pytest.raises(ValueError, match="size in bytes"):
-        load_config_file(f)
+        parse("--config", str(f))

@@ -64,7 +64,7 @@ class ServeConfig:
     # neither set: no host tier. Adapters with requests running or waiting
     # are never dropped from it.
     max_cpu_loras: int | None = None
-    adapter_cache_bytes: int | None = None
+    adapter_cache_bytes: int | str | None = None  # bytes, or a size such as "4GB"
     # A request that has waited this many seconds for its adapter's slot gets
     # the next slot that frees, ahead of busier adapters (one of which stops
     # taking new requests so that it frees its slot).
@@ -123,6 +123,8 @@ class ServeConfig:
             raise ValueError(f"adapter name '{self.served_model_name}' is also the base model's name")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
+        if isinstance(self.adapter_cache_bytes, str):
+            object.__setattr__(self, "adapter_cache_bytes", parse_bytes(self.adapter_cache_bytes))
         for name in ("max_cpu_loras", "adapter_cache_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -179,26 +181,6 @@ def parse_bytes(value: str) -> int:
     if unit not in SIZE_UNITS or not amount >= 0 or amount == float("inf"):
         raise ValueError(f"expected a size in bytes such as 1000000, 512MB or 2GiB, got {value!r}")
     return int(amount * SIZE_UNITS[unit])
-
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-
-
-def parse_bytes(value: str | int) -> int:
-    """``1073741824``, ``512MB``, ``1.5GiB``, ... -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    text = str(value).strip().lower().replace(" ", "")
-    number = text.rstrip("kmgtib")
-    unit = text[len(number):]
-    try:
-        amount = float(number)
-    except ValueError:
-        amount = -1.0
-    if unit not in _UNITS or not amount >= 0:
-        raise ValueError(f"expected a size in bytes such as 1073741824, 512MB or 2GiB, got {value!r}")
-    return int(amount * _UNITS[unit])
 
 
 def parse_adapter_arg(value: str) -> AdapterSpec:
@@ -279,8 +261,6 @@ def load_config_file(path: str | Path) -> dict:
             raise ValueError("'adapter_dirs' must be a list of paths")
         # Absolute but as written: --allow-adapter-symlinks compares paths with these.
         data["adapter_dirs"] = tuple(os.path.abspath(base / Path(d).expanduser()) for d in dirs)
-    if data.get("adapter_cache_bytes") is not None:
-        data["adapter_cache_bytes"] = parse_bytes(data["adapter_cache_bytes"])
     if "cache_dir" in data and data["cache_dir"] is not None:
         data["cache_dir"] = Path(_resolve_relative(str(data["cache_dir"]), base))
     return data
