@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-adapter-symlinks", action="store_true",
                        help="follow symlinks inside an --adapter-dir wherever they lead (default: an "
                        "adapter's real path must lie under an --adapter-dir)")
+    serve.add_argument("--adapter-resolver", dest="adapter_resolvers", action="append", metavar="SPEC",
+                       help="where a model id no adapter has is looked for (repeatable, tried in "
+                       "order; off by default): dir:PATH tries PATH/<id>; hf:ORG/* (or "
+                       "hf:ORG/A,ORG/B) an ORG/NAME hub repo, through huggingface-hub's cache")
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--max-loras", type=int, help="adapter slots, i.e. resident adapters (default 8)")
@@ -186,6 +190,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         given["adapters"] = merge_adapters(values.get("adapters", ()), tuple(given["adapters"]))
     if "adapter_dirs" in given:
         given["adapter_dirs"] = tuple(values.get("adapter_dirs", ())) + tuple(given["adapter_dirs"])
+    if "adapter_resolvers" in given:
+        given["adapter_resolvers"] = tuple(values.get("adapter_resolvers", ())) + tuple(given["adapter_resolvers"])
     values.update(given)
     for field, env in (("api_key", "MOLA_API_KEY"), ("admin_key", "MOLA_ADMIN_KEY")):
         if values.get(field) is None and os.environ.get(env):

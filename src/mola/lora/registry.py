@@ -11,7 +11,11 @@ resident in slots. A request takes a :class:`Lease` on the model id it names:
   the slot of the least recently used adapter that no request is using; when
   every slot is busy with running requests the request waits, it does not
   fail;
-- unknown (or unloaded): ModelNotFound.
+- unknown (or unloaded): the resolvers are asked, if any (resolvers.py);
+  else ModelNotFound.
+
+A request may also name adapters by path (paths.py): checked by the path
+policy, then one record per resolved path and content version.
 
 Unloading stops new leases at once; requests already running finish on the
 adapter's weights, then its slot is zeroed and freed. Loading a name again is
@@ -29,12 +33,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol
 
-from ..errors import AdapterExists, AdapterNotFound, InvalidRequest, ModelNotFound, MolaError
+from ..errors import (AdapterExists, AdapterNotFound, InvalidAdapterName, InvalidRequest, ModelNotFound,
+                      MolaError)
+from .names import check_adapter_id
+from .paths import PathAdapters
 from .recipe import Recipe
 from .records import AdapterRecord, AdapterState
-from .names import check_adapter_id
 from .slots import SlotTable
-from .sources import AdapterSources
+from .sources import AdapterSources, content_version
 from .stacks import Stacks
 from .weights import LoRAWeights
 
@@ -50,6 +56,16 @@ class SlotBackend(Protocol):
     async def build(self, recipe: Recipe) -> LoRAWeights: ...
     async def place(self, slot: int, weights: LoRAWeights, recipe: Recipe) -> None: ...
     async def remove(self, slot: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    """One entry of a request's ``adapters``: a known adapter by ``name``, or
+    the adapter files at ``path``, applied with ``scale``."""
+
+    name: str | None = None
+    path: str | None = None
+    scale: float = 1.0
 
 
 @dataclass
@@ -95,6 +111,7 @@ class AdapterRegistry:
         max_loras: int,
         sources: AdapterSources | None = None,
         forget: Callable[[list[tuple[str, int]]], Awaitable[Any]] | None = None,
+        resolvers: list | None = None,
     ):
         self.base_id = base_id
         self.backend = backend
@@ -106,6 +123,10 @@ class AdapterRegistry:
         self.stats = RegistryStats()
         self.slots = SlotTable(max_loras)
         self.stacks = Stacks()
+        self.paths = PathAdapters()  # adapters named by path in requests
+        # Asked, in order, for a model id nothing else knows (resolvers.py).
+        self.resolvers = list(resolvers or ())
+        self._resolving: dict[str, asyncio.Task] = {}  # id -> the lookup under way
         self._known: dict[str, AdapterRecord] = {}
         self._unloaded: set[str] = set()  # names not to rediscover in adapter dirs
         self._versions: dict[str, int] = {}
@@ -121,6 +142,10 @@ class AdapterRegistry:
     def compositions(self) -> list[AdapterRecord]:
         """Stacks of adapters built for requests (each one slot when resident)."""
         return list(self.stacks)
+
+    def path_adapters(self) -> list[AdapterRecord]:
+        """The current version of each adapter that requests named by path."""
+        return list(self.paths)
 
     def get(self, name: str) -> AdapterRecord:
         record = self._known.get(name) or self._discover(name)
@@ -163,6 +188,8 @@ class AdapterRegistry:
     def _is_current(self, record: AdapterRecord) -> bool:
         if record.is_stack:
             return self.stacks.is_current(record)
+        if record.source == "request":
+            return self.paths.is_current(record)
         return self._known.get(record.name) is record
 
     # ---- loading ------------------------------------------------------------
@@ -191,42 +218,91 @@ class AdapterRegistry:
         self,
         model_id: str,
         lora_scale: float | None = None,
-        stack: list[tuple[str, float]] | None = None,
+        stack: list[AdapterRef | tuple[str, float]] | None = None,
     ) -> Lease:
         """A lease on the base model, an adapter, or adapters stacked together,
         loading just in time.
 
         ``lora_scale`` multiplies the adapter ``model_id`` names, for this
         request only (the row's scale: rows with different scales of one
-        adapter share its slot). ``stack`` lists (adapter, scale) pairs applied
-        together with it: their sum is one LoRA whose A is the parts' A side by
-        side and whose B is their scaled B stacked, built once into a slot of
-        its own, cached by its parts and evicted like any adapter.
+        adapter share its slot). ``stack`` lists adapters (AdapterRef: by name
+        or by path, with a scale; or (name, scale) pairs) applied together
+        with it: their sum is one LoRA whose A is the parts' A side by side
+        and whose B is their scaled B stacked, built once into a slot of its
+        own, cached by its parts and evicted like any adapter.
         """
         is_base = model_id == self.base_id
         if is_base and lora_scale is not None:
             raise InvalidRequest(
                 f"lora_scale scales an adapter, but '{model_id}' is the base model.", param="lora_scale"
             )
-        head = None if is_base else self._lookup(model_id, "model")
+        head = None if is_base else await self._lookup(model_id, "model")
         if not stack:
             if head is None:
                 return Lease(self, None)
             return await self._lease(head, 1.0 if lora_scale is None else lora_scale)
         parts = [] if head is None else [(head, 1.0 if lora_scale is None else lora_scale)]
-        for name, scale in stack:
-            parts.append((self._lookup(name, "adapters"), scale))
-        names = [r.name for r, _ in parts]
-        if len(set(names)) < len(names):
+        for entry in stack:
+            ref = entry if isinstance(entry, AdapterRef) else AdapterRef(name=entry[0], scale=entry[1])
+            if ref.path is not None:
+                record = await self._by_path(ref.path)
+            else:
+                record = await self._lookup(ref.name, "adapters")
+            parts.append((record, ref.scale))
+        if len({id(r) for r, _ in parts}) < len(parts):
             raise InvalidRequest("An adapter is named more than once in 'adapters'.", param="adapters")
         if len(parts) == 1:
             return await self._lease(parts[0][0], parts[0][1])
         return await self._lease(self.stacks.get_or_make(parts), 1.0)
 
-    def _lookup(self, name: str, param: str) -> AdapterRecord:
+    async def _lookup(self, name: str, param: str) -> AdapterRecord:
         record = self._known.get(name) or self._discover(name)
+        if record is None and self.resolvers:
+            record = await self._resolve(name)
         if record is None:
             raise ModelNotFound(name, param=param)
+        return record
+
+    async def _resolve(self, name: str) -> AdapterRecord | None:
+        """Ask the resolvers for an id nothing else knows; one lookup per id
+        at a time, shared by the requests that ask meanwhile."""
+        if name in self._unloaded or name == self.base_id:
+            return None
+        try:
+            check_adapter_id(name)
+        except InvalidAdapterName:
+            return None
+        task = self._resolving.get(name)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._ask_resolvers(name))
+            self._resolving[name] = task
+            task.add_done_callback(lambda _: self._resolving.pop(name, None))
+        return await asyncio.shield(task)  # a request that goes away does not stop it
+
+    async def _ask_resolvers(self, name: str) -> AdapterRecord | None:
+        for resolver in self.resolvers:
+            path = await resolver.find(name)  # may raise AdapterPathNotAllowed
+            if path is None:
+                continue
+            if name in self._known or name in self._unloaded:  # loaded or unloaded meanwhile
+                return self._known.get(name)
+            log.info("adapter resolved: name=%s resolver=%s path=%s", name, resolver.kind, path)
+            return self.register(name, path, f"resolver:{resolver.kind}")
+        return None
+
+    async def _by_path(self, given: str) -> AdapterRecord:
+        """The record of the adapter files at ``given`` as they are now: the
+        path policy first (403 outside it), then one record per resolved path
+        and content version; an older version is retired."""
+        real = self.sources.resolve_request_path(given)
+        record, stale = self.paths.get_or_make(real, content_version(real))
+        if stale is not None:
+            log.info("adapter changed on disk: name=%s version=%d -> %d", record.name, stale.version,
+                     record.version)
+            await self._retire_all(stale)
+        for old in self.paths.surplus():
+            self.paths.drop(old)
+            await self._retire_all(old)
         return record
 
     async def _lease(self, record: AdapterRecord, row_scale: float) -> Lease:
@@ -354,15 +430,21 @@ class AdapterRegistry:
         del self._known[name]
         self._unloaded.add(name)
         self.stats.unloads += 1
+        await self._retire_all(record)
+        return record
+
+    async def _retire_all(self, record: AdapterRecord) -> None:
+        """A record no longer current, with the stacks built from it: drained
+        if resident, and their cached prompts dropped."""
         stacks = self.stacks.using(record)
         for stack in stacks:
             self.stacks.drop(stack)
             await self._retire(stack)
-        log.info("adapter unloading: name=%s slot=%s in_flight=%d", name, record.slot, record.in_flight)
+        log.info("adapter unloading: name=%s version=%d slot=%s in_flight=%d", record.name,
+                 record.version, record.slot, record.in_flight)
         await self._retire(record)
         await self._notify()
         await self._forget_cached([record, *stacks])
-        return record
 
     async def _forget_cached(self, records: list[AdapterRecord]) -> None:
         if self._forget is None:

@@ -18,6 +18,7 @@ from ..engine.engine import Engine, LoadedModel
 from ..errors import MolaError
 from ..lora.loader import AdapterLoader
 from ..lora.registry import AdapterRegistry
+from ..lora.resolvers import make_resolvers
 from ..lora.sources import AdapterSources
 from ..structured import StructuredOutputs
 from .errors import error_response, install_error_handlers
@@ -49,8 +50,10 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel) 
         named_paths=[a.path for a in config.adapters if Path(a.path).expanduser().exists()],
         allow_any_path=config.allow_any_adapter_path,
         allow_symlinks=config.allow_adapter_symlinks,
+        resolver_dirs=[r.root for r in config.adapter_resolvers if r.kind == "dir"],
     )
-    registry = AdapterRegistry(base_id, loader, config.max_loras, sources, forget=async_engine.forget_prompts)
+    registry = AdapterRegistry(base_id, loader, config.max_loras, sources, forget=async_engine.forget_prompts,
+                               resolvers=make_resolvers(config.adapter_resolvers, sources))
     state = ServerState(
         config=config,
         engine=async_engine,
