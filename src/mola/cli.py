@@ -105,7 +105,26 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", choices=("keep", "float16", "bfloat16", "float32"), default="keep",
                          help="keep (default: quantized layers stay quantized) or a float dtype")
     convert.add_argument("--force", action="store_true", help="replace OUT_DIR if it is not empty")
+    add_validate_parser(commands)
     return parser
+
+
+def add_validate_parser(commands) -> argparse.ArgumentParser:
+    """`mola validate`: describe an adapter, and check it against a base offline."""
+    validate = commands.add_parser(
+        "validate", help="describe an adapter and check it against a base model, offline",
+        description="Name an adapter's format, ranks, scale (and alpha), target modules and layers, "
+        "dtype, size and the base it declares. With --model, check every module and shape against "
+        "that model without loading its weights, with the same readers and checks as mola serve. "
+        "Exit status 0 when the adapter would load, 1 (with serve's message) when it would not.",
+    )
+    validate.add_argument("adapter", metavar="ADAPTER",
+                          help="an adapter directory (mlx-lm or PEFT), a .gguf file, or a hub id")
+    validate.add_argument("--model", help="base model to check against: a local directory or a hub id")
+    validate.add_argument("--json", action="store_true", help="print the report as JSON")
+    validate.add_argument("--max-lora-rank", type=int, default=ServeConfig.max_lora_rank,
+                          help="the server's --max-lora-rank to check against (default 64)")
+    return validate
 
 
 def add_train_parser(commands) -> argparse.ArgumentParser:
@@ -118,11 +137,16 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
         "valid.jsonl, one example per line: {\"messages\": [...]} (chat), {\"prompt\", \"completion\"} "
         "or {\"text\"}. The data and the output path are checked before the model loads. The "
         "adapter (adapter_config.json + adapters.safetensors) loads in mola serve --adapter, "
-        "POST /v1/adapters and mlx_lm's --adapter-path.",
+        "POST /v1/adapters and mlx_lm's --adapter-path; a FILE.gguf output in llama.cpp too. "
+        "A quantized base is trained as it is (LoRA on its quantized linears, as mlx-lm's tuner does).",
     )
     train.add_argument("--model", required=True, help="base model: a local directory or a Hugging Face hub id")
     train.add_argument("--data", required=True, metavar="DIR", help="directory with train.jsonl (and valid.jsonl)")
-    train.add_argument("--out", required=True, metavar="ADAPTER_DIR", help="directory to write the adapter to")
+    train.add_argument("--out", required=True, action="append", metavar="ADAPTER_DIR|FILE.gguf",
+                       help="where to write the adapter: a directory (an mlx-lm adapter) or a FILE.gguf "
+                       "(a llama.cpp GGUF LoRA); give it twice for both, from the same weights")
+    train.add_argument("--gguf-outtype", choices=t.GGUF_OUTTYPES, default="f32",
+                       help="tensor type of a .gguf output, as llama.cpp's converter's --outtype (default f32)")
     train.add_argument("--rank", type=int, default=t.DEFAULT_RANK, help="LoRA rank (default 8)")
     train.add_argument("--scale", type=float, default=t.DEFAULT_SCALE,
                        help="LoRA scale, mlx-lm's lora_parameters.scale (default 20)")
@@ -168,13 +192,13 @@ def train_config_from_args(args: argparse.Namespace):
     from .train import TrainConfig
 
     return TrainConfig(
-        model=args.model, data=args.data, out=args.out, rank=args.rank, scale=args.scale,
+        model=args.model, data=args.data, out=tuple(args.out), rank=args.rank, scale=args.scale,
         dropout=args.dropout, layers=args.layers, iters=args.iters, batch_size=args.batch_size,
         learning_rate=args.learning_rate, targets=args.targets, lr_schedule=args.lr_schedule,
         warmup=args.warmup, max_seq_length=args.max_seq_length, mask_prompt=args.mask_prompt,
         seed=args.seed, steps_per_report=args.steps_per_report, steps_per_eval=args.steps_per_eval,
         val_batches=args.val_batches, grad_checkpoint=args.grad_checkpoint, force=args.force,
-        name=args.name, serve_url=args.serve_url,
+        name=args.name, serve_url=args.serve_url, gguf_outtype=args.gguf_outtype,
         api_key=args.api_key or os.environ.get("MOLA_ADMIN_KEY") or os.environ.get("MOLA_API_KEY") or None,
     )
 
@@ -240,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         return run(train_config)
     if args.command == "convert":
         return run_convert(args)
+    if args.command == "validate":
+        from .validate import run as validate
+
+        return validate(args.adapter, args.model, args.json, args.max_lora_rank)
     parser.error(f"unknown command {args.command}")
     return 2
 
