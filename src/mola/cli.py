@@ -106,7 +106,41 @@ def build_parser() -> argparse.ArgumentParser:
                          help="keep (default: quantized layers stay quantized) or a float dtype")
     convert.add_argument("--force", action="store_true", help="replace OUT_DIR if it is not empty")
     add_validate_parser(commands)
+    add_chat_parser(commands)
     return parser
+
+
+def add_chat_parser(commands) -> argparse.ArgumentParser:
+    """`mola chat`: an interactive chat with a running server, or with one of its own."""
+    from pathlib import Path
+
+    chat = commands.add_parser(
+        "chat", help="chat interactively with a mola server (or one started for the chat)",
+        description="Chat with a running mola server (--url), or start one on 127.0.0.1 for the chat "
+        "from --model/--adapter/--adapter-dir/--config as mola serve takes them (no --url and no model: "
+        "the demo). Answers stream as they decode. /model ID switches the model id and keeps the "
+        "conversation; /adapter off|on|SCALE sets lora_scale; /help lists the commands. Ctrl-C stops "
+        "an answer, Ctrl-D leaves.",
+    )
+    chat.add_argument("model_id", nargs="?", metavar="MODEL_ID",
+                      help="the model id to talk to first (default: the server's base model)")
+    chat.add_argument("--url", help="a running mola (or any OpenAI-compatible) server, e.g. http://127.0.0.1:8000")
+    chat.add_argument("--api-key", help="bearer key for --url (default: $MOLA_API_KEY)")
+    chat.add_argument("--model", help="without --url: the base model of the chat's own server")
+    chat.add_argument("--adapter", dest="adapters", action="append", metavar="NAME=PATH",
+                      help="without --url: serve this adapter too (repeatable)")
+    chat.add_argument("--adapter-dir", dest="adapter_dirs", action="append", metavar="DIR",
+                      help="without --url: an adapter directory (repeatable)")
+    chat.add_argument("--config", help="without --url: a mola serve config file")
+    chat.add_argument("--max-lora-rank", type=int, help="without --url: the server's --max-lora-rank")
+    chat.add_argument("--start-timeout", type=float, default=600.0,
+                      help="seconds the chat's own server may take to load (default 600)")
+    chat.add_argument("--system", help="a system prompt to start with")
+    chat.add_argument("--max-tokens", type=int, help="tokens per answer at most (default: the server's)")
+    chat.add_argument("--temperature", type=float, help="sampling temperature (default: the server's, 1)")
+    chat.add_argument("--history", type=Path, help="readline history file (default: chat_history in "
+                      "mola's cache directory, $MOLA_CACHE or ~/.cache/mola)")
+    return chat
 
 
 def add_validate_parser(commands) -> argparse.ArgumentParser:
@@ -264,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         return run(train_config)
     if args.command == "convert":
         return run_convert(args)
+    if args.command == "chat":
+        from .chat.command import main as chat
+
+        return chat(args)
     if args.command == "validate":
         from .validate import run as validate
 
