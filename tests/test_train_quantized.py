@@ -6,6 +6,8 @@ mlx-lm directory written from the same weights."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 
@@ -28,8 +30,9 @@ def data(tmp_path_factory):
 
 
 def test_a_quantized_base_is_trained_as_it_is(tmp_path, data):
-    """A 4-bit base whose float32 linears would take 25 MB: training keeps
-    every linear quantized and peaks well below that (measured: 11.6 MB at
+    """A 4-bit base whose float32 linears would take 25 MB, trained in a
+    process of its own (MLX's peak memory is the process's): every linear
+    stays quantized and the peak stays well below that (measured: 11.6 MB at
     batch 1, against 34.5 MB for the same model in float32; a single layer
     dequantized would add 12.6 MB)."""
     spec = TinyModelSpec(hidden_size=512, intermediate_size=1536, quantize_bits=4, quantize_group_size=64)
@@ -37,10 +40,15 @@ def test_a_quantized_base_is_trained_as_it_is(tmp_path, data):
     config = read_model_config(model)
     full_precision = 4 * config["num_hidden_layers"] * sum(i * o for i, o in linear_shapes(config).values())
     assert full_precision > 24e6
-    result = train_adapter(TrainConfig(model=str(model), data=data, out=tmp_path / "a", iters=3, batch_size=1,
-                                       learning_rate=1e-3, steps_per_report=3), log=lambda line: None)
-    assert result.linear_layers >= 14 and result.quantized_layers == result.linear_layers
-    assert 0 < result.peak_memory_bytes < 0.6 * full_precision, (result.peak_memory_bytes, full_precision)
+    r = mola_cli("train", "--model", str(model), "--data", str(data), "--out", str(tmp_path / "a"), "--iters", "3",
+                 "--batch-size", "1", "--learning-rate", "1e-3", "--steps-per-report", "3")
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"the base stayed quantized: (\d+) of (\d+) linear layers are QuantizedLinear; "
+                  r"peak memory ([\d.]+) MiB", r.stderr)
+    assert m, r.stderr
+    quantized, linears, peak = int(m.group(1)), int(m.group(2)), float(m.group(3)) * 2**20
+    assert linears >= 14 and quantized == linears
+    assert 0 < peak < 0.6 * full_precision, (peak, full_precision)
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +127,39 @@ def test_what_llama_cpp_cannot_name_is_refused():
         check_gguf_export({"model_type": "gemma"}, ["self_attn.q_proj"])
     with pytest.raises(TrainError, match="no tensor name for mlp.experts"):
         check_gguf_export({"model_type": "qwen2"}, ["mlp.experts"])
+
+
+# ---- a GGUF base ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_gguf(tiny_model, tmp_path_factory):
+    """The tiny model's llama.cpp twin with Q4_1 matrices (kept quantized by mola)."""
+    from mola.synthetic.gguf_model import save_gguf_model
+
+    return save_gguf_model(tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf", tiny_model, codec="Q4_1")
+
+
+def test_train_on_a_gguf_base_as_it_is(tiny_q4_gguf, data, tmp_path):
+    """`mola train --model FILE.gguf`: the Q4_1 linears stay quantized; both
+    outputs serve the same greedy tokens on the GGUF base, and mola validate
+    takes them against it."""
+    from mola.validate import validate
+
+    out, gguf = tmp_path / "yes", tmp_path / "yes.gguf"
+    r = mola_cli("train", "--model", str(tiny_q4_gguf), "--data", str(data), "--out", str(out), "--out", str(gguf),
+                 "--iters", "30", "--batch-size", "4", "--learning-rate", "1e-2", "--scale", "2",
+                 "--steps-per-report", "30")
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"the base stayed quantized: (\d+) of (\d+) linear layers", r.stderr)
+    assert m and m.group(1) == m.group(2) and int(m.group(1)) >= 14, r.stderr
+    for adapter in (out, gguf):
+        report = validate(str(adapter), str(tiny_q4_gguf), max_rank=8)
+        assert report.ok, report.error
+    handle = start_server(model=str(tiny_q4_gguf), served_model_name="q", max_loras=2, max_lora_rank=8,
+                          adapters=(AdapterSpec("dir", str(out)), AdapterSpec("gguf", str(gguf))))
+    try:
+        answers = {model: [_greedy(handle.url, model, p) for p in PROMPTS[:4]] for model in ("q", "dir", "gguf")}
+        assert answers["gguf"] == answers["dir"] != answers["q"]
+    finally:
+        handle.stop()

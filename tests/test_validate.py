@@ -25,6 +25,7 @@ from mola.synthetic.peft import save_peft_adapter
 from mola.validate import describe, model_shape, validate
 
 from conftest import ADAPTER_SPECS
+from helpers import start_server
 
 
 def mola_validate(*args):
@@ -137,3 +138,64 @@ def test_the_base_weights_are_never_read(tmp_path):
     shape = model_shape(str(model), max_rank=64)
     assert len(shape.geometry.targets) == 14 and shape.geometry.dims["model.layers.0.mlp.up_proj"] == (512, 1536)
     assert mx.get_active_memory() - before < 1 << 20
+
+
+# ---- a GGUF base ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tiny_model, tmp_path_factory):
+    from mola.synthetic.gguf_model import save_gguf_model
+
+    return save_gguf_model(tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf", tiny_model, codec="Q4_1")
+
+
+@pytest.mark.parametrize("dtype", ["keep", "float32", "float16"])
+def test_offline_geometry_of_a_gguf_file(tiny_gguf, dtype):
+    """From the metadata and tensor infos alone: what the loaded file gives."""
+    offline = model_shape(str(tiny_gguf), max_rank=16, dtype=dtype)
+    loaded = load_base_model(str(tiny_gguf), dtype=dtype)
+    packs = AdapterPacks.install(loaded.model, max_loras=1, max_rank=16)
+    assert offline.geometry.targets == packs.geometry.targets
+    assert offline.geometry.dtype == packs.geometry.dtype
+    for key in ("model_type", "num_attention_heads", "num_key_value_heads", "hidden_size"):
+        assert offline.config[key] == loaded.config[key]
+
+
+def test_adapters_against_a_gguf_file(tiny_gguf, twins, other_model, tmp_path):
+    for kind, path in twins.items():
+        assert validate(str(path), str(tiny_gguf)).ok, kind
+    wrong = make_random_adapter(tmp_path / "wrong", other_model, rank=4, seed=5)
+    error = validate(str(wrong), str(tiny_gguf)).error
+    server = start_server(model=str(tiny_gguf), max_loras=1, max_lora_rank=64, allow_any_adapter_path=True)
+    try:
+        r = httpx.post(server.url + "/v1/adapters", json={"name": "wrong", "path": str(wrong)}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["message"] == error
+    finally:
+        server.stop()
+
+
+def test_against_the_real_model(smollm_gguf, adapters, tmp_path):
+    """SmolLM2-135M-Instruct Q4_1: a LoRA of the shapes its metadata give
+    would load (as a GGUF LoRA, q/k rows in llama.cpp's order), one of the
+    tiny model's would not; its 98 MB of weights are not read."""
+    from mola.errors import InvalidAdapter
+    from mola.lora.recipe import read_checked
+    from mola.lora.weights import LoRAWeights, ModuleLoRA
+
+    mx.eval(mx.zeros(1))
+    before = mx.get_active_memory()
+    shape = model_shape(str(smollm_gguf), max_rank=64)
+    assert mx.get_active_memory() - before < 1 << 20
+    assert shape.num_layers == 30 and len(shape.geometry.targets) == 210
+    assert shape.geometry.dims["model.layers.29.self_attn.k_proj"] == (576, 192)
+    modules = {p: ModuleLoRA(a=mx.random.normal((d[0], 4)) * 0.01, b=mx.random.normal((4, d[1])) * 0.01, scale=2.0)
+               for p, d in shape.geometry.dims.items() if p.startswith("model.layers.29.")}
+    lora = save_gguf_adapter(tmp_path / "smol.gguf", LoRAWeights("random", "mlx-lm", modules),
+                             n_head=shape.config["num_attention_heads"],
+                             n_kv_head=shape.config["num_key_value_heads"])
+    report = validate(str(lora), str(smollm_gguf))
+    assert report.ok, report.error
+    assert report.info.layers == [29] and len(report.info.targets) == 7
+    with pytest.raises(InvalidAdapter, match="do not fit the base model"):
+        read_checked(str(adapters["a"]), shape.geometry, shape.config)  # the tiny model's

@@ -154,7 +154,10 @@ def add_validate_parser(commands) -> argparse.ArgumentParser:
     )
     validate.add_argument("adapter", metavar="ADAPTER",
                           help="an adapter directory (mlx-lm or PEFT), a .gguf file, or a hub id")
-    validate.add_argument("--model", help="base model to check against: a local directory or a hub id")
+    validate.add_argument("--model", help="base model to check against: a local directory, a GGUF file "
+                          "or a hub id (read offline: config and tensor shapes, not weights)")
+    validate.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                          help="the --dtype mola serve would load the model with (default auto)")
     validate.add_argument("--json", action="store_true", help="print the report as JSON")
     validate.add_argument("--max-lora-rank", type=int, default=ServeConfig.max_lora_rank,
                           help="the server's --max-lora-rank to check against (default 64)")
@@ -174,7 +177,11 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
         "POST /v1/adapters and mlx_lm's --adapter-path; a FILE.gguf output in llama.cpp too. "
         "A quantized base is trained as it is (LoRA on its quantized linears, as mlx-lm's tuner does).",
     )
-    train.add_argument("--model", required=True, help="base model: a local directory or a Hugging Face hub id")
+    train.add_argument("--model", required=True, help="base model: a local directory, a GGUF file or a "
+                       "Hugging Face hub id")
+    train.add_argument("--dtype", choices=t.TRAIN_DTYPES, default="keep",
+                       help="keep (default: a quantized base, GGUF Q4_0/Q4_1/Q8_0 included, is trained as it "
+                       "is) or a float dtype to dequantize it to")
     train.add_argument("--data", required=True, metavar="DIR", help="directory with train.jsonl (and valid.jsonl)")
     train.add_argument("--out", required=True, action="append", metavar="ADAPTER_DIR|FILE.gguf",
                        help="where to write the adapter: a directory (an mlx-lm adapter) or a FILE.gguf "
@@ -232,7 +239,7 @@ def train_config_from_args(args: argparse.Namespace):
         warmup=args.warmup, max_seq_length=args.max_seq_length, mask_prompt=args.mask_prompt,
         seed=args.seed, steps_per_report=args.steps_per_report, steps_per_eval=args.steps_per_eval,
         val_batches=args.val_batches, grad_checkpoint=args.grad_checkpoint, force=args.force,
-        name=args.name, serve_url=args.serve_url, gguf_outtype=args.gguf_outtype,
+        name=args.name, serve_url=args.serve_url, gguf_outtype=args.gguf_outtype, dtype=args.dtype,
         api_key=args.api_key or os.environ.get("MOLA_ADMIN_KEY") or os.environ.get("MOLA_API_KEY") or None,
     )
 
@@ -305,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         from .validate import run as validate
 
-        return validate(args.adapter, args.model, args.json, args.max_lora_rank)
+        return validate(args.adapter, args.model, args.json, args.max_lora_rank, args.dtype)
     parser.error(f"unknown command {args.command}")
     return 2
 

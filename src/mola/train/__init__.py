@@ -29,14 +29,15 @@ it is: mlx-lm's LoRA layers wrap its ``QuantizedLinear`` layers.
 
 from ..errors import DataError, OutputPathError, TrainError
 from .config import (DEFAULT_BATCH_SIZE, DEFAULT_ITERS, DEFAULT_LAYERS, DEFAULT_LEARNING_RATE,
-                     DEFAULT_MAX_SEQ_LENGTH, DEFAULT_RANK, DEFAULT_SCALE, GGUF_OUTTYPES, TrainConfig)
+                     DEFAULT_MAX_SEQ_LENGTH, DEFAULT_RANK, DEFAULT_SCALE, GGUF_OUTTYPES, TRAIN_DTYPES,
+                     TrainConfig)
 from .data import DataFile, DataSet, check_data, read_data_file
 from .output import check_output, hot_load
 from .run import TrainResult, run, train_adapter
 
 __all__ = [
     "DEFAULT_BATCH_SIZE", "DEFAULT_ITERS", "DEFAULT_LAYERS", "DEFAULT_LEARNING_RATE",
-    "DEFAULT_MAX_SEQ_LENGTH", "DEFAULT_RANK", "DEFAULT_SCALE", "GGUF_OUTTYPES", "DataError", "DataFile", "DataSet",
+    "DEFAULT_MAX_SEQ_LENGTH", "DEFAULT_RANK", "DEFAULT_SCALE", "GGUF_OUTTYPES", "TRAIN_DTYPES", "DataError", "DataFile", "DataSet",
     "OutputPathError", "TrainConfig", "TrainError", "TrainResult", "check_data", "check_output",
     "hot_load", "read_data_file", "run", "train_adapter",
 ]

@@ -21,6 +21,7 @@ DEFAULT_MAX_SEQ_LENGTH = 2048
 # gguf_writer.OUTTYPES (as llama.cpp's convert_lora_to_gguf.py --outtype), named
 # here so that the command line checks it without loading MLX.
 GGUF_OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+TRAIN_DTYPES = ("keep", "float16", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,10 @@ class TrainConfig:
     serve_url: str | None = None  # hot-load the result into this running mola
     api_key: str | None = field(default=None, repr=False)  # for serve_url
     gguf_outtype: str = "f32"  # tensor type of a .gguf output: f32, f16, bf16 or q8_0
+    # The base as trained on: "keep" (quantized layers stay quantized: LoRA on
+    # the QuantizedLinear layers, as mlx-lm's tuner does) or a float dtype it is
+    # dequantized to (mola serve's --dtype).
+    dtype: str = "keep"
     outputs: tuple[Path, ...] = field(init=False)
 
     def __post_init__(self):
@@ -72,6 +77,8 @@ class TrainConfig:
                              f"{', '.join(map(str, outs)) or 'none'}")
         object.__setattr__(self, "outputs", outs)
         object.__setattr__(self, "out", outs[0])
+        if self.dtype not in TRAIN_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(TRAIN_DTYPES)}, got {self.dtype!r}")
         if self.gguf_outtype not in GGUF_OUTTYPES:
             raise ValueError(f"gguf_outtype must be one of {', '.join(GGUF_OUTTYPES)}, got {self.gguf_outtype!r}")
         if not isinstance(self.model, str) or not self.model.strip():

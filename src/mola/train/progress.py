@@ -20,7 +20,7 @@ class TrainResult:
     outputs: tuple[Path, ...] = ()  # everything written: the adapter directory and/or the .gguf
     # The base as trained on: its linears, how many of them stayed
     # nn.QuantizedLinear (a quantized base is trained as it is, never
-    # dequantized), and MLX's peak memory over loading and training.
+    # dequantized), and the MLX memory loading and training held at the peak.
     linear_layers: int = 0
     quantized_layers: int = 0
     peak_memory_bytes: int = 0

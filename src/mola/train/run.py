@@ -102,6 +102,7 @@ def train_adapter(config: TrainConfig, log: Callable[[str], None] = _stderr) -> 
     t_start = time.perf_counter()
     data = _check_inputs(config, log)
     mx.reset_peak_memory()
+    held_before = mx.get_active_memory()  # the peak is the process's: count this run's part
     model, tokenizer, model_config = _load_model(config, log)
     num_layers = _num_layers(config, len(model.layers))
     keys = resolve_targets(model, config.targets)
@@ -118,7 +119,7 @@ def train_adapter(config: TrainConfig, log: Callable[[str], None] = _stderr) -> 
     result = TrainResult(
         path=config.out, seconds=time.perf_counter() - t_start, train_loss=progress.train_loss,
         val_loss=progress.val_loss, trainable_parameters=trainable, outputs=config.outputs,
-        linear_layers=linears, quantized_layers=quantized, peak_memory_bytes=mx.get_peak_memory(),
+        linear_layers=linears, quantized_layers=quantized, peak_memory_bytes=mx.get_peak_memory() - held_before,
     )
     if quantized:
         log(f"[mola] the base stayed quantized: {quantized} of {linears} linear layers are QuantizedLinear; "
@@ -153,7 +154,7 @@ def _load_model(config: TrainConfig, log: Callable[[str], None]):
 
     log(f"[mola] loading {config.model} ...")
     try:
-        loaded = load_base_model(config.model)
+        loaded = load_base_model(config.model, dtype=config.dtype)
     except ModelLoadError as e:
         raise TrainError(e.message) from None
     return loaded.model, loaded.tokenizer, loaded.config

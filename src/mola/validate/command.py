@@ -37,13 +37,13 @@ class Report:
                 **({"info": self.info.to_json()} if self.info else {"info": None}), "model": model}
 
 
-def validate(adapter: str, model: str | None = None, max_rank: int = 64) -> Report:
+def validate(adapter: str, model: str | None = None, max_rank: int = 64, dtype: str = "auto") -> Report:
     report = Report(adapter)
     try:
         real = AdapterSources(allow_any_path=True).resolve(adapter)  # a path, or a hub id through its cache
         report.info = describe(real)
         if model is not None:
-            report.model = model_shape(model, max_rank)
+            report.model = model_shape(model, max_rank, dtype)
             read_checked(real, report.model.geometry, report.model.config)  # what serve's reader runs
     except MolaError as e:
         report.error = e.message
@@ -86,16 +86,17 @@ def text(report: Report) -> list[str]:
                   f"base     {info.base or '(not declared)'}"]
     if report.model is not None:
         m = report.model
+        dtype = str(m.geometry.dtype).removeprefix("mlx.core.")
         lines.append(f"model    {m.path} ({m.model_type}, {m.num_layers} layers, "
-                     f"{len(m.geometry.targets)} linears)")
+                     f"{len(m.geometry.targets)} linears, {dtype})")
     if report.ok:
         lines.append("ok       the adapter would load" + (" on this model" if report.model else
                                                           " (pass --model to check it against a base)"))
     return lines
 
 
-def run(adapter: str, model: str | None, as_json: bool, max_rank: int) -> int:
-    report = validate(adapter, model, max_rank)
+def run(adapter: str, model: str | None, as_json: bool, max_rank: int, dtype: str = "auto") -> int:
+    report = validate(adapter, model, max_rank, dtype)
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:
