@@ -162,3 +162,22 @@ def test_streamed_chunks_name_it(client, tree):
         body = r.read().decode()
     assert r.status_code == 200
     assert f'"model":"tiny+path:{path}"' in body.replace(" ", "")
+
+
+def test_path_records_are_bounded():
+    """Beyond max_records, known (not resident, not awaited) path records go,
+    least recently used first, never the one just asked for."""
+    from mola.lora.paths import PathAdapters
+    from mola.lora.records import AdapterState
+
+    paths = PathAdapters(max_records=2)
+    first, _ = paths.get_or_make("/a", (("x", 1, 1, 1),))
+    second, _ = paths.get_or_make("/b", (("x", 1, 1, 2),))
+    first.last_used, second.last_used = 2.0, 1.0
+    assert paths.surplus(keep=second) == []
+    third, _ = paths.get_or_make("/c", (("x", 1, 1, 3),))
+    assert paths.surplus(keep=third) == [second]  # least recently used
+    second.move_to(AdapterState.LOADING)
+    assert paths.surplus(keep=third) == [first]  # a record being loaded stays
+    again, stale = paths.get_or_make("/a", (("x", 2, 2, 1),))  # edited
+    assert stale is first and again.version == 2 and not paths.is_current(first)

@@ -155,7 +155,7 @@ class Repl:
 
     def system(self, arg: str) -> bool:
         self.session.system = arg or None
-        self.say(f"system prompt set" if arg else "system prompt removed")
+        self.say("system prompt set" if arg else "system prompt removed")
         return True
 
     def reset(self, arg: str) -> bool:

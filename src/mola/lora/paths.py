@@ -56,13 +56,14 @@ class PathAdapters:
     def is_current(self, record: AdapterRecord) -> bool:
         return self._current.get(record.path) is record
 
-    def surplus(self) -> list[AdapterRecord]:
+    def surplus(self, keep: AdapterRecord) -> list[AdapterRecord]:
         """Records beyond ``max_records`` that can go: known, not resident, no
-        request waiting, least recently used first."""
+        request waiting, least recently used first; never ``keep``."""
         extra = len(self._current) - self.max_records
         if extra <= 0:
             return []
-        idle = [r for r in self._current.values() if r.state is AdapterState.KNOWN and r.waiting == 0]
+        idle = [r for r in self._current.values()
+                if r.state is AdapterState.KNOWN and r.waiting == 0 and r is not keep]
         idle.sort(key=lambda r: (r.last_used or 0.0, r.uid))
         return idle[:extra]
 

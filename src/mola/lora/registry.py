@@ -21,8 +21,10 @@ Unloading stops new leases at once; requests already running finish on the
 adapter's weights, then its slot is zeroed and freed. Loading a name again is
 a new version with a fresh ``uid``, never served by anything of the old one.
 
-A record's lifecycle is mola.lora.records (one table of transitions); which
-slot holds what is mola.lora.slots; stacks of adapters are mola.lora.stacks.
+What a model id or a path names is mola.lora.catalog (names, adapter
+directories, resolvers, paths); a record's lifecycle is mola.lora.records (one
+table of transitions); which slot holds what is mola.lora.slots; stacks of
+adapters are mola.lora.stacks; leases and the slot backend mola.lora.leases.
 """
 
 from __future__ import annotations
@@ -30,77 +32,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable
 
-from ..errors import (AdapterExists, AdapterNotFound, InvalidAdapterName, InvalidRequest, ModelNotFound,
-                      MolaError)
-from .names import check_adapter_id
-from .paths import PathAdapters
+from ..errors import AdapterNotFound, InvalidRequest, ModelNotFound, MolaError
+from .catalog import Catalog
+from .leases import AdapterRef, Lease, RegistryStats, SlotBackend
 from .recipe import Recipe
 from .records import AdapterRecord, AdapterState
 from .slots import SlotTable
-from .sources import AdapterSources, content_version
+from .sources import AdapterSources
 from .stacks import Stacks
 from .weights import LoRAWeights
 
+__all__ = ["AdapterRef", "AdapterRegistry", "Lease", "RegistryStats", "SlotBackend"]
+
 log = logging.getLogger("mola.adapters")
 S = AdapterState
-
-
-class SlotBackend(Protocol):
-    """What the registry needs to move adapters in and out of slots
-    (mola.lora.loader.AdapterLoader)."""
-
-    async def read(self, path: str) -> LoRAWeights: ...
-    async def build(self, recipe: Recipe) -> LoRAWeights: ...
-    async def place(self, slot: int, weights: LoRAWeights, recipe: Recipe) -> None: ...
-    async def remove(self, slot: int) -> None: ...
-
-
-@dataclass(frozen=True)
-class AdapterRef:
-    """One entry of a request's ``adapters``: a known adapter by ``name``, or
-    the adapter files at ``path``, applied with ``scale``."""
-
-    name: str | None = None
-    path: str | None = None
-    scale: float = 1.0
-
-
-@dataclass
-class RegistryStats:
-    loads: int = 0  # adapters written into a slot
-    load_failures: int = 0
-    evictions: int = 0  # residents moved out to make room
-    unloads: int = 0
-    load_seconds: float = 0.0  # read + write time, summed
-
-
-class Lease:
-    """A request's hold on a model id. ``release`` is idempotent."""
-
-    def __init__(self, registry: "AdapterRegistry", record: AdapterRecord | None,
-                 row_scale: float = 1.0):
-        self._registry = registry
-        self.record = record  # None: the base model
-        self.slot = record.slot if record else 0
-        self.row_scale = row_scale  # this request's multiplier of the slot's delta
-        self._released = False
-
-    @property
-    def key(self) -> tuple[str, int]:
-        """What the slot holds, for a cache keyed by adapter contents (the
-        prompt cache): ("", 0) for the base model, else (name, version). A
-        name's versions never repeat, so a reloaded adapter has a new key; a
-        stack's name spells its parts' names, versions and scales, so a stack
-        rebuilt after an eviction keeps its key."""
-        return ("", 0) if self.record is None else (self.record.name, self.record.version)
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._registry._release(self)
 
 
 class AdapterRegistry:
@@ -120,16 +67,11 @@ class AdapterRegistry:
         self._forget = forget
         self.max_loras = max_loras
         self.sources = sources or AdapterSources(allow_any_path=True)
+        # What names and paths name; resolvers are asked for unknown ids.
+        self.catalog = Catalog(base_id, self.sources, resolvers)
         self.stats = RegistryStats()
         self.slots = SlotTable(max_loras)
         self.stacks = Stacks()
-        self.paths = PathAdapters()  # adapters named by path in requests
-        # Asked, in order, for a model id nothing else knows (resolvers.py).
-        self.resolvers = list(resolvers or ())
-        self._resolving: dict[str, asyncio.Task] = {}  # id -> the lookup under way
-        self._known: dict[str, AdapterRecord] = {}
-        self._unloaded: set[str] = set()  # names not to rediscover in adapter dirs
-        self._versions: dict[str, int] = {}
         self._changed = asyncio.Condition()  # a slot freed, a load finished
         self._tasks: set[asyncio.Task] = set()
 
@@ -137,7 +79,7 @@ class AdapterRegistry:
 
     def adapters(self) -> list[AdapterRecord]:
         """Every adapter that can be requested, resident or not."""
-        return list(self._known.values())
+        return self.catalog.adapters()
 
     def compositions(self) -> list[AdapterRecord]:
         """Stacks of adapters built for requests (each one slot when resident)."""
@@ -145,10 +87,10 @@ class AdapterRegistry:
 
     def path_adapters(self) -> list[AdapterRecord]:
         """The current version of each adapter that requests named by path."""
-        return list(self.paths)
+        return list(self.catalog.paths)
 
     def get(self, name: str) -> AdapterRecord:
-        record = self._known.get(name) or self._discover(name)
+        record = self.catalog.get(name)
         if record is None:
             raise AdapterNotFound(name)
         return record
@@ -163,34 +105,12 @@ class AdapterRegistry:
 
     def register(self, name: str, path: str, source: str, scale: float = 1.0) -> AdapterRecord:
         """Know ``name`` as the adapter at (already resolved) ``path``."""
-        self._check_name(name)
-        version = self._versions.get(name, 0) + 1
-        self._versions[name] = version
-        record = AdapterRecord(name=name, path=str(path), source=source, version=version, scale=scale)
-        self._known[name] = record
-        self._unloaded.discard(name)
-        return record
-
-    def _check_name(self, name: str) -> None:
-        check_adapter_id(name)
-        if name == self.base_id or name in self._known:
-            raise AdapterExists(name)
-
-    def _discover(self, name: str) -> AdapterRecord | None:
-        if name in self._unloaded or name == self.base_id:
-            return None
-        path = self.sources.discover(name)  # checked; raises AdapterPathNotAllowed
-        if path is None:
-            return None
-        log.info("adapter discovered: name=%s path=%s", name, path)
-        return self.register(name, path, "dir")
+        return self.catalog.register(name, path, source, scale)
 
     def _is_current(self, record: AdapterRecord) -> bool:
         if record.is_stack:
             return self.stacks.is_current(record)
-        if record.source == "request":
-            return self.paths.is_current(record)
-        return self._known.get(record.name) is record
+        return self.catalog.is_current(record)
 
     # ---- loading ------------------------------------------------------------
 
@@ -198,10 +118,10 @@ class AdapterRegistry:
         """Check the adapter at ``path`` now and serve it as ``name``. It is
         made resident at once when a slot is free or can be freed; otherwise
         it stays known and is loaded on first use."""
-        self._check_name(name)
+        self.catalog.check_name(name)
         real = self.sources.resolve(path)
         weights = await self.backend.read(real)  # raises a 4xx MolaError; nothing changed
-        self._check_name(name)  # another load may have taken the name meanwhile
+        self.catalog.check_name(name)  # another load may have taken the name meanwhile
         record = self.register(name, real, source, scale)
         self._note_weights(record, weights)
         slot = self._take_slot()
@@ -256,52 +176,16 @@ class AdapterRegistry:
         return await self._lease(self.stacks.get_or_make(parts), 1.0)
 
     async def _lookup(self, name: str, param: str) -> AdapterRecord:
-        record = self._known.get(name) or self._discover(name)
-        if record is None and self.resolvers:
-            record = await self._resolve(name)
+        record = await self.catalog.find(name)
         if record is None:
             raise ModelNotFound(name, param=param)
         return record
 
-    async def _resolve(self, name: str) -> AdapterRecord | None:
-        """Ask the resolvers for an id nothing else knows; one lookup per id
-        at a time, shared by the requests that ask meanwhile."""
-        if name in self._unloaded or name == self.base_id:
-            return None
-        try:
-            check_adapter_id(name)
-        except InvalidAdapterName:
-            return None
-        task = self._resolving.get(name)
-        if task is None:
-            task = asyncio.get_running_loop().create_task(self._ask_resolvers(name))
-            self._resolving[name] = task
-            task.add_done_callback(lambda _: self._resolving.pop(name, None))
-        return await asyncio.shield(task)  # a request that goes away does not stop it
-
-    async def _ask_resolvers(self, name: str) -> AdapterRecord | None:
-        for resolver in self.resolvers:
-            path = await resolver.find(name)  # may raise AdapterPathNotAllowed
-            if path is None:
-                continue
-            if name in self._known or name in self._unloaded:  # loaded or unloaded meanwhile
-                return self._known.get(name)
-            log.info("adapter resolved: name=%s resolver=%s path=%s", name, resolver.kind, path)
-            return self.register(name, path, f"resolver:{resolver.kind}")
-        return None
-
     async def _by_path(self, given: str) -> AdapterRecord:
-        """The record of the adapter files at ``given`` as they are now: the
-        path policy first (403 outside it), then one record per resolved path
-        and content version; an older version is retired."""
-        real = self.sources.resolve_request_path(given)
-        record, stale = self.paths.get_or_make(real, content_version(real))
-        if stale is not None:
-            log.info("adapter changed on disk: name=%s version=%d -> %d", record.name, stale.version,
-                     record.version)
-            await self._retire_all(stale)
-        for old in self.paths.surplus():
-            self.paths.drop(old)
+        """The record of the adapter files at ``given`` as they are now (403
+        outside the path policy); older versions are retired."""
+        record, gone = self.catalog.by_path(given)
+        for old in gone:
             await self._retire_all(old)
         return record
 
@@ -424,11 +308,7 @@ class AdapterRegistry:
 
     async def unload(self, name: str) -> AdapterRecord:
         """Stop serving ``name`` now; its slot frees when in-flight requests end."""
-        record = self._known.get(name)
-        if record is None:
-            raise AdapterNotFound(name)
-        del self._known[name]
-        self._unloaded.add(name)
+        record = self.catalog.remove(name)
         self.stats.unloads += 1
         await self._retire_all(record)
         return record
