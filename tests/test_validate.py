@@ -19,7 +19,7 @@ from mola.engine.loader import load_base_model
 from mola.lora.formats import read_adapter
 from mola.lora.pack import AdapterPacks, geometry_of
 from mola.synthetic.adapter import make_random_adapter, read_model_config
-from mola.synthetic.gguf import save_gguf_adapter
+from mola.lora.formats.gguf_writer import save_gguf_adapter
 from mola.synthetic.model import TinyModelSpec, make_tiny_model
 from mola.synthetic.peft import save_peft_adapter
 from mola.validate import describe, model_shape, validate
