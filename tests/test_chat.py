@@ -199,6 +199,14 @@ def test_an_unreachable_server_is_a_message(tmp_path):
     assert child.exitstatus == 1 and "Traceback" not in child.before
 
 
+def test_url_and_a_server_of_its_own_do_not_mix(tmp_path):
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-m", "mola", "chat", "--url", "http://127.0.0.1:1", "--model", "m"],
+                       capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2 and "with --url the server is already running" in r.stderr
+
+
 def test_session_requests():
     s = Session(model="a", system="Be kind.", max_tokens=5)
     s.ask("hi")

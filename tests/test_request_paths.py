@@ -16,7 +16,7 @@ from mola.config import AdapterSpec
 from mola.errors import AdapterPathNotAllowed, AdapterPathNotFound
 from mola.lora.sources import AdapterSources, content_version
 
-from helpers import detokenize, merged_model, reference_decode, start_server
+from helpers import merged_answer, start_server
 
 QUESTION = "Where do rivers go?"
 MAX_TOKENS = 10
@@ -65,11 +65,7 @@ def answer(client, model="tiny", **extra) -> tuple[str, str]:
 
 
 def expected(live, tiny_model, adapter_dirs=(), scales=None) -> str:
-    model, _ = merged_model(tiny_model, list(adapter_dirs), scales)
-    tok = live.state.tokenizer
-    prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
-    tokens, _ = reference_decode(model, prompt, MAX_TOKENS)
-    return detokenize(tok, tokens, stop_at_eos=False)
+    return merged_answer(live.state.tokenizer, tiny_model, QUESTION, MAX_TOKENS, adapter_dirs, scales)
 
 
 def path_records(client) -> list[dict]:

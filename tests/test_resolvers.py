@@ -16,7 +16,7 @@ from mola.cli import build_parser, config_from_args
 from mola.config import load_config_file
 from mola.lora.resolvers import ResolverSpec, parse_resolver
 
-from helpers import detokenize, merged_model, reference_decode, start_server
+from helpers import merged_answer, start_server
 
 QUESTION = "Where do rivers go?"
 MAX_TOKENS = 8
@@ -78,10 +78,7 @@ def post(client, model):
 
 
 def expected(live, tiny_model, adapter=None) -> str:
-    model, _ = merged_model(tiny_model, [adapter] if adapter else [])
-    tok = live.state.tokenizer
-    prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
-    return detokenize(tok, reference_decode(model, prompt, MAX_TOKENS)[0], stop_at_eos=False)
+    return merged_answer(live.state.tokenizer, tiny_model, QUESTION, MAX_TOKENS, [adapter] if adapter else [])
 
 
 def model_ids(client) -> set[str]:

@@ -28,6 +28,10 @@ def serve_args(args: argparse.Namespace) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.url is not None and serve_args(args):
+        print("[mola] error: --model, --adapter, --adapter-dir, --config and --max-lora-rank start the "
+              "chat's own server; with --url the server is already running", file=sys.stderr)
+        return 2
     api_key = args.api_key or os.environ.get("MOLA_API_KEY") or None
     server = client = None
     try:
