@@ -18,16 +18,9 @@ import sys
 from pathlib import Path
 
 from mola.lora.formats import read_adapter
-from mola.lora.formats.gguf import ARCHITECTURES
+from mola.lora.formats.gguf import ARCHITECTURES, architecture_for
+from mola.lora.formats.gguf_writer import OUTTYPES, save_gguf_adapter
 from mola.synthetic.adapter import read_model_config
-from mola.synthetic.gguf import OUTTYPES, save_gguf_adapter
-
-
-def architecture_of(model_type: str | None) -> str | None:
-    for arch in ARCHITECTURES.values():
-        if model_type in arch.model_types:
-            return arch.name
-    return None
 
 
 def main() -> int:
@@ -42,7 +35,7 @@ def main() -> int:
     a = p.parse_args()
 
     config = read_model_config(Path(a.model))
-    arch = a.architecture or architecture_of(config.get("model_type"))
+    arch = a.architecture or getattr(architecture_for(config.get("model_type")), "name", None)
     if arch is None:
         p.error(f"model_type {config.get('model_type')!r} has no GGUF LoRA architecture mola "
                 "knows; pass --architecture")

@@ -104,6 +104,15 @@ def merged_model(model_dir, adapter_dirs=(), scales=None):
     return model, tokenizer
 
 
+def merged_answer(tokenizer, model_dir, question: str, max_tokens: int, adapter_dirs=(), scales=None) -> str:
+    """The greedy answer to one user message by plain mlx-lm on the base with
+    the adapters merged into its weights, EOS ignored (as ``ignore_eos``)."""
+    model, _ = merged_model(model_dir, list(adapter_dirs), scales)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    tokens, _ = reference_decode(model, prompt, max_tokens)
+    return detokenize(tokenizer, tokens, stop_at_eos=False)
+
+
 def greedy_tokens(model, prompt: list[int], max_tokens: int) -> list[int]:
     """Greedy decoding with mlx-lm's own generate_step (no mola code)."""
     from mlx_lm.generate import generate_step

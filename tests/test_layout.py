@@ -11,7 +11,10 @@ import mola
 SRC = Path(mola.__file__).parent
 # Each folder, with the folders it must never import from (they sit above it).
 ABOVE = {
-    "lora": ("engine", "server", "serve", "cli", "train", "demo"),
+    "lora": ("engine", "server", "serve", "cli", "train", "demo", "validate", "chat"),
+    # mola chat is a client: it speaks HTTP to a server, never to the model
+    "chat": ("engine", "server", "lora", "models", "structured", "train", "validate", "serve", "cli"),
+    "validate": ("server", "serve", "cli", "train", "chat"),
     "engine": ("structured", "server", "serve", "cli", "train", "demo"),
     "structured": ("server", "serve", "cli", "train", "demo"),
     "server": ("serve", "cli", "train", "demo"),

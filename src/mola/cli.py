@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-adapter-symlinks", action="store_true",
                        help="follow symlinks inside an --adapter-dir wherever they lead (default: an "
                        "adapter's real path must lie under an --adapter-dir)")
+    serve.add_argument("--adapter-resolver", dest="adapter_resolvers", action="append", metavar="SPEC",
+                       help="where a model id no adapter has is looked for (repeatable, tried in "
+                       "order; off by default): dir:PATH tries PATH/<id>; hf:ORG/* (or "
+                       "hf:ORG/A,ORG/B) an ORG/NAME hub repo, through huggingface-hub's cache")
     serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--max-loras", type=int, help="adapter slots, i.e. resident adapters (default 8)")
@@ -110,7 +114,63 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", choices=("keep", "float16", "bfloat16", "float32"), default="keep",
                          help="keep (default: quantized layers stay quantized) or a float dtype")
     convert.add_argument("--force", action="store_true", help="replace OUT_DIR if it is not empty")
+    add_validate_parser(commands)
+    add_chat_parser(commands)
     return parser
+
+
+def add_chat_parser(commands) -> argparse.ArgumentParser:
+    """`mola chat`: an interactive chat with a running server, or with one of its own."""
+    from pathlib import Path
+
+    chat = commands.add_parser(
+        "chat", help="chat interactively with a mola server (or one started for the chat)",
+        description="Chat with a running mola server (--url), or start one on 127.0.0.1 for the chat "
+        "from --model/--adapter/--adapter-dir/--config as mola serve takes them (no --url and no model: "
+        "the demo). Answers stream as they decode. /model ID switches the model id and keeps the "
+        "conversation; /adapter off|on|SCALE sets lora_scale; /help lists the commands. Ctrl-C stops "
+        "an answer, Ctrl-D leaves.",
+    )
+    chat.add_argument("model_id", nargs="?", metavar="MODEL_ID",
+                      help="the model id to talk to first (default: the server's base model)")
+    chat.add_argument("--url", help="a running mola (or any OpenAI-compatible) server, e.g. http://127.0.0.1:8000")
+    chat.add_argument("--api-key", help="bearer key for --url (default: $MOLA_API_KEY)")
+    chat.add_argument("--model", help="without --url: the base model of the chat's own server")
+    chat.add_argument("--adapter", dest="adapters", action="append", metavar="NAME=PATH",
+                      help="without --url: serve this adapter too (repeatable)")
+    chat.add_argument("--adapter-dir", dest="adapter_dirs", action="append", metavar="DIR",
+                      help="without --url: an adapter directory (repeatable)")
+    chat.add_argument("--config", help="without --url: a mola serve config file")
+    chat.add_argument("--max-lora-rank", type=int, help="without --url: the server's --max-lora-rank")
+    chat.add_argument("--start-timeout", type=float, default=600.0,
+                      help="seconds the chat's own server may take to load (default 600)")
+    chat.add_argument("--system", help="a system prompt to start with")
+    chat.add_argument("--max-tokens", type=int, help="tokens per answer at most (default: the server's)")
+    chat.add_argument("--temperature", type=float, help="sampling temperature (default: the server's, 1)")
+    chat.add_argument("--history", type=Path, help="readline history file (default: chat_history in "
+                      "mola's cache directory, $MOLA_CACHE or ~/.cache/mola)")
+    return chat
+
+
+def add_validate_parser(commands) -> argparse.ArgumentParser:
+    """`mola validate`: describe an adapter, and check it against a base offline."""
+    validate = commands.add_parser(
+        "validate", help="describe an adapter and check it against a base model, offline",
+        description="Name an adapter's format, ranks, scale (and alpha), target modules and layers, "
+        "dtype, size and the base it declares. With --model, check every module and shape against "
+        "that model without loading its weights, with the same readers and checks as mola serve. "
+        "Exit status 0 when the adapter would load, 1 (with serve's message) when it would not.",
+    )
+    validate.add_argument("adapter", metavar="ADAPTER",
+                          help="an adapter directory (mlx-lm or PEFT), a .gguf file, or a hub id")
+    validate.add_argument("--model", help="base model to check against: a local directory, a GGUF file "
+                          "or a hub id (read offline: config and tensor shapes, not weights)")
+    validate.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                          help="the --dtype mola serve would load the model with (default auto)")
+    validate.add_argument("--json", action="store_true", help="print the report as JSON")
+    validate.add_argument("--max-lora-rank", type=int, default=ServeConfig.max_lora_rank,
+                          help="the server's --max-lora-rank to check against (default 64)")
+    return validate
 
 
 def add_train_parser(commands) -> argparse.ArgumentParser:
@@ -123,11 +183,20 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
         "valid.jsonl, one example per line: {\"messages\": [...]} (chat), {\"prompt\", \"completion\"} "
         "or {\"text\"}. The data and the output path are checked before the model loads. The "
         "adapter (adapter_config.json + adapters.safetensors) loads in mola serve --adapter, "
-        "POST /v1/adapters and mlx_lm's --adapter-path.",
+        "POST /v1/adapters and mlx_lm's --adapter-path; a FILE.gguf output in llama.cpp too. "
+        "A quantized base is trained as it is (LoRA on its quantized linears, as mlx-lm's tuner does).",
     )
-    train.add_argument("--model", required=True, help="base model: a local directory or a Hugging Face hub id")
+    train.add_argument("--model", required=True, help="base model: a local directory, a GGUF file or a "
+                       "Hugging Face hub id")
+    train.add_argument("--dtype", choices=t.TRAIN_DTYPES, default="keep",
+                       help="keep (default: a quantized base, GGUF Q4_0/Q4_1/Q8_0 included, is trained as it "
+                       "is) or a float dtype to dequantize it to")
     train.add_argument("--data", required=True, metavar="DIR", help="directory with train.jsonl (and valid.jsonl)")
-    train.add_argument("--out", required=True, metavar="ADAPTER_DIR", help="directory to write the adapter to")
+    train.add_argument("--out", required=True, action="append", metavar="ADAPTER_DIR|FILE.gguf",
+                       help="where to write the adapter: a directory (an mlx-lm adapter) or a FILE.gguf "
+                       "(a llama.cpp GGUF LoRA); give it twice for both, from the same weights")
+    train.add_argument("--gguf-outtype", choices=t.GGUF_OUTTYPES, default="f32",
+                       help="tensor type of a .gguf output, as llama.cpp's converter's --outtype (default f32)")
     train.add_argument("--rank", type=int, default=t.DEFAULT_RANK, help="LoRA rank (default 8)")
     train.add_argument("--scale", type=float, default=t.DEFAULT_SCALE,
                        help="LoRA scale, mlx-lm's lora_parameters.scale (default 20)")
@@ -173,13 +242,13 @@ def train_config_from_args(args: argparse.Namespace):
     from .train import TrainConfig
 
     return TrainConfig(
-        model=args.model, data=args.data, out=args.out, rank=args.rank, scale=args.scale,
+        model=args.model, data=args.data, out=tuple(args.out), rank=args.rank, scale=args.scale,
         dropout=args.dropout, layers=args.layers, iters=args.iters, batch_size=args.batch_size,
         learning_rate=args.learning_rate, targets=args.targets, lr_schedule=args.lr_schedule,
         warmup=args.warmup, max_seq_length=args.max_seq_length, mask_prompt=args.mask_prompt,
         seed=args.seed, steps_per_report=args.steps_per_report, steps_per_eval=args.steps_per_eval,
         val_batches=args.val_batches, grad_checkpoint=args.grad_checkpoint, force=args.force,
-        name=args.name, serve_url=args.serve_url,
+        name=args.name, serve_url=args.serve_url, gguf_outtype=args.gguf_outtype, dtype=args.dtype,
         api_key=args.api_key or os.environ.get("MOLA_ADMIN_KEY") or os.environ.get("MOLA_API_KEY") or None,
     )
 
@@ -195,6 +264,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         given["adapters"] = merge_adapters(values.get("adapters", ()), tuple(given["adapters"]))
     if "adapter_dirs" in given:
         given["adapter_dirs"] = tuple(values.get("adapter_dirs", ())) + tuple(given["adapter_dirs"])
+    if "adapter_resolvers" in given:
+        given["adapter_resolvers"] = tuple(values.get("adapter_resolvers", ())) + tuple(given["adapter_resolvers"])
     values.update(given)
     for field, env in (("api_key", "MOLA_API_KEY"), ("admin_key", "MOLA_ADMIN_KEY")):
         if values.get(field) is None and os.environ.get(env):
@@ -243,6 +314,14 @@ def main(argv: list[str] | None = None) -> int:
         return run(train_config)
     if args.command == "convert":
         return run_convert(args)
+    if args.command == "chat":
+        from .chat.command import main as chat
+
+        return chat(args)
+    if args.command == "validate":
+        from .validate import run as validate
+
+        return validate(args.adapter, args.model, args.json, args.max_lora_rank, args.dtype)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from .engine.config import DEFAULT_PROMPT_CACHE_BYTES, EngineConfig
 from .errors import InvalidAdapterName
 from .lora.names import check_adapter_id
+from .lora.resolvers import ResolverSpec, parse_resolver
 
 DTYPE_CHOICES = ("auto", "keep", "float16", "bfloat16", "float32")
 
@@ -54,6 +55,9 @@ class ServeConfig:
     # Follow symlinks inside adapter_dirs wherever they lead (default: a path
     # must still resolve under an adapter dir once symlinks are followed).
     allow_adapter_symlinks: bool = False
+    # Where unknown model ids are looked for, in order (off by default):
+    # "dir:PATH" (PATH/<id>) or "hf:ORG/*" / "hf:ORG/A,ORG/B" (hub repos).
+    adapter_resolvers: tuple[ResolverSpec | str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 8000
     max_loras: int = 8  # adapter slots decoded together (resident adapters)
@@ -147,6 +151,8 @@ class ServeConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ValueError(f"unknown log level {self.log_level!r}")
+        object.__setattr__(self, "adapter_resolvers", tuple(
+            r if isinstance(r, ResolverSpec) else parse_resolver(r) for r in self.adapter_resolvers))
         if isinstance(self.prompt_cache_bytes, str):
             object.__setattr__(self, "prompt_cache_bytes", parse_bytes(self.prompt_cache_bytes))
         # Raises on its own bad values (max_loras, ranks, batch sizes).
@@ -261,6 +267,12 @@ def load_config_file(path: str | Path) -> dict:
             raise ValueError("'adapter_dirs' must be a list of paths")
         # Absolute but as written: --allow-adapter-symlinks compares paths with these.
         data["adapter_dirs"] = tuple(os.path.abspath(base / Path(d).expanduser()) for d in dirs)
+    if "adapter_resolvers" in data:
+        specs = data["adapter_resolvers"]
+        specs = [specs] if isinstance(specs, str) else specs
+        if not isinstance(specs, list):
+            raise ValueError("'adapter_resolvers' must be a list such as [\"dir:adapters\", \"hf:my-org/*\"]")
+        data["adapter_resolvers"] = tuple(parse_resolver(spec, base) for spec in specs)
     if "cache_dir" in data and data["cache_dir"] is not None:
         data["cache_dir"] = Path(_resolve_relative(str(data["cache_dir"]), base))
     return data

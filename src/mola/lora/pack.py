@@ -14,7 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
-from .layer import WRAPPABLE, LoRARouting, ModuleRows, MultiLoRALinear, TargetGeometry, module_rows
+from .layer import (WRAPPABLE, LoRARouting, ModuleRows, MultiLoRALinear, TargetGeometry, compute_dtype, full_dims,
+                    module_rows, sharding_of)
 from .weights import LoRAWeights
 
 
@@ -33,16 +34,10 @@ class AdapterPacks:
         projections; plain, quantized or tensor-parallel parts) with
         ``max_loras`` slots of rank up to ``max_rank``, plus the empty slot 0."""
         routing = LoRARouting()
-        in_blocks = {id(m) for block in model.layers for _, m in block.named_modules()}
-        wrapped = []
-        for path, module in model.named_modules():
-            if id(module) not in in_blocks:
-                continue
-            if isinstance(module, WRAPPABLE):
-                layer = MultiLoRALinear.from_base(
-                    module, routing, num_slots=max_loras + 1, max_rank=max_rank
-                )
-                wrapped.append((path, layer))
+        wrapped = [
+            (path, MultiLoRALinear.from_base(module, routing, num_slots=max_loras + 1, max_rank=max_rank))
+            for path, module in lora_targets(model)
+        ]
         if not wrapped:
             raise ValueError(f"{type(model).__name__} has no linear layers to wrap")
         model.update_modules(tree_unflatten(wrapped))
@@ -104,6 +99,28 @@ class AdapterPacks:
         for layer in self.layers.values():
             layer.zero_rows(slot)
         mx.eval(self.arrays())
+
+
+def lora_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(module path, linear) of every linear that can carry LoRA slots: the
+    attention and MLP projections inside ``model.layers`` (plain, quantized
+    or tensor-parallel parts)."""
+    in_blocks = {id(m) for block in model.layers for _, m in block.named_modules()}
+    return [(path, module) for path, module in model.named_modules()
+            if id(module) in in_blocks and isinstance(module, WRAPPABLE)]
+
+
+def geometry_of(model: nn.Module, max_rank: int, num_slots: int) -> "SlotGeometry":
+    """The SlotGeometry that AdapterPacks.install would give ``model``, from
+    its linears' shapes and dtypes alone (no array is evaluated: a model
+    loaded lazily stays on disk)."""
+    targets = lora_targets(model)
+    if not targets:
+        raise ValueError(f"{type(model).__name__} has no linear layers to wrap")
+    return SlotGeometry(
+        targets={path: TargetGeometry(*full_dims(m), sharding_of(m)) for path, m in targets},
+        max_rank=max_rank, num_slots=num_slots, dtype=compute_dtype(targets[0][1]),
+    )
 
 
 @dataclass(frozen=True)

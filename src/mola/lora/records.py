@@ -60,7 +60,7 @@ class AdapterRecord:
 
     name: str
     path: str  # resolved path (or hub snapshot); `root` in /v1/models
-    source: str  # "start", "config", "dir", "rest", "composition"
+    source: str  # "start", "dir", "rest", "resolver:dir", "resolver:hf", "request" (a path), "composition"
     version: int
     scale: float = 1.0  # default multiplier of the adapter's own scale
     uid: int = field(default_factory=lambda: next(_uids))  # unique per version

@@ -13,7 +13,11 @@ resident in slots. A request takes a :class:`Lease` on the model id it names:
   fail. Its adapter is read on the reader thread at once (prefetch), unless
   the host tier holds it already (mola.lora.host_tier), and slots go to
   waiting adapters fairly (mola.lora.admission);
-- unknown (or unloaded): ModelNotFound.
+- unknown (or unloaded): the resolvers are asked, if any (resolvers.py);
+  else ModelNotFound.
+
+A request may also name adapters by path (paths.py): checked by the path
+policy, then one record per resolved path and content version.
 
 A slot write is queued on the engine ahead of every request that can use the
 slot, so a load never waits for the engine's next step: the adapter is
@@ -24,8 +28,10 @@ Unloading stops new leases at once; requests already running finish on the
 adapter's weights, then its slot is zeroed and freed. Loading a name again is
 a new version with a fresh ``uid``, never served by anything of the old one.
 
-A record's lifecycle is mola.lora.records (one table of transitions); which
-slot holds what is mola.lora.slots; stacks of adapters are mola.lora.stacks;
+What a model id or a path names is mola.lora.catalog (names, adapter
+directories, resolvers, paths); a record's lifecycle is mola.lora.records (one
+table of transitions); which slot holds what is mola.lora.slots; stacks of
+adapters are mola.lora.stacks; leases and the slot backend mola.lora.leases;
 who gets the next slot is mola.lora.admission; the host tier and the reads
 that fill it are mola.lora.host_tier.
 """
@@ -36,69 +42,24 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Awaitable, Callable
 
-from ..errors import AdapterExists, AdapterNotFound, InvalidRequest, ModelNotFound
+from ..errors import AdapterNotFound, InvalidRequest, ModelNotFound
 from .admission import AdmissionQueue, admit
+from .catalog import Catalog
 from .host_tier import HostTier
+from .leases import AdapterRef, Lease, RegistryStats, SlotBackend
 from .loader import PreparedAdapter
-from .pack import SlotRows
 from .recipe import Recipe
 from .records import AdapterRecord, AdapterState
-from .names import check_adapter_id
 from .slots import SlotTable
 from .sources import AdapterSources
 from .stacks import Stacks
 
+__all__ = ["AdapterRef", "AdapterRegistry", "Lease", "RegistryStats", "SlotBackend"]
+
 log = logging.getLogger("mola.adapters")
 S = AdapterState
-
-
-class SlotBackend(Protocol):
-    """What the registry needs to move adapters in and out of slots
-    (mola.lora.loader.AdapterLoader)."""
-
-    async def prepare(self, recipe: Recipe) -> PreparedAdapter: ...
-    def write(self, slot: int, rows: SlotRows, recipe: Recipe) -> Awaitable[None]: ...
-    async def remove(self, slot: int) -> None: ...
-
-
-@dataclass
-class RegistryStats:
-    loads: int = 0  # adapters written into a slot
-    load_failures: int = 0
-    evictions: int = 0  # residents moved out to make room
-    unloads: int = 0
-    load_seconds: float = 0.0  # from the need (a request, a POST) to resident, summed
-    leases_resident: int = 0  # requests whose adapter was in a slot already (slot hits)
-    leases_loaded: int = 0  # requests that waited for their adapter's load
-
-
-class Lease:
-    """A request's hold on a model id. ``release`` is idempotent."""
-
-    def __init__(self, registry: "AdapterRegistry", record: AdapterRecord | None,
-                 row_scale: float = 1.0):
-        self._registry = registry
-        self.record = record  # None: the base model
-        self.slot = record.slot if record else 0
-        self.row_scale = row_scale  # this request's multiplier of the slot's delta
-        self._released = False
-
-    @property
-    def key(self) -> tuple[str, int]:
-        """What the slot holds, for a cache keyed by adapter contents (the
-        prompt cache): ("", 0) for the base model, else (name, version). A
-        name's versions never repeat, so a reloaded adapter has a new key; a
-        stack's name spells its parts' names, versions and scales, so a stack
-        rebuilt after an eviction keeps its key."""
-        return ("", 0) if self.record is None else (self.record.name, self.record.version)
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._registry._release(self)
 
 
 class AdapterRegistry:
@@ -109,6 +70,7 @@ class AdapterRegistry:
         max_loras: int,
         sources: AdapterSources | None = None,
         forget: Callable[[list[tuple[str, int]]], Awaitable[Any]] | None = None,
+        resolvers: list | None = None,
         tier: HostTier | None = None,
         max_wait: float = math.inf,
     ):
@@ -119,14 +81,13 @@ class AdapterRegistry:
         self._forget = forget
         self.max_loras = max_loras
         self.sources = sources or AdapterSources(allow_any_path=True)
+        # What names and paths name; resolvers are asked for unknown ids.
+        self.catalog = Catalog(base_id, self.sources, resolvers)
         self.stats = RegistryStats()
         self.slots = SlotTable(max_loras)
         self.stacks = Stacks()
         self.tier = tier if tier is not None else HostTier()  # off unless given limits
         self.queue = AdmissionQueue(max_wait)  # requests waiting for a slot
-        self._known: dict[str, AdapterRecord] = {}
-        self._unloaded: set[str] = set()  # names not to rediscover in adapter dirs
-        self._versions: dict[str, int] = {}
         self._wakes: dict[AdapterRecord, asyncio.Future] = {}  # what a record's waiters await
         self._timer: asyncio.TimerHandle | None = None  # the next time a waiter starts to starve
         self._tasks: set[asyncio.Task] = set()
@@ -135,14 +96,18 @@ class AdapterRegistry:
 
     def adapters(self) -> list[AdapterRecord]:
         """Every adapter that can be requested, resident or not."""
-        return list(self._known.values())
+        return self.catalog.adapters()
 
     def compositions(self) -> list[AdapterRecord]:
         """Stacks of adapters built for requests (each one slot when resident)."""
         return list(self.stacks)
 
+    def path_adapters(self) -> list[AdapterRecord]:
+        """The current version of each adapter that requests named by path."""
+        return list(self.catalog.paths)
+
     def get(self, name: str) -> AdapterRecord:
-        record = self._known.get(name) or self._discover(name)
+        record = self.catalog.get(name)
         if record is None:
             raise AdapterNotFound(name)
         return record
@@ -166,32 +131,12 @@ class AdapterRegistry:
 
     def register(self, name: str, path: str, source: str, scale: float = 1.0) -> AdapterRecord:
         """Know ``name`` as the adapter at (already resolved) ``path``."""
-        self._check_name(name)
-        version = self._versions.get(name, 0) + 1
-        self._versions[name] = version
-        record = AdapterRecord(name=name, path=str(path), source=source, version=version, scale=scale)
-        self._known[name] = record
-        self._unloaded.discard(name)
-        return record
-
-    def _check_name(self, name: str) -> None:
-        check_adapter_id(name)
-        if name == self.base_id or name in self._known:
-            raise AdapterExists(name)
-
-    def _discover(self, name: str) -> AdapterRecord | None:
-        if name in self._unloaded or name == self.base_id:
-            return None
-        path = self.sources.discover(name)  # checked; raises AdapterPathNotAllowed
-        if path is None:
-            return None
-        log.info("adapter discovered: name=%s path=%s", name, path)
-        return self.register(name, path, "dir")
+        return self.catalog.register(name, path, source, scale)
 
     def _is_current(self, record: AdapterRecord) -> bool:
         if record.is_stack:
             return self.stacks.is_current(record)
-        return self._known.get(record.name) is record
+        return self.catalog.is_current(record)
 
     # ---- loading ------------------------------------------------------------
 
@@ -200,12 +145,12 @@ class AdapterRegistry:
         made resident at once when a slot is free or can be freed and no
         request waits for one; otherwise it stays known (in the host tier, if
         there is one) and is loaded on first use."""
-        self._check_name(name)
+        self.catalog.check_name(name)
         real = self.sources.resolve(path)
         t0 = time.monotonic()
         self.tier.stats.reads += 1
         prepared = await self.backend.prepare(Recipe.single(real, scale))  # a 4xx MolaError: nothing changed
-        self._check_name(name)  # another load may have taken the name meanwhile
+        self.catalog.check_name(name)  # another load may have taken the name meanwhile
         record = self.register(name, real, source, scale)
         self._note_weights(record, prepared)
         slot = None if len(self.queue) else self._take_slot()  # waiting requests come first
@@ -218,42 +163,55 @@ class AdapterRegistry:
         self,
         model_id: str,
         lora_scale: float | None = None,
-        stack: list[tuple[str, float]] | None = None,
+        stack: list[AdapterRef | tuple[str, float]] | None = None,
     ) -> Lease:
         """A lease on the base model, an adapter, or adapters stacked together,
         loading just in time.
 
         ``lora_scale`` multiplies the adapter ``model_id`` names, for this
         request only (the row's scale: rows with different scales of one
-        adapter share its slot). ``stack`` lists (adapter, scale) pairs applied
-        together with it: their sum is one LoRA whose A is the parts' A side by
-        side and whose B is their scaled B stacked, built once into a slot of
-        its own, cached by its parts and evicted like any adapter.
+        adapter share its slot). ``stack`` lists adapters (AdapterRef: by name
+        or by path, with a scale; or (name, scale) pairs) applied together
+        with it: their sum is one LoRA whose A is the parts' A side by side
+        and whose B is their scaled B stacked, built once into a slot of its
+        own, cached by its parts and evicted like any adapter.
         """
         is_base = model_id == self.base_id
         if is_base and lora_scale is not None:
             raise InvalidRequest(
                 f"lora_scale scales an adapter, but '{model_id}' is the base model.", param="lora_scale"
             )
-        head = None if is_base else self._lookup(model_id, "model")
+        head = None if is_base else await self._lookup(model_id, "model")
         if not stack:
             if head is None:
                 return Lease(self, None)
             return await self._lease(head, 1.0 if lora_scale is None else lora_scale)
         parts = [] if head is None else [(head, 1.0 if lora_scale is None else lora_scale)]
-        for name, scale in stack:
-            parts.append((self._lookup(name, "adapters"), scale))
-        names = [r.name for r, _ in parts]
-        if len(set(names)) < len(names):
+        for entry in stack:
+            ref = entry if isinstance(entry, AdapterRef) else AdapterRef(name=entry[0], scale=entry[1])
+            if ref.path is not None:
+                record = await self._by_path(ref.path)
+            else:
+                record = await self._lookup(ref.name, "adapters")
+            parts.append((record, ref.scale))
+        if len({id(r) for r, _ in parts}) < len(parts):
             raise InvalidRequest("An adapter is named more than once in 'adapters'.", param="adapters")
         if len(parts) == 1:
             return await self._lease(parts[0][0], parts[0][1])
         return await self._lease(self.stacks.get_or_make(parts), 1.0)
 
-    def _lookup(self, name: str, param: str) -> AdapterRecord:
-        record = self._known.get(name) or self._discover(name)
+    async def _lookup(self, name: str, param: str) -> AdapterRecord:
+        record = await self.catalog.find(name)
         if record is None:
             raise ModelNotFound(name, param=param)
+        return record
+
+    async def _by_path(self, given: str) -> AdapterRecord:
+        """The record of the adapter files at ``given`` as they are now (403
+        outside the path policy); older versions are retired."""
+        record, gone = self.catalog.by_path(given)
+        for old in gone:
+            await self._retire_all(old)
         return record
 
     async def _lease(self, record: AdapterRecord, row_scale: float) -> Lease:
@@ -437,21 +395,23 @@ class AdapterRegistry:
 
     async def unload(self, name: str) -> AdapterRecord:
         """Stop serving ``name`` now; its slot frees when in-flight requests end."""
-        record = self._known.get(name)
-        if record is None:
-            raise AdapterNotFound(name)
-        del self._known[name]
-        self._unloaded.add(name)
+        record = self.catalog.remove(name)
         self.stats.unloads += 1
+        await self._retire_all(record)
+        return record
+
+    async def _retire_all(self, record: AdapterRecord) -> None:
+        """A record no longer current, with the stacks built from it: drained
+        if resident, and their cached prompts dropped."""
         stacks = self.stacks.using(record)
         for stack in stacks:
             self.stacks.drop(stack)
             await self._retire(stack)
-        log.info("adapter unloading: name=%s slot=%s in_flight=%d", name, record.slot, record.in_flight)
+        log.info("adapter unloading: name=%s version=%d slot=%s in_flight=%d", record.name,
+                 record.version, record.slot, record.in_flight)
         await self._retire(record)
         self._admit()
         await self._forget_cached([record, *stacks])
-        return record
 
     async def _forget_cached(self, records: list[AdapterRecord]) -> None:
         if self._forget is None:

@@ -10,6 +10,12 @@ written, wherever symlinks in it lead (a path with a ``..`` part must still
 resolve under a root). ``--allow-any-adapter-path`` lifts the check. A hub id
 (``org/name``) that is not a local path goes through huggingface-hub's cache.
 
+A path named in a request (``{"path": ...}`` in its ``adapters``) is checked
+by the same policy, before anything at it is opened or even looked for, and
+is never a hub id; its :func:`content_version` (the stat of its files) tells
+an edited adapter from the one cached. The roots of ``--adapter-resolver
+dir:PATH`` are allowed roots too, but not scanned.
+
 Each entry of an adapter directory (a subdirectory, or a ``.gguf`` file) whose
 name is a valid adapter id is an adapter named after it, found on first use.
 """
@@ -49,10 +55,14 @@ class AdapterSources:
         named_paths: list[str | Path] = (),
         allow_any_path: bool = False,
         allow_symlinks: bool = False,
+        resolver_dirs: list[str | Path] = (),
     ):
         given = [Path(os.path.abspath(Path(d).expanduser())) for d in adapter_dirs]
-        self.adapter_dirs = [d.resolve() for d in given]  # the real roots
-        self._written_roots = {*given, *self.adapter_dirs}  # for --allow-adapter-symlinks
+        self.adapter_dirs = [d.resolve() for d in given]  # the real roots, scanned
+        written = [Path(os.path.abspath(Path(d).expanduser())) for d in resolver_dirs]
+        self.resolver_dirs = [d.resolve() for d in written]  # real roots, not scanned
+        self._roots = [*self.adapter_dirs, *self.resolver_dirs]
+        self._written_roots = {*given, *written, *self._roots}  # for --allow-adapter-symlinks
         self.allow_any_path = allow_any_path
         self.allow_symlinks = allow_symlinks
         self._named = {Path(p).expanduser().resolve() for p in named_paths}
@@ -64,7 +74,7 @@ class AdapterSources:
     def allowed(self, path: Path) -> Path | None:
         """The one check: the real path of ``path`` if the policy allows it, else None."""
         real = path.resolve()
-        if self.allow_any_path or real in self._named or _under(real, self.adapter_dirs):
+        if self.allow_any_path or real in self._named or _under(real, self._roots):
             return real
         written = Path(os.path.abspath(path))
         if self.allow_symlinks and ".." not in path.parts and _under(written, self._written_roots):
@@ -89,8 +99,56 @@ class AdapterSources:
             return self._from_hub(given)
         raise AdapterPathNotFound(f"The adapter path does not exist: {given}")
 
+    def resolve_request_path(self, given: str) -> str:
+        """The checked real path of an adapter named by path in a request.
+        The policy comes first, whether or not anything is there, so that a
+        client learns nothing about paths outside it (the 403 names the
+        policy; the paths go to the log); then the path must exist. Never a
+        hub id."""
+        if not isinstance(given, str) or not given.strip():
+            raise InvalidRequest("An adapter path must be a non-empty string.", param="adapters")
+        try:
+            path = Path(given).expanduser()
+            real = self.allowed(path)
+            exists = real is not None and real.exists()
+        except (RuntimeError, OSError, ValueError) as e:  # "~nobody/x", NUL bytes, loops
+            raise AdapterPathNotFound(f"The adapter path {given!r} is not usable: {e}") from None
+        if real is None:
+            log.warning("adapter path %r refused: it resolves to %s, outside the adapter directories",
+                        given, path.resolve())
+            raise AdapterPathNotAllowed(
+                f"The adapter path {given!r} is outside the directories this server loads adapters "
+                "from (its --adapter-dir and dir: resolvers, symlinks followed)."
+            )
+        if not exists:
+            raise AdapterPathNotFound(f"The adapter path does not exist: {given}")
+        return str(real)
+
+    def find_in(self, root: Path, name: str) -> str | None:
+        """The checked real path of adapter id ``name`` under ``root`` (a
+        directory, or a ``.gguf`` file), if there is one: ``org/name`` is
+        ``root/org/name``. A candidate that resolves outside the policy
+        raises AdapterPathNotAllowed without naming paths (they go to the log)."""
+        for candidate in (root / name, root / f"{name}.gguf"):
+            try:
+                if not candidate.exists():
+                    continue
+                real = self.allowed(candidate)
+            except (OSError, RuntimeError, ValueError):  # names too long, loops
+                return None
+            if real is None:
+                log.warning("adapter %s refused: %s resolves to %s, outside the adapter directories",
+                            name, candidate, candidate.resolve())
+                raise AdapterPathNotAllowed(
+                    f"The adapter '{name}' is an entry of an adapter directory that resolves (through "
+                    "a symlink) outside the allowed adapter directories, so this server refuses "
+                    "it; --allow-adapter-symlinks lets the server follow such links."
+                )
+            return str(real)
+        return None
+
     def _refusal(self, given: str, path: Path) -> str:
-        roots = ", ".join(map(str, self.adapter_dirs)) or "none configured"
+        roots = ", ".join(map(str, self._roots)) or "none configured"
         message = (f"The adapter path {given} (resolving to {path.resolve()}) is outside the allowed "
                    f"adapter directories ({roots}); start the server with --adapter-dir covering it, "
                    "or with --allow-any-adapter-path")
@@ -118,22 +176,9 @@ class AdapterSources:
         if not is_entry_name(name):
             return None
         for root in self.adapter_dirs:
-            for candidate in (root / name, root / f"{name}.gguf"):
-                try:
-                    if not candidate.exists():
-                        continue
-                    real = self.allowed(candidate)
-                except (OSError, RuntimeError, ValueError):  # names too long, loops
-                    return None
-                if real is None:
-                    log.warning("adapter %s refused: %s resolves to %s, outside the adapter directories",
-                                name, candidate, candidate.resolve())
-                    raise AdapterPathNotAllowed(
-                        f"The adapter '{name}' is an entry of an --adapter-dir that resolves (through "
-                        "a symlink) outside the allowed adapter directories, so this server refuses "
-                        "it; --allow-adapter-symlinks lets the server follow such links."
-                    )
-                return str(real)
+            found = self.find_in(root, name)
+            if found is not None:
+                return found
         return None
 
     def scan(self) -> dict[str, str]:
@@ -164,3 +209,23 @@ class AdapterSources:
                     continue
                 found[name] = str(real)
         return found
+
+
+ADAPTER_FILES = ("adapter_config.json", "*.safetensors", "*.gguf")
+
+
+def content_version(real: str | Path) -> tuple:
+    """What tells one version of the adapter files at ``real`` from another,
+    without opening them: (name, size, mtime, inode) of the file, or of each
+    adapter file of the directory. An edit, or a file replaced by a rename,
+    changes it."""
+    path = Path(real)
+    files = [path] if path.is_file() else sorted({f for pattern in ADAPTER_FILES for f in path.glob(pattern)})
+    version = []
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:  # vanished meanwhile: a different version
+            continue
+        version.append((f.name, st.st_size, st.st_mtime_ns, st.st_ino))
+    return tuple(version)

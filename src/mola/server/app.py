@@ -19,6 +19,7 @@ from ..errors import MolaError
 from ..lora.host_tier import HostTier
 from ..lora.loader import AdapterLoader
 from ..lora.registry import AdapterRegistry
+from ..lora.resolvers import make_resolvers
 from ..lora.sources import AdapterSources
 from ..structured import StructuredOutputs
 from .errors import error_response, install_error_handlers
@@ -50,9 +51,11 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel) 
         named_paths=[a.path for a in config.adapters if Path(a.path).expanduser().exists()],
         allow_any_path=config.allow_any_adapter_path,
         allow_symlinks=config.allow_adapter_symlinks,
+        resolver_dirs=[r.root for r in config.adapter_resolvers if r.kind == "dir"],
     )
     tier = HostTier(config.max_cpu_loras, config.adapter_cache_bytes)
     registry = AdapterRegistry(base_id, loader, config.max_loras, sources, forget=async_engine.forget_prompts,
+                               resolvers=make_resolvers(config.adapter_resolvers, sources),
                                tier=tier, max_wait=config.max_adapter_wait)
     state = ServerState(
         config=config,

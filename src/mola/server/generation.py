@@ -245,7 +245,7 @@ async def start_generations(state: ServerState, body: _Sampling, prompts: list[l
     under ``grammar``, its own matcher)."""
     check_constrainable(body, grammar)
     admit(state, len(prompts) * body.n)
-    stack = [(a.name, a.scale) for a in body.adapters] if body.adapters else None
+    stack = [a.ref() for a in body.adapters] if body.adapters else None
     timeout = state.config.request_timeout
     deadline = None if timeout is None else time.monotonic() + timeout
     params = [[sampling_params(state, body, len(p), j) for j in range(body.n)] for p in prompts]

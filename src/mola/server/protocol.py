@@ -6,7 +6,8 @@ them (``check_supported``), never silently dropped.
 mola's own extensions, beside the standard fields:
 
 - ``lora_scale``: multiplies the adapter that ``model`` names, for this request;
-- ``adapters``: ``[{"name", "scale"}]`` applied together (stacked) to this request;
+- ``adapters``: ``[{"name" or "path", "scale"}]`` applied together (stacked) to this
+  request; an adapter named by path is checked against the adapter directories;
 - ``ignore_eos`` (vLLM's): keep generating past EOS, up to max_tokens.
 
 ``response_format`` and ``tool_choice`` are checked and turned into grammars
@@ -17,9 +18,10 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import InvalidRequest
+from ..lora.registry import AdapterRef
 
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20
@@ -66,8 +68,21 @@ class StreamOptions(_Body):
 
 
 class AdapterWeight(_Body):
-    name: str = Field(min_length=1)
+    """An entry of ``adapters``: a served adapter by ``name``, or the adapter
+    files at ``path`` (checked against the server's adapter directories)."""
+
+    name: str | None = Field(default=None, min_length=1)
+    path: str | None = Field(default=None, min_length=1, max_length=4096)
     scale: float = Field(default=1.0, ge=-10.0, le=10.0)
+
+    @model_validator(mode="after")
+    def _name_or_path(self):
+        if (self.name is None) == (self.path is None):
+            raise ValueError("an adapters entry names an adapter by 'name' or by 'path', one of the two")
+        return self
+
+    def ref(self) -> AdapterRef:
+        return AdapterRef(name=self.name, path=self.path, scale=self.scale)
 
 
 class _Sampling(_Body):
@@ -128,6 +143,12 @@ class _Sampling(_Body):
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    def served_model(self) -> str:
+        """The ``model`` a response names: the request's, followed by
+        ``+path:<path>`` for each adapter it names by path."""
+        paths = [a.path for a in self.adapters or () if a.path is not None]
+        return "+".join([self.model, *(f"path:{p}" for p in paths)])
 
 
 class ChatCompletionRequest(_Sampling):

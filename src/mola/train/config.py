@@ -18,13 +18,20 @@ DEFAULT_ITERS = 1000
 DEFAULT_BATCH_SIZE = 4
 DEFAULT_LEARNING_RATE = 1e-5
 DEFAULT_MAX_SEQ_LENGTH = 2048
+# gguf_writer.OUTTYPES (as llama.cpp's convert_lora_to_gguf.py --outtype), named
+# here so that the command line checks it without loading MLX.
+GGUF_OUTTYPES = ("f32", "f16", "bf16", "q8_0")
+TRAIN_DTYPES = ("keep", "float16", "bfloat16", "float32")
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     model: str  # a local model directory or a Hugging Face hub id
     data: Path  # a directory with train.jsonl and optionally valid.jsonl
-    out: Path  # the adapter directory to write
+    # Where the adapter goes: a directory (an mlx-lm adapter), a FILE.gguf (a
+    # llama.cpp GGUF LoRA), or a tuple of one of each (both, from the same
+    # weights). Normalized to the first; ``outputs`` holds them all.
+    out: Path | tuple
     rank: int = DEFAULT_RANK
     scale: float = DEFAULT_SCALE  # LoRA scale (mlx-lm's lora_parameters.scale)
     dropout: float = 0.0
@@ -53,10 +60,27 @@ class TrainConfig:
     name: str | None = None  # the adapter's name for --serve-url (default: out's name)
     serve_url: str | None = None  # hot-load the result into this running mola
     api_key: str | None = field(default=None, repr=False)  # for serve_url
+    gguf_outtype: str = "f32"  # tensor type of a .gguf output: f32, f16, bf16 or q8_0
+    # The base as trained on: "keep" (quantized layers stay quantized: LoRA on
+    # the QuantizedLinear layers, as mlx-lm's tuner does) or a float dtype it is
+    # dequantized to (mola serve's --dtype).
+    dtype: str = "keep"
+    outputs: tuple[Path, ...] = field(init=False)
 
     def __post_init__(self):
         object.__setattr__(self, "data", Path(self.data).expanduser())
-        object.__setattr__(self, "out", Path(self.out).expanduser())
+        outs = self.out if isinstance(self.out, (tuple, list)) else (self.out,)
+        outs = tuple(Path(o).expanduser() for o in outs)
+        ggufs = [o for o in outs if o.suffix == ".gguf"]
+        if not outs or len(ggufs) > 1 or len(outs) - len(ggufs) > 1:
+            raise ValueError(f"out takes an adapter directory, a FILE.gguf, or one of each; got "
+                             f"{', '.join(map(str, outs)) or 'none'}")
+        object.__setattr__(self, "outputs", outs)
+        object.__setattr__(self, "out", outs[0])
+        if self.dtype not in TRAIN_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(TRAIN_DTYPES)}, got {self.dtype!r}")
+        if self.gguf_outtype not in GGUF_OUTTYPES:
+            raise ValueError(f"gguf_outtype must be one of {', '.join(GGUF_OUTTYPES)}, got {self.gguf_outtype!r}")
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("model must name a model directory or a Hugging Face hub id")
 
@@ -107,4 +131,14 @@ class TrainConfig:
 
     @property
     def adapter_name(self) -> str:
-        return self.name or self.out.resolve().name
+        return self.name or (self.out.resolve().stem if self.out.suffix == ".gguf" else self.out.resolve().name)
+
+    @property
+    def mlx_lm_out(self) -> Path | None:
+        """The mlx-lm adapter directory to write, if one is asked for."""
+        return next((o for o in self.outputs if o.suffix != ".gguf"), None)
+
+    @property
+    def gguf_out(self) -> Path | None:
+        """The llama.cpp GGUF LoRA file to write, if one is asked for."""
+        return next((o for o in self.outputs if o.suffix == ".gguf"), None)

@@ -18,8 +18,11 @@ def check_output(out: Path, force: bool = False, protect: tuple[Path, ...] = ())
     non-empty directory (unless ``force``), under a writable directory, and
     not a directory holding the data or model (``protect``) when forced."""
     out = Path(out)
+    if out.suffix == ".gguf":
+        return _check_file_output(out, force)
     if out.is_file() or (out.exists() and not out.is_dir()):
-        raise OutputPathError(f"the output path {out} is a file; --out takes a directory for the adapter")
+        raise OutputPathError(f"the output path {out} is a file; --out takes a directory for the adapter "
+                              "(or a FILE.gguf)")
     if out.is_dir() and any(out.iterdir()):
         if not force:
             raise OutputPathError(f"the output directory {out} already exists and is not empty; "
@@ -31,6 +34,20 @@ def check_output(out: Path, force: bool = False, protect: tuple[Path, ...] = ())
             p = Path(p).resolve()
             if p == resolved or resolved in p.parents:
                 raise OutputPathError(f"refusing to replace {out}: it holds {p}")
+    _check_parent(out)
+
+
+def _check_file_output(out: Path, force: bool) -> None:
+    """A .gguf output: not a directory, not an existing file unless ``force``."""
+    if out.is_dir():
+        raise OutputPathError(f"the output path {out} is a directory; a .gguf output is a file")
+    if out.exists() and not force:
+        raise OutputPathError(f"the output file {out} already exists; choose another --out or pass "
+                              "--force to replace it")
+    _check_parent(out)
+
+
+def _check_parent(out: Path) -> None:
     parent = out.resolve().parent
     while not parent.exists():
         parent = parent.parent

@@ -17,6 +17,13 @@ class TrainResult:
     val_loss: float | None
     trainable_parameters: int
     served: dict | None = None
+    outputs: tuple[Path, ...] = ()  # everything written: the adapter directory and/or the .gguf
+    # The base as trained on: its linears, how many of them stayed
+    # nn.QuantizedLinear (a quantized base is trained as it is, never
+    # dequantized), and the MLX memory loading and training held at the peak.
+    linear_layers: int = 0
+    quantized_layers: int = 0
+    peak_memory_bytes: int = 0
 
 
 class Progress:

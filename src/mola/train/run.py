@@ -18,6 +18,7 @@ from typing import Callable
 from ..errors import TrainError
 from .config import DEFAULT_LAYERS, TrainConfig
 from .data import check_data
+from .export import check_gguf_export, write_gguf
 from .output import check_output, hot_load, place
 from .progress import Progress, TrainResult
 
@@ -96,23 +97,34 @@ def resolve_targets(model, targets: tuple[str, ...] | None) -> list[str]:
 def train_adapter(config: TrainConfig, log: Callable[[str], None] = _stderr) -> TrainResult:
     """Check, load, train and write the adapter; hot-load it when
     ``config.serve_url`` is set. Raises TrainError (or subclasses)."""
+    import mlx.core as mx
+
     t_start = time.perf_counter()
     data = _check_inputs(config, log)
-    model, tokenizer = _load_model(config, log)
+    mx.reset_peak_memory()
+    held_before = mx.get_active_memory()  # the peak is the process's: count this run's part
+    model, tokenizer, model_config = _load_model(config, log)
     num_layers = _num_layers(config, len(model.layers))
     keys = resolve_targets(model, config.targets)
+    if config.gguf_out is not None:
+        check_gguf_export(model_config, keys)  # before training, not after
     train_set = tokenize(data.train.examples, tokenizer, config.mask_prompt)
     valid_set = tokenize(data.valid.examples, tokenizer, config.mask_prompt) if data.valid else []
     _check_lengths(config, train_set, valid_set, log)
     lora_parameters, trainable = _add_lora_layers(model, config, keys, num_layers, log)
     progress = Progress(config.iters, log)
     _fit_and_write(model, config, train_set, valid_set, progress,
-                   _adapter_config(config, num_layers, lora_parameters))
+                   _adapter_config(config, num_layers, lora_parameters), model_config)
+    linears, quantized = _count_linears(model)
     result = TrainResult(
         path=config.out, seconds=time.perf_counter() - t_start, train_loss=progress.train_loss,
-        val_loss=progress.val_loss, trainable_parameters=trainable,
+        val_loss=progress.val_loss, trainable_parameters=trainable, outputs=config.outputs,
+        linear_layers=linears, quantized_layers=quantized, peak_memory_bytes=mx.get_peak_memory() - held_before,
     )
-    log(f"[mola] adapter written to {config.out} in {result.seconds:.0f} s"
+    if quantized:
+        log(f"[mola] the base stayed quantized: {quantized} of {linears} linear layers are QuantizedLinear; "
+            f"peak memory {result.peak_memory_bytes / 2**20:.1f} MiB")
+    log(f"[mola] adapter written to {' and '.join(map(str, config.outputs))} in {result.seconds:.0f} s"
         + (f" (final training loss {result.train_loss:.3f})" if result.train_loss is not None else ""))
     if config.serve_url:
         result.served = hot_load(config.serve_url, config.adapter_name, config.out, config.api_key)
@@ -127,7 +139,8 @@ def _check_inputs(config: TrainConfig, log: Callable[[str], None]):
     data = check_data(config.data, config.batch_size)
     model_path = Path(config.model).expanduser()
     protect = (config.data,) + ((model_path,) if model_path.exists() else ())
-    check_output(config.out, config.force, protect)
+    for out in config.outputs:
+        check_output(out, config.force, protect)
     if not model_path.exists() and not looks_like_hub_id(config.model):
         raise TrainError(f"the model path does not exist: {model_path}")
     n_valid = len(data.valid.examples) if data.valid else 0
@@ -141,10 +154,19 @@ def _load_model(config: TrainConfig, log: Callable[[str], None]):
 
     log(f"[mola] loading {config.model} ...")
     try:
-        loaded = load_base_model(config.model)
+        loaded = load_base_model(config.model, dtype=config.dtype)
     except ModelLoadError as e:
         raise TrainError(e.message) from None
-    return loaded.model, loaded.tokenizer
+    return loaded.model, loaded.tokenizer, loaded.config
+
+
+def _count_linears(model) -> tuple[int, int]:
+    """(linear layers, of which nn.QuantizedLinear) in the model as trained
+    (mlx-lm's LoRA layers wrap them)."""
+    import mlx.nn as nn
+
+    kinds = [m for _, m in model.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
+    return len(kinds), sum(isinstance(m, nn.QuantizedLinear) for m in kinds)
 
 
 def _num_layers(config: TrainConfig, total: int) -> int:
@@ -227,14 +249,14 @@ def _adapter_config(config: TrainConfig, num_layers: int, lora_parameters: dict)
 
 
 def _fit_and_write(model, config: TrainConfig, train_set, valid_set, progress: "Progress",
-                   adapter_config: dict) -> None:
+                   adapter_config: dict, model_config: dict) -> None:
     """mlx-lm's training loop into a temporary directory beside the output,
-    then moved into place."""
+    then moved into place (and written as GGUF for a .gguf output)."""
     from mlx_lm.tuner.trainer import TrainingArgs, train
 
-    out = config.out
+    out = config.mlx_lm_out or config.gguf_out  # the directory is moved into place: beside it
     out.resolve().parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.resolve().name}.train-", dir=out.resolve().parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.resolve().stem}.train-", dir=out.resolve().parent))
     try:
         args = TrainingArgs(
             batch_size=config.batch_size, iters=config.iters, val_batches=config.val_batches,
@@ -251,7 +273,10 @@ def _fit_and_write(model, config: TrainConfig, train_set, valid_set, progress: "
                   val_dataset=batchable(valid_set, None) if valid_set else None, args=args,
                   training_callback=progress.callback)
         (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
-        place(tmp, out)
+        if config.gguf_out is not None:
+            write_gguf(tmp, config.gguf_out, model_config, config.model, config.gguf_outtype)
+        if config.mlx_lm_out is not None:
+            place(tmp, config.mlx_lm_out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

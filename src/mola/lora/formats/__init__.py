@@ -48,6 +48,7 @@ def read_adapter(
     dtype: mx.Dtype | None = None,
     model_type: str | None = None,
     model_config: dict | None = None,
+    rows_as_stored: bool = False,
 ) -> LoRAWeights:
     """Read the adapter at ``path`` in whichever supported format it is.
 
@@ -55,7 +56,8 @@ def read_adapter(
     ``model_type`` is the base's mlx-lm model type (``config.json``'s
     ``model_type``), which formats that name modules their own way need;
     ``model_config`` is the base's whole config (GGUF needs its head counts to
-    put llama's q/k rows back in the base's order).
+    put llama's q/k rows back in the base's order; ``rows_as_stored`` leaves
+    them as stored, to describe an adapter without its base).
     """
     try:
         path = Path(path).expanduser()
@@ -67,7 +69,8 @@ def read_adapter(
     kind = detect_format(path)
     if kind == "gguf":
         file = path if path.is_file() else sorted(path.glob("*.gguf"))[0]
-        return gguf.read_gguf_adapter(file, dtype, model_type, model_config=model_config)
+        return gguf.read_gguf_adapter(file, dtype, model_type, model_config=model_config,
+                                      rows_as_stored=rows_as_stored)
     if kind == "peft":
         return peft.read_peft_adapter(path, dtype, model_type)
     return mlx_lm.read_mlx_lm_adapter(path, dtype)

@@ -69,6 +69,11 @@ ARCHITECTURES = {
 }
 
 
+def architecture_for(model_type: str | None) -> Architecture | None:
+    """The GGUF LoRA architecture of a base of mlx-lm type ``model_type``, if mola knows one."""
+    return next((arch for arch in ARCHITECTURES.values() if model_type in arch.model_types), None)
+
+
 def is_gguf_file(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
@@ -77,7 +82,7 @@ def is_gguf_file(path: Path) -> bool:
         return False
 
 
-# ---- names and the q/k row order, shared with mola.synthetic.gguf -------------
+# ---- names and the q/k row order, shared with the writer (gguf_writer.py) -----
 
 
 def module_path(tensor_base: str) -> str | None:
@@ -132,6 +137,21 @@ def _field_value(reader, key: str):
     return field.parts[field.data[0]].tolist()[0]
 
 
+def read_metadata(path: Path) -> tuple[dict, dict[str, str]]:
+    """A GGUF file's scalar and string metadata, and each tensor's type name
+    (``F32``, ``Q8_0``, ...), without reading tensor data."""
+    from gguf import GGUFReader, GGUFValueType
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # truncated or corrupt
+        raise InvalidAdapter(f"{path} is not a readable GGUF file: {e}") from None
+    fields = {key: _field_value(reader, key) for key, field in reader.fields.items()
+              if field.types and field.types[0] != GGUFValueType.ARRAY}
+    types = {t.name: getattr(t.tensor_type, "name", str(t.tensor_type)) for t in reader.tensors}
+    return fields, types
+
+
 def _head_counts(reader, arch: str, model_config: dict | None) -> tuple[int | None, int | None]:
     config = model_config or {}
     n_head = config.get("num_attention_heads")
@@ -184,6 +204,7 @@ def read_gguf_adapter(
     model_type: str | None = None,
     *,
     model_config: dict | None = None,
+    rows_as_stored: bool = False,
 ) -> LoRAWeights:
     """Read (and evaluate) a llama.cpp GGUF LoRA file.
 
@@ -191,6 +212,8 @@ def read_gguf_adapter(
     config.json (it supplies ``model_type`` when that is not given, and the head
     counts needed to put llama's q/k LoRA rows back in Hugging Face's order).
     Shapes are checked against the model later, by :func:`mola.lora.weights.validate`.
+    ``rows_as_stored`` leaves llama's q/k rows in llama.cpp's order (shapes and
+    scales are the same), to describe an adapter without its base.
     """
     from gguf import GGUFReader
 
@@ -281,7 +304,8 @@ def read_gguf_adapter(
 
     modules: dict[str, ModuleLoRA] = {}
     n_head = n_kv_head = None
-    if arch.permutes_qk and any(b.split(".")[2] in ("attn_q", "attn_k") for b in pairs):
+    reorder = arch.permutes_qk and not rows_as_stored
+    if reorder and any(b.split(".")[2] in ("attn_q", "attn_k") for b in pairs):
         n_head, n_kv_head = _head_counts(reader, arch.name, model_config)
         if n_head is None:
             raise InvalidAdapter(
@@ -303,7 +327,7 @@ def read_gguf_adapter(
                 "expects lora_a ne = [in, rank] and lora_b ne = [rank, out]."
             )
         kind = base.split(".")[2]
-        if arch.permutes_qk and kind in ("attn_q", "attn_k"):
+        if reorder and kind in ("attn_q", "attn_k"):
             heads = n_head if kind == "attn_q" else n_kv_head
             if heads <= 0 or b_np.shape[0] % (2 * heads):
                 raise InvalidAdapter(

@@ -22,7 +22,7 @@ def request_fields(body: ResponsesRequest) -> dict:
     """What a Response repeats of its request, the same in every snapshot."""
     fields = {
         "object": "response",
-        "model": body.model,
+        "model": body.served_model(),
         "instructions": body.instructions,
         "max_output_tokens": body.max_output_tokens,
         "previous_response_id": body.previous_response_id,

@@ -1,8 +1,9 @@
 """mola's adapter routes: list, hot-load and unload while traffic flows.
 
     GET    /v1/adapters            every known adapter: resident or not, slot, rank,
-                                   scale, version, requests in flight, last use; the
-                                   host tier's occupancy and hits; slot admission; and
+                                   scale, version, requests in flight, last use; stacks
+                                   (compositions) and adapters named by path; the host
+                                   tier's occupancy and hits; slot admission; and
                                    the prompt cache: size, entries, hits, misses, tokens saved
     POST   /v1/adapters            {"name", "path", "scale"?}: check it now, serve it
     DELETE /v1/adapters/{name}     stop serving it; its slot frees when in-flight requests end
@@ -34,6 +35,7 @@ async def list_adapters(request: Request):
         "object": "list",
         "data": [adapter_object(r) for r in registry.adapters()],
         "compositions": [adapter_object(r) for r in registry.compositions()],
+        "path_adapters": [adapter_object(r) for r in registry.path_adapters()],
         "max_loras": registry.max_loras,
         "resident": registry.num_resident,
         "free_slots": registry.num_free_slots,

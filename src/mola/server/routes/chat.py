@@ -53,12 +53,12 @@ async def _complete(state: ServerState, gens: list[Generation], body: ChatComple
         logprobs = r.chat_logprobs(token_text, g.tokens, g.logprobs) if token_text else None
         choices.append(r.chat_choice(g.index, r.chat_message(content, g.tool_calls),
                                      g.finish_reason, logprobs))
-    return r.chat_completion(r.new_id("chatcmpl"), body.model, r.now(), choices, _usage(gens))
+    return r.chat_completion(r.new_id("chatcmpl"), body.served_model(), r.now(), choices, _usage(gens))
 
 
 async def _stream(state: ServerState, gens: list[Generation], body: ChatCompletionRequest,
                   request: Request) -> AsyncIterator[str]:
-    id_, created, model = r.new_id("chatcmpl"), r.now(), body.model
+    id_, created, model = r.new_id("chatcmpl"), r.now(), body.served_model()
     include_usage = body.include_usage()
     token_text = r.TokenText(state.tokenizer) if body.logprobs else None
     tool_index = {g.index: 0 for g in gens}

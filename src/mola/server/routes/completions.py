@@ -50,12 +50,12 @@ async def _complete(state: ServerState, gens: list[Generation], body: Completion
     for g in sorted(gens, key=lambda g: g.index):
         logprobs = r.completion_logprobs(token_text, g.tokens, g.logprobs, 0) if token_text else None
         choices.append(r.completion_choice(g.index, g.content, g.finish_reason, logprobs))
-    return r.completion(r.new_id("cmpl"), body.model, r.now(), choices, _usage(gens, body.n))
+    return r.completion(r.new_id("cmpl"), body.served_model(), r.now(), choices, _usage(gens, body.n))
 
 
 async def _stream(state: ServerState, gens: list[Generation], body: CompletionRequest,
                   request: Request) -> AsyncIterator[str]:
-    id_, created, model = r.new_id("cmpl"), r.now(), body.model
+    id_, created, model = r.new_id("cmpl"), r.now(), body.served_model()
     token_text = r.TokenText(state.tokenizer) if body.logprobs is not None else None
     offsets = {g.index: 0 for g in gens}
     try:

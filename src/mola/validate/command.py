@@ -1,0 +1,107 @@
+"""`mola validate ADAPTER [--model M] [--json]`: describe an adapter and, with
+--model, check it against that model offline, with the readers and checks
+mola serve runs (``recipe.read_checked``); exit 0 when it would load, 1 with
+serve's message when it would not."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+from ..errors import MolaError
+from ..lora.recipe import read_checked
+from ..lora.sources import AdapterSources
+from .describe import AdapterInfo, describe
+from .offline import ModelShape, model_shape
+
+
+@dataclass
+class Report:
+    adapter: str  # as given
+    info: AdapterInfo | None = None
+    model: ModelShape | None = None
+    error: str | None = None  # what mola serve would say
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_json(self) -> dict:
+        model = None
+        if self.model is not None:
+            model = {"path": str(self.model.path), "model_type": self.model.model_type,
+                     "layers": self.model.num_layers, "targets": len(self.model.geometry.targets),
+                     "dtype": str(self.model.geometry.dtype).removeprefix("mlx.core.")}
+        return {"adapter": self.adapter, "ok": self.ok, "error": self.error,
+                **({"info": self.info.to_json()} if self.info else {"info": None}), "model": model}
+
+
+def validate(adapter: str, model: str | None = None, max_rank: int = 64, dtype: str = "auto") -> Report:
+    report = Report(adapter)
+    try:
+        real = AdapterSources(allow_any_path=True).resolve(adapter)  # a path, or a hub id through its cache
+        report.info = describe(real)
+        if model is not None:
+            report.model = model_shape(model, max_rank, dtype)
+            read_checked(real, report.model.geometry, report.model.config)  # what serve's reader runs
+    except MolaError as e:
+        report.error = e.message
+    return report
+
+
+def _layers(layers: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    runs: list[list[int]] = []
+    for n in layers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def text(report: Report) -> list[str]:
+    lines = []
+    info = report.info
+    if info is not None:
+        arch = f", {info.architecture}" if info.architecture else ""
+        scales = ", ".join(f"{s:g}" for s in info.scales)
+        alpha = f" (alpha {info.alpha:g})" if info.alpha is not None else ""
+        ranks = ", ".join(map(str, info.ranks))
+        lines += [f"adapter  {info.path} ({info.format}{arch})",
+                  f"rank     {ranks}   scale {scales}{alpha}",
+                  f"targets  {', '.join(info.targets)}",
+                  f"layers   {_layers(info.layers) or '-'} ({info.modules} module{'s' * (info.modules != 1)})",
+                  f"dtype    {', '.join(info.dtypes)}",
+                  f"size     {_size(info.size_bytes)} on disk, {info.parameters:,} parameters",
+                  f"base     {info.base or '(not declared)'}"]
+    if report.model is not None:
+        m = report.model
+        dtype = str(m.geometry.dtype).removeprefix("mlx.core.")
+        lines.append(f"model    {m.path} ({m.model_type}, {m.num_layers} layers, "
+                     f"{len(m.geometry.targets)} linears, {dtype})")
+    if report.ok:
+        lines.append("ok       the adapter would load" + (" on this model" if report.model else
+                                                          " (pass --model to check it against a base)"))
+    return lines
+
+
+def run(adapter: str, model: str | None, as_json: bool, max_rank: int, dtype: str = "auto") -> int:
+    report = validate(adapter, model, max_rank, dtype)
+    if as_json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        for line in text(report):
+            print(line)
+        if report.error:
+            print(f"[mola] error: {report.error}", file=sys.stderr)
+    return 0 if report.ok else 1

@@ -1,0 +1,93 @@
+"""A base model's LoRA targets, offline and without reading its weights.
+
+An mlx-lm directory (or hub id) is built by mlx-lm's own loader, lazily
+(``load_model(lazy=True)``): ``mx.load`` reads only the safetensors headers
+and nothing is evaluated, so the weights stay on disk while the module tree,
+the shapes (a quantized linear's packed ones included) and the dtypes are
+those mola serve wraps (``pack.geometry_of``, which ``AdapterPacks.install``
+shares). A GGUF file gives its config from its metadata (mola.models.metadata,
+as mola serve reads it) and its tensor infos (names, shapes, codecs; no
+tensor data): mlx-lm's class for it is built, unevaluated, and every target's
+tensor is checked against it. Unknown architectures are refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..lora.formats.gguf import tensor_base_name
+from ..lora.pack import SlotGeometry, geometry_of
+from ..models.loader import ModelLoadError, resolve_dtype, resolve_model_path
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    path: Path  # resolved: a model directory or a GGUF file
+    config: dict  # the mlx-lm config mola serve reads adapters against
+    geometry: SlotGeometry  # what an adapter must fit
+
+    @property
+    def model_type(self) -> str | None:
+        return self.config.get("model_type")
+
+    @property
+    def num_layers(self) -> int:
+        return len({p.split(".")[2] for p in self.geometry.targets})
+
+
+def model_shape(model: str, max_rank: int, dtype: str = "auto") -> ModelShape:
+    """The LoRA targets of ``model`` (a directory, a GGUF file or a hub id,
+    through the hub's cache) as mola serve --dtype ``dtype`` would load it;
+    ModelLoadError naming the problem."""
+    path = resolve_model_path(model)
+    if path.is_file():
+        return _gguf_shape(path, max_rank, resolve_dtype(dtype, is_gguf=True))
+    return _mlx_lm_shape(path, max_rank, resolve_dtype(dtype, is_gguf=False))
+
+
+def _mlx_lm_shape(path: Path, max_rank: int, dtype: str) -> ModelShape:
+    from mlx_lm.utils import load_model
+
+    from ..models.gguf import DTYPES
+
+    try:
+        module, config = load_model(path, lazy=True)
+        geometry = geometry_of(module, max_rank, num_slots=2)
+    except Exception as e:  # unknown model types, missing or mismatched weights
+        raise ModelLoadError(f"mlx-lm could not load the model at {path}: {e}") from None
+    if dtype != "keep":  # dequantized to this dtype at load (mola serve --dtype)
+        geometry = dataclasses.replace(geometry, dtype=DTYPES[dtype])
+    return ModelShape(path=path, config=config, geometry=geometry)
+
+
+def _gguf_shape(path: Path, max_rank: int, dtype: str) -> ModelShape:
+    from ..models.codecs import codec_name
+    from ..models.gguf import DTYPES, keep_dtype
+    from ..models.metadata import model_config, open_gguf
+
+    f = open_gguf(path)
+    tensors = {t.name: t for t in f.reader.tensors}
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise ModelLoadError(f"{path} has no token_embd.weight.")
+    config = model_config(f, set(tensors), int(embed.shape[-1]))
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    skeleton = module.Model(module.ModelArgs.from_dict(config))  # parameters never evaluated
+    geometry = geometry_of(skeleton, max_rank, num_slots=2)
+    codecs = {codec_name(t.tensor_type) for t in tensors.values() if len(t.shape) > 1}
+    geometry = dataclasses.replace(geometry, dtype=keep_dtype(codecs) if dtype == "keep" else DTYPES[dtype])
+    for target, g in geometry.targets.items():
+        name = tensor_base_name(target)
+        if name is None:  # no llama.cpp name: nothing in the file to check it against
+            continue
+        tensor = tensors.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"{path} has no {name}, which its metadata's {config['model_type']} model has")
+        ne = tuple(int(n) for n in tensor.shape[:2])  # ggml order: [in, out]
+        if ne != g.dims:
+            raise ModelLoadError(f"{path}: {name} has ne {list(ne)}, but its metadata make "
+                                 f"{target} a {g.input_dims}->{g.output_dims} linear")
+    return ModelShape(path=path, config=config, geometry=geometry)
