@@ -49,11 +49,10 @@ from .admission import AdmissionQueue, admit
 from .catalog import Catalog
 from .host_tier import HostTier
 from .leases import AdapterRef, Lease, RegistryStats, SlotBackend
-from .loader import PreparedAdapter
 from .recipe import Recipe
 from .records import AdapterRecord, AdapterState
-from .slots import SlotTable
 from .sources import AdapterSources
+from .residency import Residency
 from .stacks import Stacks
 
 __all__ = ["AdapterRef", "AdapterRegistry", "Lease", "RegistryStats", "SlotBackend"]
@@ -84,10 +83,13 @@ class AdapterRegistry:
         # What names and paths name; resolvers are asked for unknown ids.
         self.catalog = Catalog(base_id, self.sources, resolvers)
         self.stats = RegistryStats()
-        self.slots = SlotTable(max_loras)
         self.stacks = Stacks()
         self.tier = tier if tier is not None else HostTier()  # off unless given limits
         self.queue = AdmissionQueue(max_wait)  # requests waiting for a slot
+        # Which records are in slots, and how they get there and leave.
+        self.residency = Residency(backend, max_loras, self.tier, self.stacks, self.stats, self.queue,
+                                   self._wake, self._admit)
+        self.slots = self.residency.slots
         self._wakes: dict[AdapterRecord, asyncio.Future] = {}  # what a record's waiters await
         self._timer: asyncio.TimerHandle | None = None  # the next time a waiter starts to starve
         self._tasks: set[asyncio.Task] = set()
@@ -152,10 +154,10 @@ class AdapterRegistry:
         prepared = await self.backend.prepare(Recipe.single(real, scale))  # a 4xx MolaError: nothing changed
         self.catalog.check_name(name)  # another load may have taken the name meanwhile
         record = self.register(name, real, source, scale)
-        self._note_weights(record, prepared)
-        slot = None if len(self.queue) else self._take_slot()  # waiting requests come first
+        self.residency.note_weights(record, prepared)
+        slot = None if len(self.queue) else self.residency.take_slot()  # waiting requests come first
         if slot is not None:
-            self._install(record, slot, prepared, t0)
+            self.residency.place(record, slot, prepared, t0)
         self.tier.put(record, prepared)
         return record
 
@@ -245,7 +247,7 @@ class AdapterRegistry:
     def _after_wait(self, record: AdapterRecord) -> None:
         """A request stopped waiting for ``record``."""
         if record.waiting == 0 and record.is_stack and record.state is S.KNOWN:
-            self._drop_stack(record)  # a stack evicted while requested: nobody wants it now
+            self.residency.drop_stack(record)  # a stack evicted while requested: nobody wants it now
         self.tier.settle()
         self._admit()
 
@@ -266,118 +268,13 @@ class AdapterRegistry:
         if not len(self.queue):
             return
         now = time.monotonic()
-        admit(self.queue, self, now, max_yielding=max(1, self.max_loras // 4))
+        admit(self.queue, self.residency, now, max_yielding=max(1, self.max_loras // 4))
         at = self.queue.next_starving_at(now)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if at is not None:
             self._timer = asyncio.get_running_loop().call_later(at - now + 1e-3, self._admit)
-
-    def has_rows(self, record: AdapterRecord) -> bool:
-        return record in self.tier
-
-    def prefetch(self, record: AdapterRecord) -> None:
-        async def read() -> PreparedAdapter:
-            prepared = await self.backend.prepare(self._recipe(record))
-            self._note_weights(record, prepared)
-            return prepared
-
-        self.tier.prefetch(record, read, self._read_done)
-
-    def _read_done(self, record: AdapterRecord, error: BaseException | None) -> None:
-        if error is not None:  # every request waiting for it now gets the error, nobody else
-            self.stats.load_failures += 1
-            self.queue.discard(record)
-            self._wake(record, error)
-            log.info("adapter read failed: name=%s: %s", record.name, error)
-        self._admit()
-
-    def take_slot(self) -> int | None:
-        return self._take_slot()
-
-    def install(self, record: AdapterRecord, slot: int) -> None:
-        prepared = self.tier.take(record)
-        try:
-            self._install(record, slot, prepared, self.queue.since(record))
-        except Exception as e:  # the engine is gone: its waiters hear it
-            self.queue.discard(record)
-            self._wake(record, e)
-
-    def residents(self) -> list[AdapterRecord]:
-        return self.slots.holders()
-
-    def set_yielding(self, record: AdapterRecord, yielding: bool) -> None:
-        record.move_to(S.YIELDING if yielding else S.RESIDENT)
-        if yielding:
-            log.info("adapter yielding: name=%s slot=%d in_flight=%d (a request waited %.1f s for a slot)",
-                     record.name, record.slot, record.in_flight, self.queue.max_wait)
-        else:
-            self._wake(record)  # its waiters take leases again
-
-    # ---- slots ------------------------------------------------------------------
-
-    def _take_slot(self) -> int | None:
-        """A reserved slot: a free one, or the slot of a drained yielding
-        record or of the least recently used idle resident (evicting it);
-        None if every slot is busy."""
-        taken = self.slots.reserve()
-        if taken is None:
-            return None
-        slot, victim = taken
-        if victim is not None:
-            victim.slot = None
-            if victim.is_stack and victim.waiting == 0:  # a stack is rebuilt when asked for again
-                victim.move_to(S.REMOVED)
-                self._drop_stack(victim)
-            else:
-                victim.move_to(S.KNOWN)
-            self.stats.evictions += 1
-            log.info("adapter evicted: name=%s slot=%d", victim.name, slot)
-        return slot
-
-    def _install(self, record: AdapterRecord, slot: int, prepared: PreparedAdapter, t0: float) -> None:
-        """Write a KNOWN record's rows into its reserved slot and make it
-        resident. The write is queued on the engine ahead of any request
-        that can use the slot, so nothing waits for it here."""
-        record.move_to(S.LOADING)
-        try:
-            written = self.backend.write(slot, prepared.rows, self._recipe(record))
-        except BaseException:
-            record.move_to(S.KNOWN)
-            self.slots.free(slot)
-            self.stats.load_failures += 1
-            raise
-        asyncio.ensure_future(written).add_done_callback(lambda f: self._written(record, slot, f))
-        self.slots.hold(slot, record)
-        record.slot = slot
-        record.move_to(S.RESIDENT)
-        record.loads += 1
-        seconds = time.monotonic() - t0
-        self.stats.loads += 1
-        self.stats.load_seconds += seconds
-        log.info("adapter loaded: name=%s version=%d slot=%d rank=%s path=%s in %.1f ms",
-                 record.name, record.version, slot, record.rank, record.path, seconds * 1e3)
-        self._wake(record)
-
-    @staticmethod
-    def _written(record: AdapterRecord, slot: int, done: asyncio.Future) -> None:
-        if not done.cancelled() and done.exception() is not None:
-            # Only a stopped engine (which fails every request) or a bug gets here.
-            log.error("writing adapter %s into slot %d failed: %r", record.name, slot, done.exception())
-
-    @staticmethod
-    def _recipe(record: AdapterRecord) -> Recipe:
-        """What the record's slot holds: a stack's parts (their scales already
-        multiplied in), or one adapter at its default strength."""
-        if record.is_stack:
-            return Recipe(record.parts, 1.0)
-        return Recipe.single(record.path, record.scale)
-
-    @staticmethod
-    def _note_weights(record: AdapterRecord, prepared: PreparedAdapter) -> None:
-        record.rank, record.adapter_scale = prepared.rank, prepared.scale
-        record.format, record.nbytes = prepared.format, prepared.nbytes
 
     # ---- releasing and unloading ----------------------------------------------
 
@@ -388,7 +285,7 @@ class AdapterRegistry:
         record.in_flight -= 1
         if record.in_flight == 0:
             if record.state is S.DRAINING:
-                self._spawn(self._free(record))
+                self._spawn(self.residency.free(record))
             else:
                 self.tier.settle()  # no longer pinned
                 self._admit()  # an idle resident can be evicted now, a yielding one has drained
@@ -430,39 +327,11 @@ class AdapterRegistry:
         if record.state in (S.RESIDENT, S.YIELDING):
             record.move_to(S.DRAINING)
             if record.in_flight == 0:
-                await self._free(record)
+                await self.residency.free(record)
         elif record.state is S.KNOWN:
             record.move_to(S.REMOVED)
         # DRAINING or REMOVED: nothing more to do. (LOADING lasts no longer
         # than one call on the event loop.)
-
-    def _drop_stack(self, stack: AdapterRecord) -> None:
-        if stack.state is S.KNOWN:
-            stack.move_to(S.REMOVED)
-        self.stacks.drop(stack)
-        self.tier.drop(stack)
-
-    async def _free(self, record: AdapterRecord) -> None:
-        """A drained record leaves its slot, which is zeroed and freed."""
-        slot = record.slot
-        record.slot = None
-        record.move_to(S.REMOVED)
-        if slot is None:
-            return
-        await self._clear(slot)
-        log.info("adapter unloaded: name=%s slot=%d freed", record.name, slot)
-
-    async def _clear(self, slot: int) -> None:
-        try:
-            await self.backend.remove(slot)
-        except Exception:
-            # The engine is gone: keep the slot out of use rather than hand
-            # it out while it may hold old weights.
-            log.exception("could not clear slot %d", slot)
-            self.slots.put_out_of_use(slot)
-            return
-        self.slots.free(slot)
-        self._admit()
 
     def close(self) -> None:
         """Stop reads and timers (the server is shutting down)."""
