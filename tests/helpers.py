@@ -229,6 +229,20 @@ def reference_decode(model, prompt: list[int], max_tokens: int, bias=None, frequ
 # ---- an engine without the server ----------------------------------------------
 
 
+def runner_stats(engine):
+    """A copy of the runner's counters, taken on the engine thread (the only
+    thread that may read the runner)."""
+    import dataclasses
+
+    return engine.call(lambda: dataclasses.replace(engine.runner.stats)).result(timeout=30)
+
+
+def num_unfinished(engine) -> int:
+    """Sequences the scheduler holds, counted on the engine thread."""
+    return engine.call(lambda: engine.scheduler.num_unfinished).result(timeout=30)
+
+
+
 class EngineRunner:
     """A real engine on a model directory, adapters in slots, and a blocking
     way to run sequences to the end."""

@@ -12,7 +12,7 @@ import pytest
 from mola.lora.formats import read_adapter
 from mola.lora.weights import compose
 
-from helpers import detokenize, merged_model, reference_decode
+from helpers import detokenize, merged_model, reference_decode, runner_stats
 
 QUESTION = "Where do rivers go?"
 MAX_TOKENS = 10
@@ -65,8 +65,7 @@ def test_two_scales_of_one_adapter_share_the_batch(server, tiny_model, adapters)
     scales = [0.25, 1.5, 0.5, 1.0]
     want = {s: expected(server, tiny_model, [adapters["c"]], [s]) for s in scales}
     assert len(set(want.values())) == len(scales)
-    stats = server.engine.runner.stats
-    before = stats.max_batch
+    before = runner_stats(server.engine).max_batch
 
     async def go():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
@@ -77,7 +76,7 @@ def test_two_scales_of_one_adapter_share_the_batch(server, tiny_model, adapters)
 
     for s, r in zip(scales * 2, asyncio.run(go())):
         assert r.json()["choices"][0]["message"]["content"] == want[s], s
-    assert stats.max_batch >= max(before, 2)
+    assert runner_stats(server.engine).max_batch >= max(before, 2)
 
 
 def test_stacked_adapters_equal_both_merged(server, client, tiny_model, adapters):

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mola.structured import Grammar, StructuredOutputs
 
-from helpers import EngineRunner, detokenize, merged_model
+from helpers import EngineRunner, detokenize, merged_model, runner_stats
 
 PERSON = {
     "type": "object",
@@ -162,9 +162,9 @@ def test_max_tokens_and_abort_leave_valid_prefixes(runner, grammars):
 
 
 def test_steps_without_a_constrained_row_are_not_masked(runner, grammars):
-    before = runner.engine.runner.stats.masked_steps
+    before = runner_stats(runner.engine).masked_steps
     runner.wait([runner.submit(runner.prompt(q), "a") for q in QUESTIONS])
-    assert runner.engine.runner.stats.masked_steps == before
+    assert runner_stats(runner.engine).masked_steps == before
     runner.wait([runner.submit(runner.prompt(QUESTIONS[0]), None, constraint=grammars["choice"].new_constraint(),
                                stop_token_ids=eos(runner))])
-    assert runner.engine.runner.stats.masked_steps > before
+    assert runner_stats(runner.engine).masked_steps > before

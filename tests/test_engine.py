@@ -91,7 +91,7 @@ def test_abort_finishes_the_sequence_and_frees_its_row(runner):
     runner.wait([long, short])
     assert long.finish_reason == "abort" and len(long.output) < 1000
     assert short.finish_reason == "length" and len(short.output) == 5
-    assert runner.engine.runner.num_rows == 0 or not runner.engine.scheduler.running
+    assert runner.engine.call(lambda: runner.engine.runner.num_rows == 0 or not runner.engine.scheduler.running).result()
 
 
 def test_stop_tokens_finish_with_stop(runner, references):

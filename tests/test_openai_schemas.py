@@ -114,8 +114,9 @@ def test_error_inside_a_stream_is_an_error_event(server):
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             lines = (line for line in r.iter_lines() if line.startswith("data: "))
             seen = [next(lines), next(lines)]
-            for seq in list(server.engine.scheduler.running):
-                server.engine.abort(seq.seq_id)
+            running = server.engine.call(lambda: [s.seq_id for s in server.engine.scheduler.running]).result()
+            for seq_id in running:
+                server.engine.abort(seq_id)
             seen += list(lines)
     events = sse_events("\n\n".join(seen))
     assert events[-1] == "[DONE]"

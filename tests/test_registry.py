@@ -17,7 +17,7 @@ import pytest
 from mola.config import AdapterSpec
 from mola.synthetic.adapter import make_random_adapter
 
-from helpers import greedy_tokens, merged_model, start_server
+from helpers import greedy_tokens, merged_model, runner_stats, start_server
 
 MAX_TOKENS = 8
 QUESTION = "Tell me about the sea."
@@ -127,7 +127,7 @@ def test_sixteen_adapters_through_four_slots(server, client, pool, tiny_model):
         assert r.json()["choices"][0]["message"]["content"] == expected[name], name
     assert max(peak) <= 4
     assert stats.evictions - evictions >= 12
-    assert server.engine.runner.stats.max_slots_in_step >= 3  # mixed ranks/targets in one step
+    assert runner_stats(server.engine).max_slots_in_step >= 3  # mixed ranks/targets in one step
 
 
 def test_lru_eviction_picks_the_least_recently_used_idle_adapter(client):

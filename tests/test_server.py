@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from helpers import greedy_tokens, merged_model, sse_events, validate_schema
+from helpers import greedy_tokens, merged_model, num_unfinished, runner_stats, sse_events, validate_schema
 
 QUESTION = "What is the capital of France?"
 MAX_TOKENS = 12
@@ -196,8 +196,7 @@ def test_stream_without_usage_has_no_usage_chunk(client):
 def test_mixed_adapters_share_decode_steps(server, expected):
     """Concurrent requests for the base and three adapters: every answer is
     its reference, and decode steps carried rows of several slots at once."""
-    stats = server.engine.runner.stats
-    mixed_before = stats.mixed_steps
+    mixed_before = runner_stats(server.engine).mixed_steps
 
     async def burst():
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
@@ -211,6 +210,7 @@ def test_mixed_adapters_share_decode_steps(server, expected):
     for (m, q), r in zip(jobs, resps):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"] == expected[m][q][0], (m, q)
+    stats = runner_stats(server.engine)
     assert stats.mixed_steps > mixed_before
     assert stats.max_slots_in_step >= 3
 
@@ -387,18 +387,17 @@ def test_server_keeps_serving_after_bad_input(client, expected):
 
 
 def test_client_disconnect_frees_the_row(server):
-    scheduler = server.engine.scheduler
-    steps_before = server.engine.runner.stats.decode_steps
+    steps_before = runner_stats(server.engine).decode_steps
     with httpx.Client(base_url=server.url, timeout=60) as c:
         with c.stream("POST", "/v1/chat/completions", json=chat_body("a", max_tokens=1500, stream=True, ignore_eos=True)) as resp:
             lines = (l for l in resp.iter_lines() if l.startswith("data: "))
             next(lines), next(lines)  # the role chunk, then generated text
-            assert scheduler.num_unfinished == 1
+            assert num_unfinished(server.engine) == 1
     deadline = time.monotonic() + 5
-    while scheduler.num_unfinished:
+    while num_unfinished(server.engine):
         assert time.monotonic() < deadline, "the row was not freed"
         time.sleep(0.02)
-    assert server.engine.runner.stats.decode_steps - steps_before < 1500  # cut short
+    assert runner_stats(server.engine).decode_steps - steps_before < 1500  # cut short
     assert server.state.registry.get("a").in_flight == 0
 
 
