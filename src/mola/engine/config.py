@@ -1,11 +1,40 @@
-"""The engine's settings: one frozen dataclass, checked when it is made."""
+"""The engine's settings: frozen dataclasses, checked when they are made."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 DEFAULT_PROMPT_CACHE_BYTES = 1 << 30  # 1 GiB of KV state
+SPECULATIVE_METHODS = ("ngram", "draft")
 
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: rows draft tokens that the target model verifies
+    in one forward pass of the whole batch (see mola.engine.speculative)."""
+
+    method: str = "ngram"  # "ngram": prompt lookup; "draft": a draft model
+    num_draft_tokens: int = 8  # most tokens a row drafts in one step
+    prompt_lookup_min: int = 2  # n-gram sizes prompt lookup matches, the longest first
+    prompt_lookup_max: int = 4
+    max_batch: int = 8  # a step with more decode rows than this does not speculate
+    draft_model: str | None = None  # "draft": a local directory or hub id, same tokenizer
+
+    def __post_init__(self):
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        for name in ("num_draft_tokens", "prompt_lookup_min", "max_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"prompt_lookup_max ({self.prompt_lookup_max}) must be at least "
+                             f"prompt_lookup_min ({self.prompt_lookup_min})")
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("--speculative draft needs a --draft-model")
+        if self.method != "draft" and self.draft_model is not None:
+            raise ValueError(f"--draft-model is used by --speculative draft only, not by --speculative "
+                             f"{self.method}")
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -15,6 +44,7 @@ class EngineConfig:
     prefill_step_size: int = 512  # prompt tokens prefilled per step
     # KV state of earlier prompts (and outputs) kept for reuse; 0: no prompt cache.
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self):
         for name in ("max_loras", "max_lora_rank", "max_num_seqs", "prefill_step_size"):

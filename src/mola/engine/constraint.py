@@ -25,6 +25,7 @@ class Constraint:
         self.vocab_size = vocab_size  # tokens its masks cover (>= the model's logits)
         self.num_tokens = 0  # tokens consumed
         self.error: str | None = None  # set when a token was refused: the row must end
+        self.error_at = 0  # the refused token's index in the output
 
     def advance(self, token: int) -> None:
         """Consume an accepted token (one the mask allowed)."""
@@ -32,6 +33,7 @@ class Constraint:
             return
         if not self.matcher.consume_token(token):
             self.error = self.matcher.get_error() or f"token {token} is outside the grammar"
+            self.error_at = self.num_tokens
         self.num_tokens += 1
 
     @property

@@ -34,6 +34,7 @@ from .prompt_cache import PromptCache, PromptCacheStats
 from .runner import ModelRunner, StepResult
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
+from .speculative import Speculator
 
 log = logging.getLogger("mola.engine")
 
@@ -50,11 +51,15 @@ class Engine:
         config: EngineConfig = EngineConfig(),
         on_outputs: Callable[[list[SeqOutput]], None] | None = None,
         group: Group | None = None,
+        draft_loader: Callable[[LoadedModel], LoadedModel] | None = None,
     ):
         self.config = config
         self.group = group  # a tensor-parallel group this engine leads, if any
         self.on_outputs = on_outputs or (lambda outputs: None)
         self._loader = loader
+        # --speculative draft: loads the draft model, given the target (whose
+        # tokenizer it must share)
+        self._draft_loader = draft_loader
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -174,7 +179,14 @@ class Engine:
         )
         self.geometry = self.packs.geometry
         wanted = self.config.prompt_cache_bytes > 0
-        self.runner = ModelRunner(loaded.model, self.packs, loaded.vocab_size, prompt_cache=wanted)
+        draft = self._draft_loader(loaded).model if self._draft_loader is not None else None
+        self.runner = ModelRunner(loaded.model, self.packs, loaded.vocab_size, prompt_cache=wanted, draft=draft)
+        if self.config.speculative is not None:
+            if self.runner.can_rewind:
+                self.scheduler.speculator = Speculator(self.config.speculative)
+            else:
+                log.warning("speculative decoding off: this model's KV caches cannot be cut at a token "
+                            "(sliding windows or recurrent state)")
         per_token = self.runner.kv_bytes_per_token
         if per_token is not None:
             self.scheduler.prompt_cache = PromptCache(self.config.prompt_cache_bytes, per_token,
@@ -252,18 +264,27 @@ class Engine:
 
     def _postprocess(self, result: StepResult) -> None:
         outputs = []
-        for seq, token, lp in zip(result.rows, result.tokens, result.logprobs):
+        for seq, tokens, lps, unfed in zip(result.rows, result.tokens, result.logprobs, result.last_unfed):
             if seq.is_finished:  # finished or aborted while this step ran
                 continue
-            reason = seq.append(token)
-            error = seq.constraint.error if seq.constraint is not None else None
-            if error is not None:  # the grammar refused a token: never a wrong output
-                reason = "error"
-                log.error("sequence %d left its grammar: %s", seq.seq_id, error)
+            taken, reason, error = 0, None, None
+            for token in tokens:  # one token, or a speculative step's several
+                taken += 1
+                reason = seq.append(token)
+                c = seq.constraint
+                if c is not None and c.error is not None and c.error_at < seq.num_output_tokens:
+                    error, reason = c.error, "error"  # the grammar refused a token: never a wrong output
+                    log.error("sequence %d left its grammar: %s", seq.seq_id, error)
+                if reason is not None:
+                    break
+            seq.num_unfed_tokens = int(unfed and taken == len(tokens))
             if reason is not None:
                 seq.finish(reason)
-            outputs.append(SeqOutput(seq, [token], reason, error=error,
-                                     logprobs=None if lp is None else [lp]))
+            outputs.append(SeqOutput(seq, tokens[:taken], reason, error=error,
+                                     logprobs=None if lps is None else lps[:taken]))
+        spec = self.scheduler.speculator
+        for seq, drafted, accepted in result.speculated if spec is not None else ():
+            spec.record(seq, drafted, accepted)
         if outputs:
             self.on_outputs(outputs)
 

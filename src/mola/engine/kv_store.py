@@ -15,18 +15,22 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
 
-def kv_bytes_per_token(model: nn.Module, routing) -> int | None:
-    """KV bytes one token takes in ``model``'s cache, measured on a one-token
-    forward pass; None when the model's caches are not plain KVCaches (sliding
-    windows, recurrent state), whose state cannot be cut at a token."""
-    cache = make_prompt_cache(model)
-    if not cache or any(type(c) is not KVCache for c in cache):
-        return None
+def kv_bytes_per_token(model: nn.Module, routing, draft: nn.Module | None = None) -> int | None:
+    """KV bytes one token takes in ``model``'s cache (and the ``draft``
+    model's, whose layers follow), measured on a one-token forward pass; None
+    when the caches are not plain KVCaches (sliding windows, recurrent
+    state), whose state cannot be cut at a token."""
+    total = 0
     routing.set([0], [1.0])
-    model(mx.array([[0]], dtype=mx.uint32), cache=cache)
-    mx.eval([c.state for c in cache])
-    # keys, values: [1, H, capacity, D]
-    return sum((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in cache)
+    for m in (model, draft) if draft is not None else (model,):
+        cache = make_prompt_cache(m)
+        if not cache or any(type(c) is not KVCache for c in cache):
+            return None
+        m(mx.array([[0]], dtype=mx.uint32), cache=cache)
+        mx.eval([c.state for c in cache])
+        # keys, values: [1, H, capacity, D]
+        total += sum((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in cache)
+    return total
 
 
 class KVStore:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .prompt_cache import PromptCacheStats
-from .runner import RunnerStats
+from .steps import RunnerStats
 from .sequence import Sequence
 
 

@@ -21,80 +21,36 @@ start a group member from a cached prefix, drop entries.
 Rows under a grammar (``Sequence.constraint``) are sampled through one
 ``where`` over the batch's [B, V] mask, filled while the step's forward pass
 runs (see :meth:`ModelRunner.run`); a batch without one pays nothing.
+
+A speculative step (the plan gives drafts) feeds each row its input and its
+drafts and verifies them in the one forward pass (mola.engine.verify). It
+reads its own tokens back at its end, so nothing is in flight after it; the
+tokens of a plain step before it are read while its forward pass runs. With
+a draft model, the runner's caches are the target's layers then the
+draft's, and the draft is fed whatever the target is fed (prefill and plain
+steps too), so both caches always hold the same tokens.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from ..lora.pack import AdapterPacks
+from . import verify
 from .constraint import MaskFiller
 from .kv_store import KVStore, kv_bytes_per_token
 from .logits import add_biases, apply_bitmask, count_tokens, penalize
 from .sampling import make_keys, sample
 from .scheduler import StepPlan, prefill_len
 from .sequence import Sequence
+from .steps import Forward, Launch, RunnerStats, StepResult, advance_matchers, read_logprobs, token_logprobs
+
+__all__ = ["ModelRunner", "RunnerStats", "StepResult"]
 
 CLEAR_CACHE_EVERY = 256  # steps between returns of MLX's buffer cache
-
-# (log-probability of the sampled token, [(token id, log-probability)] of the
-# most likely tokens, best first)
-TokenLogprobs = tuple[float, list[tuple[int, float]]]
-
-
-@dataclass
-class StepResult:
-    """Tokens of one completed decode step, for the rows it ran."""
-
-    rows: list[Sequence]
-    tokens: list[int]
-    logprobs: list[TokenLogprobs | None]
-
-
-@dataclass
-class _Launch:
-    """A decode step in flight."""
-
-    rows: list[Sequence]
-    tokens: mx.array  # [B]
-    wanted: list[int]  # rows that asked for log-probabilities
-    logprob_arrays: tuple = ()  # (chosen [W], top ids [W, k] | None, top logprobs [W, k] | None)
-
-
-@dataclass
-class _Forward:
-    """A decode step's forward pass, not yet sampled."""
-
-    rows: list[Sequence]
-    logits: mx.array  # [B, V] the model's own
-    processed: mx.array  # [B, V] after biases and penalties
-
-
-@dataclass
-class RunnerStats:
-    """Counters of what the runner computed (read by tests and metrics)."""
-
-    decode_steps: int = 0
-    decode_rows: int = 0  # sum of batch sizes over decode steps
-    mixed_steps: int = 0  # decode steps whose rows used more than one slot
-    max_batch: int = 0
-    max_slots_in_step: int = 0  # most distinct slots (base included) in one step
-    prefill_tokens: int = 0  # prompt tokens written, padding excluded
-    masked_steps: int = 0  # decode steps sampled under grammar masks
-    masked_rows: int = 0  # constrained rows over those steps
-
-
-def _advance(result: StepResult) -> None:
-    """Each constrained row's matcher consumes its accepted token (rows that
-    finished or were aborted while the step ran accept nothing)."""
-    for seq, token in zip(result.rows, result.tokens):
-        if seq.constraint is not None and not seq.is_finished:
-            seq.constraint.advance(token)
 
 
 def merge_caches(caches: list[list]) -> list:
@@ -103,21 +59,26 @@ def merge_caches(caches: list[list]) -> list:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, packs: AdapterPacks, vocab_size: int, prompt_cache: bool = False):
+    def __init__(self, model: nn.Module, packs: AdapterPacks, vocab_size: int, prompt_cache: bool = False,
+                 draft: nn.Module | None = None):
         self.model = model
+        self.draft = draft  # a draft model, fed what the target is fed (None: none)
         self.packs = packs
         self.routing = packs.routing
         self.vocab_size = vocab_size
+        self.num_layers = len(make_prompt_cache(model))  # the target's part of every cache list
+        # Speculation needs caches it can cut back at any token, per row.
+        self.can_rewind = all(type(c) is KVCache for c in self._new_cache())
         # The prompt cache's KV state, and what one token of it takes (None:
         # no prompt cache, or a model whose caches cannot be cut at a token).
         self.kv = KVStore()
-        self.kv_bytes_per_token = kv_bytes_per_token(model, self.routing) if prompt_cache else None
+        self.kv_bytes_per_token = kv_bytes_per_token(model, self.routing, draft) if prompt_cache else None
         # Decode rows, aligned with the scheduler's running list:
-        self.cache: list | None = None  # one batch cache per layer
+        self.cache: list | None = None  # one batch cache per layer (the target's, then the draft's)
         self.keys: mx.array | None = None  # [B, 2] PRNG key per row
         self.inputs: mx.array | None = None  # [B] next input token per row
         self.counts: mx.array | None = None  # [B, V] generated-token counts (penalties only)
-        self.inflight: _Launch | None = None
+        self.inflight: Launch | None = None
         self.masks = MaskFiller()  # next-token masks of constrained rows
         # The prefill group:
         self.group_cache: list | None = None
@@ -140,13 +101,9 @@ class ModelRunner:
         self.kv.clear()
 
     def run(self, plan: StepPlan) -> StepResult | None:
-        """Execute ``plan``; returns the previous decode step's tokens (None
-        when nothing was in flight).
-
-        With a constrained row in the batch, sampling waits for the masks:
-        the forward pass is launched first, and while it runs the previous
-        tokens are read back, the matchers advance on them and the bitmask
-        is filled; then the masks are applied and the rows sampled."""
+        """Execute ``plan``; returns the tokens read back this step (None when
+        there are none): a plain step's are read at the next step, a
+        speculative step's at its end."""
         if plan.keep is not None:
             for row, entry, num_tokens in plan.store_rows:
                 self.kv.put(entry, self.cache, row, num_tokens)
@@ -154,25 +111,68 @@ class ModelRunner:
         if plan.group:
             self._prefill(plan)
         previous, self.inflight = self.inflight, None
+        if plan.num_draft is not None:
+            result = self._speculate(plan, previous)
+        else:
+            result = self._decode(plan, previous)
+        self.kv.drop(plan.evict)
+        self.num_steps += 1
+        if self.num_steps % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+        return result
+
+    def _decode(self, plan: StepPlan, previous: Launch | None) -> StepResult | None:
+        """A plain step, launched and left in flight; returns the previous one.
+
+        With a constrained row in the batch, sampling waits for the masks:
+        the forward pass is launched first, and while it runs the previous
+        tokens are read back, the matchers advance on them and the bitmask
+        is filled; then the masks are applied and the rows sampled."""
         forward = self._forward(plan.decode) if plan.decode else None
         constrained = forward is not None and any(s.constraint is not None for s in plan.decode)
         if constrained:
             mx.async_eval(forward.logits, forward.processed)
         elif forward is not None:
             self.inflight = self._sample(forward)
-        self.kv.drop(plan.evict)
         result = self._collect(previous) if previous is not None else None
         if constrained:
-            if result is not None:
-                _advance(result)
-            constraints = [s.constraint for s in plan.decode]
-            self.stats.masked_steps += 1
-            self.stats.masked_rows += sum(c is not None for c in constraints)
-            self.inflight = self._sample(forward, self.masks.fill(constraints))
-        self.num_steps += 1
-        if self.num_steps % CLEAR_CACHE_EVERY == 0:
-            mx.clear_cache()
+            advance_matchers(result)
+            self.inflight = self._sample(forward, self._fill_masks(plan.decode))
         return result
+
+    def _speculate(self, plan: StepPlan, previous: Launch | None) -> StepResult | None:
+        """A speculative step: verify every row's drafts in one forward pass
+        (the previous step's tokens are read back while it runs) and read
+        this step's tokens back too."""
+        rows, width = plan.decode, max(plan.num_draft)
+        if plan.draft_tokens is not None:
+            drafts = verify.draft_array(plan.draft_tokens, width)  # [B, D]
+        else:
+            drafts = verify.draft_with_model(self.draft, self.cache[self.num_layers:], self.inputs, width,
+                                             self.vocab_size)
+        forward = self._forward(rows, drafts)
+        constrained = any(s.constraint is not None for s in rows)
+        bitmask, result = None, None
+        if constrained:  # as in _decode: the masks follow the previous tokens
+            mx.async_eval(forward.logits, forward.processed)
+            result = self._collect(previous) if previous is not None else None
+            advance_matchers(result)
+            bitmask = self._fill_masks(rows)
+        launched, self.inputs, self.keys, self.counts = verify.launch(
+            forward, drafts, plan.num_draft, self.keys, self.counts, bitmask)
+        if not constrained and previous is not None:
+            result = self._collect(previous)
+        mine, rejected = verify.read(launched)  # waits for the step
+        verify.rewind(self.cache, rejected)
+        advance_matchers(mine)
+        self._count_speculation(mine, plan.num_draft)
+        return mine if result is None else result.extend(mine)
+
+    def _fill_masks(self, rows: list[Sequence]) -> np.ndarray:
+        constraints = [s.constraint for s in rows]
+        self.stats.masked_steps += 1
+        self.stats.masked_rows += sum(c is not None for c in constraints)
+        return self.masks.fill(constraints)
 
     # ---- rows -------------------------------------------------------------
 
@@ -203,6 +203,14 @@ class ModelRunner:
 
     # ---- prefill ------------------------------------------------------------
 
+    def _feed(self, tokens: mx.array, cache: list) -> mx.array:
+        """Run the target on ``tokens`` [B, L] over its part of ``cache``, and
+        the draft model, if any, over the rest; returns the target's logits."""
+        logits = self.model(tokens, cache=cache[:self.num_layers])  # [B, L, V]
+        if self.draft is not None:
+            self.draft(tokens, cache=cache[self.num_layers:])
+        return logits
+
     def _prefill(self, plan: StepPlan) -> None:
         group = plan.group
         if plan.group_is_new:
@@ -212,10 +220,13 @@ class ModelRunner:
                 max(0, min(plan.end, n) - plan.start) for n in self.group_todo
             )
             self.routing.set([s.slot for s in group], [s.lora_scale for s in group])
-            self.model(self.group_tokens[:, plan.start : plan.end], cache=self.group_cache)
+            self._feed(self.group_tokens[:, plan.start : plan.end], self.group_cache)
             mx.eval([c.state for c in self.group_cache])
         if plan.join is not None:
             self._join(group, plan)
+
+    def _new_cache(self) -> list:
+        return make_prompt_cache(self.model) + (make_prompt_cache(self.draft) if self.draft is not None else [])
 
     def _start_group(self, group: list[Sequence], hits: list) -> None:
         """The group's cache: each member's cached prefix (mlx-lm's merge
@@ -226,7 +237,7 @@ class ModelRunner:
         width = max(self.group_todo)
         self.group_padding = [width - n for n in self.group_todo]
         self.group_cache = merge_caches(
-            [self.kv.view(h.entry, h.num_tokens) if h else make_prompt_cache(self.model) for h in hits]
+            [self.kv.view(h.entry, h.num_tokens) if h else self._new_cache() for h in hits]
         )
         self.group_tokens = mx.array(
             [s.prompt[d:-1] + [0] * pad for s, d, pad in zip(group, done, self.group_padding)],
@@ -253,22 +264,32 @@ class ModelRunner:
 
     # ---- decode -------------------------------------------------------------
 
-    def _forward(self, rows: list[Sequence]) -> _Forward:
+    def _forward(self, rows: list[Sequence], drafts: mx.array | None = None) -> Forward:
+        """Every row's next input, and in a speculative step its drafts [B, D]
+        after it (the draft model, if any, already saw them)."""
         assert self.num_rows == len(rows), (self.num_rows, len(rows))
         slots = [s.slot for s in rows]
         self.routing.set(slots, [s.lora_scale for s in rows])
         self._count_decode(slots)
-        logits = self.model(self.inputs[:, None], cache=self.cache)[:, -1, :]  # [B, V]
-        processed = add_biases(logits, rows)
+        if drafts is None:
+            x = self.inputs[:, None]  # [B, 1]
+            logits = self._feed(x, self.cache)
+        else:
+            x = mx.concatenate([self.inputs[:, None], drafts], axis=1)  # [B, P]
+            logits = self.model(x, cache=self.cache[:self.num_layers])
+        forward = Forward(rows, logits.reshape(-1, logits.shape[-1]), None, x.shape[1])  # logits [B * P, V]
+        flat = forward.flat_rows
+        forward.processed = add_biases(forward.logits, flat)
         if any(s.params.has_penalties for s in rows):
             if self.counts is None:
                 self.counts = mx.zeros((len(rows), self.vocab_size))
-            processed = penalize(processed, self.counts, rows)
+            counts = self.counts if drafts is None else verify.position_counts(self.counts, drafts)
+            forward.processed = penalize(forward.processed, counts, flat)
         elif self.counts is not None:
             self.counts = None  # no row needs them any more
-        return _Forward(rows, logits, processed)
+        return forward
 
-    def _sample(self, forward: _Forward, bitmask: np.ndarray | None = None) -> _Launch:
+    def _sample(self, forward: Forward, bitmask: np.ndarray | None = None) -> Launch:
         """Sample every row (under ``bitmask`` [B, W] int32, when given) and
         launch the step."""
         rows, logits, processed = forward.rows, forward.logits, forward.processed
@@ -283,40 +304,30 @@ class ModelRunner:
         if self.counts is not None:
             self.counts = count_tokens(self.counts, tokens)
         self.inputs = tokens
-        launch = _Launch(rows, tokens, [i for i, s in enumerate(rows) if s.params.logprobs is not None])
+        launch = Launch(rows, tokens, [i for i, s in enumerate(rows) if s.params.logprobs is not None])
         if launch.wanted:
-            launch.logprob_arrays = self._logprobs(logits, tokens, rows, launch.wanted)
+            launch.logprob_arrays = token_logprobs(logits, tokens, rows, launch.wanted)
         mx.async_eval(tokens, self.keys, *(a for a in launch.logprob_arrays if a is not None),
-                      *([self.counts] if self.counts is not None else []))
+                      *([self.counts] if self.counts is not None else []), *self._draft_states())
         return launch
 
-    def _logprobs(self, logits, tokens, rows, wanted) -> tuple:
-        """The model's own log-probability of each sampled token and its top
-        alternatives (before temperature, penalties and biases, as vLLM
-        reports them), for the rows that asked."""
-        sel = mx.array(wanted, dtype=mx.int32)
-        raw = logits[sel]
-        raw = raw - mx.logsumexp(raw, axis=-1, keepdims=True)  # [W, V]
-        chosen = mx.take_along_axis(raw, tokens[sel][:, None], axis=-1)[:, 0]  # [W]
-        k = max(rows[i].params.logprobs for i in wanted)
-        if k == 0:
-            return chosen, None, None
-        top_ids = mx.argpartition(-raw, kth=k - 1, axis=-1)[:, :k]  # [W, k], unordered
-        return chosen, top_ids, mx.take_along_axis(raw, top_ids, axis=-1)
+    def _draft_states(self) -> list:
+        """The draft model's caches, evaluated with each plain step."""
+        return [c.state[:2] for c in self.cache[self.num_layers:]] if self.draft is not None else []
 
-    def _collect(self, launch: _Launch) -> StepResult:
+    def _collect(self, launch: Launch) -> StepResult:
         tokens = launch.tokens.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(launch.rows)
-        if launch.wanted:
-            chosen, top_ids, top_lps = launch.logprob_arrays
-            chosen = chosen.tolist()
-            ids = top_ids.tolist() if top_ids is not None else None
-            lps = top_lps.tolist() if top_lps is not None else None
-            for j, i in enumerate(launch.wanted):
-                n = launch.rows[i].params.logprobs
-                top = sorted(zip(ids[j], lps[j]), key=lambda p: -p[1])[:n] if n else []
-                logprobs[i] = (chosen[j], top)
-        return StepResult(launch.rows, tokens, logprobs)
+        lps = read_logprobs(launch.rows, launch.wanted, launch.logprob_arrays)
+        return StepResult(launch.rows, [[t] for t in tokens],
+                          [[lps[i]] if i in lps else None for i in range(len(tokens))],
+                          [False] * len(tokens))
+
+    def _count_speculation(self, result: StepResult, num_draft: list[int]) -> None:
+        st = self.stats
+        st.spec_steps += 1
+        st.spec_rows += len(result.speculated)
+        st.draft_tokens += sum(num_draft)
+        st.accepted_tokens += sum(a for _, _, a in result.speculated)
 
     def _count_decode(self, slots: list[int]) -> None:
         st = self.stats

@@ -2,7 +2,9 @@
 
 Every row has its own temperature, top_p and PRNG key, so a seeded request
 draws the same tokens whatever else shares its batch. Greedy rows take the
-argmax exactly.
+argmax exactly. A row's key advances by one split per token it samples, so a
+speculative step that verifies several positions of a row draws them with the
+keys that as many plain steps would have used (:func:`key_chain`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,28 @@ def top_p_mask(logprobs: mx.array, top_p: mx.array) -> mx.array:
     return mx.put_along_axis(keep, order, keep_sorted, axis=-1)
 
 
+def draw(
+    logits: mx.array,  # [B, V]
+    temperature: list[float],
+    top_p: list[float],
+    draw_keys: mx.array | None,  # [B, 2] uint32, one key per row for this draw (None: all greedy)
+) -> tuple[mx.array, mx.array]:
+    """Returns (tokens [B], logprobs [B, V])."""
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, V]
+    greedy = mx.argmax(logprobs, axis=-1)
+    if all(t == 0 for t in temperature):
+        return greedy, logprobs
+    temps = mx.array([max(t, 1e-6) for t in temperature], dtype=mx.float32)[:, None]
+    scaled = logprobs / temps  # [B, V]
+    if any(p < 1.0 for p in top_p):
+        scaled = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
+        mask = top_p_mask(scaled, mx.array(top_p, dtype=mx.float32)[:, None])
+        scaled = mx.where(mask, scaled, -mx.inf)
+    drawn = mx.argmax(scaled + _gumbel_rows(draw_keys, scaled.shape[-1]), axis=-1)
+    is_greedy = mx.array([t == 0 for t in temperature])
+    return mx.where(is_greedy, greedy, drawn), logprobs
+
+
 def sample(
     logits: mx.array,  # [B, V]
     temperature: list[float],
@@ -33,21 +57,23 @@ def sample(
     keys: mx.array | None,  # [B, 2] uint32, one PRNG key per row
 ) -> tuple[mx.array, mx.array, mx.array | None]:
     """Returns (tokens [B], logprobs [B, V], next keys [B, 2])."""
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [B, V]
-    greedy = mx.argmax(logprobs, axis=-1)
     if all(t == 0 for t in temperature):
-        return greedy, logprobs, keys
-    temps = mx.array([max(t, 1e-6) for t in temperature], dtype=mx.float32)[:, None]
-    scaled = logprobs / temps  # [B, V]
-    if any(p < 1.0 for p in top_p):
-        scaled = scaled - mx.logsumexp(scaled, axis=-1, keepdims=True)
-        mask = top_p_mask(scaled, mx.array(top_p, dtype=mx.float32)[:, None])
-        scaled = mx.where(mask, scaled, -mx.inf)
+        tokens, logprobs = draw(logits, temperature, top_p, None)
+        return tokens, logprobs, keys
     split = _split(keys)  # [B, 2, 2]
-    next_keys, draw_keys = split[:, 0], split[:, 1]
-    drawn = mx.argmax(scaled + _gumbel_rows(draw_keys, scaled.shape[-1]), axis=-1)
-    is_greedy = mx.array([t == 0 for t in temperature])
-    return mx.where(is_greedy, greedy, drawn), logprobs, next_keys
+    tokens, logprobs = draw(logits, temperature, top_p, split[:, 1])
+    return tokens, logprobs, split[:, 0]
+
+
+def key_chain(keys: mx.array, n: int) -> tuple[mx.array, mx.array]:
+    """The keys of ``n`` plain steps in a row: (the key before each step and
+    after the last [n + 1, B, 2], the draw key of each step [n, B, 2])."""
+    chain, draws = [keys], []
+    for _ in range(n):
+        split = _split(chain[-1])  # [B, 2, 2]
+        chain.append(split[:, 0])
+        draws.append(split[:, 1])
+    return mx.stack(chain), mx.stack(draws)
 
 
 def make_keys(seeds: list[int]) -> mx.array:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from .prompt_cache import PrefixHit, PromptCache
 from .sequence import Sequence, SequenceStatus
+from .speculative import Speculator
 
 
 @dataclass
@@ -45,6 +46,11 @@ class StepPlan:
     hits: list[PrefixHit | None] = field(default_factory=list)
     store_joined: list[tuple[int, int, int]] = field(default_factory=list)
     evict: list[int] = field(default_factory=list)
+    # Speculation: per decode row, how many tokens it drafted (0: it decodes
+    # one), and prompt lookup's drafts (None: the draft model drafts them on
+    # the device). num_draft None: a plain decode step, pipelined.
+    num_draft: list[int] | None = None
+    draft_tokens: list[list[int]] | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -64,11 +70,15 @@ def prefill_todo(seq: Sequence) -> int:
 
 class Scheduler:
     def __init__(self, max_num_seqs: int = 32, prefill_step_size: int = 512, max_group: int = 8,
-                 prompt_cache: PromptCache | None = None):
+                 prompt_cache: PromptCache | None = None, speculator: Speculator | None = None):
         self.max_num_seqs = max_num_seqs  # decode rows plus prefilling ones
         self.prefill_step_size = prefill_step_size  # prompt tokens per step
         self.max_group = max_group  # prompts prefilled together
         self.prompt_cache = prompt_cache  # None: no prompt cache
+        self.speculator = speculator  # None: no speculative decoding
+        # Rows of the last plan if it was a plain decode step: the token it
+        # samples for them is not known here until the step after.
+        self._in_flight: set[int] = set()
         self.waiting: deque[Sequence] = deque()
         self.group: list[Sequence] = []
         self.group_done = 0  # columns of the group's prompts already prefilled
@@ -102,6 +112,7 @@ class Scheduler:
         gone after a failed step); returns their unfinished sequences."""
         taken = [s for s in (*self.group, *self.running) if not s.is_finished]
         self.group, self.group_done, self.running = [], 0, []
+        self._in_flight = set()
         return taken
 
     def take_all(self) -> list[Sequence]:
@@ -131,8 +142,9 @@ class Scheduler:
         kept = [i for i, s in enumerate(self.running) if not s.is_finished]
         if len(kept) < len(self.running):
             for i, seq in enumerate(self.running):
-                if seq.is_finished:  # its KV state holds the prompt and every output token
-                    self._store(plan, plan.store_rows, i, seq, seq.prompt + seq.output)
+                if seq.is_finished:  # its KV state holds the prompt and its output (but a last unfed token)
+                    fed = seq.output[:seq.num_output_tokens - seq.num_unfed_tokens]
+                    self._store(plan, plan.store_rows, i, seq, seq.prompt + fed)
             plan.keep = kept
             self.running = [self.running[i] for i in kept]
 
@@ -141,6 +153,11 @@ class Scheduler:
         if self.group:
             self._advance_group(plan)
         plan.decode = list(self.running)
+        if self.speculator is not None:
+            proposal = self.speculator.propose(plan.decode, self._in_flight)
+            if proposal is not None:
+                plan.num_draft, plan.draft_tokens = proposal.num_draft, proposal.tokens
+        self._in_flight = {s.seq_id for s in plan.decode} if plan.num_draft is None else set()
         return plan
 
     def _form_group(self, plan: StepPlan) -> None:

@@ -79,6 +79,9 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() after which the request ends
     num_cached_tokens: int = 0  # prompt tokens whose KV state came from the prompt cache
+    # Output tokens at the end that no forward pass was given (the last token
+    # of a speculative step, 0 or 1): the KV state lacks them.
+    num_unfed_tokens: int = 0
     # A grammar the output must follow (mola.engine.constraint.Constraint):
     # the matcher's state, owned by the engine thread once the sequence is added.
     constraint: Any = None

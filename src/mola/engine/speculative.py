@@ -1,0 +1,174 @@
+"""Speculative decoding, its plain-Python half: which rows draft, and what.
+
+A step that speculates feeds every decode row its next input followed by the
+tokens it drafted (none for a row that does not speculate), right-padded to
+one width, and the target model verifies them all in one forward pass, each
+row with its own adapter, scale and sampling (mola.engine.verify, the
+runner's half). This module decides, per step and per row, how many tokens
+to draft and, for prompt lookup, which:
+
+- Prompt lookup ("ngram"): the row's last n tokens (n from prompt_lookup_max
+  down to prompt_lookup_min) are looked up in its prompt and output so far;
+  the tokens that followed their latest earlier occurrence are the draft
+  (continued periodically when the match is close behind, as in a loop). An
+  index per row makes each lookup a few dictionary reads.
+- A draft model ("draft"): the runner drafts on the device; this side only
+  says how many tokens each row drafts.
+
+It adapts. A row's draft length doubles while its drafts are accepted in
+full and drops to what was accepted, plus one, when they are not; a row whose
+drafts keep failing stops drafting for a while, longer each time; a step with
+more rows than max_batch does not speculate; and a step in which no row
+drafts is the plain pipelined decode step, unchanged.
+
+Plain steps are pipelined, so when the next step is planned the token that a
+plain step sampled for each row is still on the device ("in flight"). Prompt
+lookup then matches the tokens known and skips one: the token that followed
+the match is its guess for the one in flight. Verification is exact whatever
+the draft, so a wrong guess costs only the positions it wastes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import SpeculativeConfig
+from .sequence import Sequence
+
+FIRST_LENGTH = 4  # tokens a row drafts at first (capped by num_draft_tokens)
+FAILURES_TO_PAUSE = 2  # verified steps in a row that accept nothing before a pause
+MAX_PAUSE = 64  # steps; a pause doubles each time, up to this
+
+
+class NgramIndex:
+    """A growing token list, and where each of its n-grams last occurred
+    with a token after it."""
+
+    def __init__(self, sizes: tuple[int, ...]):
+        self.sizes = sizes  # n-gram sizes, the longest first
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> end (exclusive) of its latest occurrence
+        self._indexed = 1  # n-grams ending before this position are in _ends
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+
+    def _index(self) -> None:
+        t = self.tokens
+        for end in range(self._indexed, len(t)):  # each end has t[end] after it
+            for n in self.sizes:
+                if end >= n:
+                    self._ends[tuple(t[end - n:end])] = end
+        self._indexed = max(self._indexed, len(t))
+
+    def draft(self, k: int, skip: int = 0) -> list[int]:
+        """Up to ``k`` tokens that follow the longest suffix seen before, after
+        ``skip`` tokens not known yet; [] when no suffix was seen before."""
+        if k <= 0:
+            return []
+        self._index()
+        t, m = self.tokens, len(self.tokens)
+        for n in self.sizes:
+            end = self._ends.get(tuple(t[m - n:])) if m > n else None
+            if end is not None:
+                period = m - end  # what follows the suffix, as it followed the match
+                return [t[end + (skip + j) % period] for j in range(k)]
+        return []
+
+
+@dataclass
+class RowState:
+    """One running sequence's speculation."""
+
+    index: NgramIndex | None  # prompt lookup's tokens and n-grams (None: a draft model drafts)
+    length: int  # tokens it drafts next
+    seen: int = 0  # tokens of prompt and output given to the index
+    failures: int = 0  # verified steps in a row that accepted nothing
+    pause: int = 1  # steps the next pause lasts
+    paused: int = 0  # steps left without drafting
+    drafted: int = 0  # totals, for tests and logs
+    accepted: int = 0
+
+
+@dataclass
+class Proposal:
+    """What a step drafts: per decode row, the number of tokens, and for
+    prompt lookup the tokens themselves."""
+
+    num_draft: list[int]
+    tokens: list[list[int]] | None = None  # None: a draft model drafts them
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+        self.sizes = tuple(range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1))
+        self._states: dict[int, RowState] = {}  # seq_id -> state, for running rows only
+
+    @property
+    def uses_lookup(self) -> bool:
+        return self.config.method == "ngram"
+
+    def state(self, seq: Sequence) -> RowState:
+        st = self._states.get(seq.seq_id)
+        if st is None:
+            index = NgramIndex(self.sizes) if self.uses_lookup else None
+            st = self._states[seq.seq_id] = RowState(index, min(FIRST_LENGTH, self.config.num_draft_tokens))
+        return st
+
+    def propose(self, rows: list[Sequence], in_flight: set[int]) -> Proposal | None:
+        """What ``rows`` (a step's decode rows) draft; None: none drafts, and
+        the step is a plain one. ``in_flight``: ids of rows whose last token
+        is still being computed."""
+        self._states = {s.seq_id: self._states[s.seq_id] for s in rows if s.seq_id in self._states}
+        if not rows or len(rows) > self.config.max_batch:
+            return None
+        counts, tokens = [], []
+        for seq in rows:
+            draft = self._draft(seq, int(seq.seq_id in in_flight))
+            counts.append(len(draft) if self.uses_lookup else draft)
+            tokens.append(draft if self.uses_lookup else [])
+        if not any(counts):
+            return None
+        return Proposal(counts, tokens if self.uses_lookup else None)
+
+    def _draft(self, seq: Sequence, lag: int):
+        """Prompt lookup's tokens for one row (a draft model: how many)."""
+        if seq.constraint is not None:  # grammar rows decode one token at a time
+            return [] if self.uses_lookup else 0
+        st = self.state(seq)
+        # the step yields up to k + 1 tokens after the one in flight
+        k = min(st.length, seq.params.max_tokens - seq.num_output_tokens - lag - 1)
+        if st.paused > 0:
+            st.paused -= 1
+            k = 0
+        if not self.uses_lookup:
+            return max(k, 0)
+        if st.seen == 0:
+            st.index.extend(seq.prompt)
+            st.seen = seq.num_prompt_tokens
+        new = seq.num_prompt_tokens + seq.num_output_tokens - st.seen
+        if new > 0:
+            st.index.extend(seq.output[-new:])
+            st.seen += new
+        return st.index.draft(k, skip=lag)
+
+    def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A verified step accepted ``accepted`` of the ``drafted`` tokens of ``seq``."""
+        st = self._states.get(seq.seq_id)
+        if st is None or drafted == 0:
+            return
+        st.drafted += drafted
+        st.accepted += accepted
+        if accepted >= drafted:
+            st.length = min(self.config.num_draft_tokens, 2 * st.length)
+        else:
+            st.length = accepted + 1
+        if accepted > 0:
+            st.failures = 0
+            st.pause = max(1, st.pause // 2)
+            return
+        st.failures += 1
+        if st.failures >= FAILURES_TO_PAUSE:
+            st.paused, st.pause = st.pause, min(MAX_PAUSE, 2 * st.pause)
+            st.failures = 0
