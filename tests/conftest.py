@@ -99,3 +99,12 @@ def server(tiny_model, adapters) -> ServerHandle:
     )
     yield handle
     handle.stop()
+
+
+@pytest.fixture(scope="session")
+def echo_demo(tmp_path_factory):
+    """The demo's echo base (it copies the user's message), built into a
+    cache of its own, and its committed adapters (upper, title, count)."""
+    from mola.demo import ensure_demo
+
+    return ensure_demo(tmp_path_factory.mktemp("echo-cache"))

@@ -247,7 +247,7 @@ class EngineRunner:
     """A real engine on a model directory, adapters in slots, and a blocking
     way to run sequences to the end."""
 
-    def __init__(self, model_dir, adapters=(), max_tokens: int = 10, **config):
+    def __init__(self, model_dir, adapters=(), max_tokens: int = 10, draft_loader=None, **config):
         from mola.engine.engine import EngineConfig
 
         self.max_tokens = max_tokens
@@ -257,6 +257,7 @@ class EngineRunner:
             lambda: load_base_model(str(model_dir)),
             EngineConfig(**{"max_loras": 4, "max_lora_rank": 16, **config}),
             self._on_outputs,
+            draft_loader=draft_loader,
         )
         self.loaded = self.engine.start()
         self.slots: dict[str, int] = {}

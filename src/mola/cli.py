@@ -103,6 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds running requests may take to finish on SIGTERM (default 30)")
     serve.add_argument("--distributed", action="store_true",
                        help="shard the base over the ranks started by mlx.launch (see README)")
+    serve.add_argument("--speculative", choices=["ngram", "draft"],
+                       help="speculative decoding: ngram (prompt lookup: drafts copied from the prompt "
+                       "and output so far) or draft (a --draft-model drafts); default off")
+    serve.add_argument("--draft-model", help="--speculative draft: a small model with the same tokenizer "
+                       "(a local directory or hub id); it runs without adapters")
+    serve.add_argument("--num-draft-tokens", type=int, metavar="N",
+                       help="most tokens a row drafts in one step (default 8)")
+    serve.add_argument("--prompt-lookup-min", type=int, metavar="N",
+                       help="shortest n-gram prompt lookup matches (default 2)")
+    serve.add_argument("--prompt-lookup-max", type=int, metavar="N",
+                       help="longest n-gram prompt lookup matches, tried first (default 4)")
+    serve.add_argument("--speculative-max-batch", type=int, metavar="N",
+                       help="steps with more decode rows than N do not speculate (default 8)")
     add_train_parser(commands)
     convert = commands.add_parser(
         "convert", help="write a GGUF model as an mlx-lm model directory",

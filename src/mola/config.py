@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .engine.config import DEFAULT_PROMPT_CACHE_BYTES, EngineConfig
+from .engine.config import DEFAULT_PROMPT_CACHE_BYTES, EngineConfig, SpeculativeConfig
 from .errors import InvalidAdapterName
 from .lora.names import check_adapter_id
 from .lora.resolvers import ResolverSpec, parse_resolver
@@ -110,6 +110,16 @@ class ServeConfig:
     # Serve a base sharded over the ranks of an mx.distributed group (started
     # by mlx.launch); rank 0 serves HTTP, the others follow its steps.
     distributed: bool = False
+    # Speculative decoding: "ngram" (prompt lookup) or "draft" (draft_model,
+    # with the same tokenizer); None: off. Its knobs: the most tokens a row
+    # drafts per step, the n-gram sizes prompt lookup matches, and the batch
+    # size above which no step speculates.
+    speculative: str | None = None
+    draft_model: str | None = None
+    num_draft_tokens: int = 8
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    speculative_max_batch: int = 8
     engine: EngineConfig = field(init=False)
 
     def __post_init__(self):
@@ -155,6 +165,14 @@ class ServeConfig:
             r if isinstance(r, ResolverSpec) else parse_resolver(r) for r in self.adapter_resolvers))
         if isinstance(self.prompt_cache_bytes, str):
             object.__setattr__(self, "prompt_cache_bytes", parse_bytes(self.prompt_cache_bytes))
+        if self.draft_model is not None and self.speculative is None:
+            raise ValueError("--draft-model is used by --speculative draft; give both")
+        spec = None
+        if self.speculative is not None:  # raises on its own bad values
+            spec = SpeculativeConfig(method=self.speculative, num_draft_tokens=self.num_draft_tokens,
+                                     prompt_lookup_min=self.prompt_lookup_min,
+                                     prompt_lookup_max=self.prompt_lookup_max,
+                                     max_batch=self.speculative_max_batch, draft_model=self.draft_model)
         # Raises on its own bad values (max_loras, ranks, batch sizes).
         object.__setattr__(
             self,
@@ -165,6 +183,7 @@ class ServeConfig:
                 max_num_seqs=self.max_num_seqs,
                 prefill_step_size=self.prefill_step_size,
                 prompt_cache_bytes=self.prompt_cache_bytes,
+                speculative=spec,
             ),
         )
 
@@ -255,8 +274,9 @@ def load_config_file(path: str | Path) -> dict:
     if unknown:
         raise ValueError(f"config file {path}: unknown setting(s) {', '.join(unknown)}")
     base = path.parent
-    if isinstance(data.get("model"), str):
-        data["model"] = _resolve_relative(data["model"], base)
+    for key in ("model", "draft_model"):
+        if isinstance(data.get(key), str):
+            data[key] = _resolve_relative(data[key], base)
     if "adapters" in data:
         data["adapters"] = _adapters_from_file(data["adapters"], base)
     if "adapter_dirs" in data:

@@ -105,6 +105,9 @@ def wire_plan(plan: StepPlan) -> dict:
         "hits": [None if h is None else (h.entry, h.num_tokens) for h in plan.hits],
         "store_joined": plan.store_joined,
         "evict": plan.evict,
+        # speculation: per row, tokens drafted, and prompt lookup's drafts
+        "num_draft": plan.num_draft,
+        "draft_tokens": plan.draft_tokens,
     }
 
 
@@ -125,7 +128,8 @@ def unwire_plan(data: dict, seqs: dict[int, Sequence], rebuild=None) -> StepPlan
     plan = StepPlan(keep=data["keep"], group=group, group_is_new=data["new"], start=data["start"],
                     end=data["end"], join=data["join"], decode=[seqs[i] for i in data["decode"]],
                     store_rows=data["store_rows"], store_joined=data["store_joined"], evict=data["evict"],
-                    hits=[None if h is None else PrefixHit(*h) for h in data["hits"]])
+                    hits=[None if h is None else PrefixHit(*h) for h in data["hits"]],
+                    num_draft=data["num_draft"], draft_tokens=data["draft_tokens"])
     alive = set(data["decode"]) | {s.seq_id for s in group}
     for seq_id in list(seqs):
         if seq_id not in alive:
@@ -136,12 +140,15 @@ def unwire_plan(data: dict, seqs: dict[int, Sequence], rebuild=None) -> StepPlan
 # ---- the other ranks ---------------------------------------------------------------
 
 
-def run_follower(loader, config, group: Group, grammars=None) -> int:
+def run_follower(loader, config, group: Group, grammars=None, draft_loader=None) -> int:
     """A rank other than 0: load the shard, then replay rank 0's messages
     until it says stop (or the group breaks). Adapters are re-created from
     the recipe rank 0 wrote, read and checked the way rank 0 did; the
     matchers of constrained rows from their grammar text, with
-    ``grammars(loaded)`` (grammar text -> Constraint)."""
+    ``grammars(loaded)`` (grammar text -> Constraint). Speculative steps
+    come with rank 0's drafts (prompt lookup) or are drafted by this rank's
+    own whole copy of the draft model, ``draft_loader(loaded)``: every rank
+    verifies the same drafts alike."""
     from ..lora.pack import AdapterPacks
     from ..lora.recipe import read_recipe
     from .runner import ModelRunner
@@ -153,8 +160,9 @@ def run_follower(loader, config, group: Group, grammars=None) -> int:
             packs = AdapterPacks.install(loaded.model, max_loras=config.max_loras,
                                          max_rank=config.max_lora_rank)
             # The same one-token probe as rank 0's runner (its collectives pair up).
+            draft = draft_loader(loaded).model if draft_loader is not None else None
             runner = ModelRunner(loaded.model, packs, loaded.vocab_size,
-                                 prompt_cache=config.prompt_cache_bytes > 0)
+                                 prompt_cache=config.prompt_cache_bytes > 0, draft=draft)
             rebuild = grammars(loaded) if grammars is not None else None
             seqs: dict[int, Sequence] = {}
             log.info("rank %d of %d ready", group.rank, group.size)

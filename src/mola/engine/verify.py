@@ -46,7 +46,7 @@ class Verification:
     rows: list[Sequence]
     num_draft: list[int]  # per row: tokens it drafted
     width: int  # P = 1 + the widest draft
-    tokens: mx.array  # [B, P] the token sampled at each position
+    tokens: mx.array  # [B, P] per row: the accepted drafts, the token after them, padding
     accepted: mx.array  # [B] drafts accepted per row
     wanted: list[int]  # positions (of B * P) whose log-probabilities were asked for
     logprob_arrays: tuple = ()  # as token_logprobs returns them
@@ -108,11 +108,20 @@ def accepted_lengths(tokens: mx.array, drafts: mx.array, num_draft: list[int]) -
     return mx.cumprod(match.astype(mx.int32), axis=1).sum(axis=1)  # [B]
 
 
-def next_state(tokens: mx.array, accepted: mx.array, chain: mx.array | None, keys: mx.array | None):
+def produced_tokens(tokens: mx.array, drafts: mx.array, accepted: mx.array) -> mx.array:
+    """Per row, its accepted drafts and then the token sampled after them
+    (beyond: padding): [B, P]. Under the rule above the accepted drafts are
+    the tokens sampled there, but the output is what was accepted."""
+    B, P = tokens.shape
+    padded = mx.concatenate([drafts, mx.zeros((B, 1), dtype=drafts.dtype)], axis=1)  # [B, P]
+    return mx.where(mx.arange(P)[None] < accepted[:, None], padded, tokens.astype(drafts.dtype))
+
+
+def next_state(produced: mx.array, accepted: mx.array, chain: mx.array | None, keys: mx.array | None):
     """The rows' next inputs [B] (the token after their accepted drafts) and
     PRNG keys [B, 2] (one split per token produced)."""
-    B = tokens.shape[0]
-    inputs = mx.take_along_axis(tokens, accepted[:, None], axis=1)[:, 0]
+    B = produced.shape[0]
+    inputs = mx.take_along_axis(produced, accepted[:, None], axis=1)[:, 0]
     if chain is not None:
         keys = chain[accepted + 1, mx.arange(B)]
     return inputs, keys
@@ -146,8 +155,9 @@ def launch(forward: Forward, drafts: mx.array, num_draft: list[int], keys: mx.ar
     processed = forward.processed
     if bitmask is not None:  # constrained rows draft nothing: only position 0 counts
         processed = apply_bitmask(processed, np.repeat(bitmask, P, axis=0))
-    tokens, chain = sample_positions(processed, rows, keys, P)  # [B, P]
-    accepted = accepted_lengths(tokens, drafts, num_draft)  # [B]
+    sampled, chain = sample_positions(processed, rows, keys, P)  # [B, P]
+    accepted = accepted_lengths(sampled, drafts, num_draft)  # [B]
+    tokens = produced_tokens(sampled, drafts, accepted)  # [B, P]
     inputs, keys = next_state(tokens, accepted, chain, keys)
     if counts is not None:
         counts = count_produced(counts, tokens, accepted)

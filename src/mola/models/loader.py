@@ -17,7 +17,8 @@ from .metadata import find_gguf
 
 log = logging.getLogger("mola.loader")
 
-__all__ = ["ModelLoadError", "load_base_model", "looks_like_hub_id", "resolve_model_path", "resolve_dtype"]
+__all__ = ["ModelLoadError", "load_base_model", "load_draft_model", "looks_like_hub_id", "resolve_model_path",
+           "resolve_dtype"]
 
 # What a model directory needs (mlx-lm downloads the same set).
 MODEL_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken",
@@ -127,3 +128,18 @@ def _load_mlx_lm(path: Path, dtype: str, group) -> LoadedModel:
         mx.eval(model.parameters())
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
+
+
+def load_draft_model(model: str, target: LoadedModel, revision: str | None = None,
+                     dtype: str = "auto") -> LoadedModel:
+    """The draft model of --speculative draft, which must tokenize as the
+    target does (its drafts are token ids the target verifies)."""
+    draft = load_base_model(model, revision, dtype=dtype)
+    mine, theirs = draft.tokenizer.get_vocab(), target.tokenizer.get_vocab()
+    if mine != theirs:
+        differ = len(set(mine.items()) ^ set(theirs.items()))
+        raise ModelLoadError(
+            f"The draft model {draft.path} does not have the tokenizer of the model {target.path}: "
+            f"their vocabularies differ ({len(mine)} and {len(theirs)} tokens, {differ} entries not in "
+            f"both); --draft-model needs a model with the same tokenizer")
+    return draft

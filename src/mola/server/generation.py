@@ -128,19 +128,30 @@ class Generation:
                     )
                 if out.finish_reason in ("error", "abort"):
                     raise GenerationFailed(f"Generation failed: {out.error or out.finish_reason}")
-                self._observe(len(out.tokens))
-                self.tokens += out.tokens
-                if out.logprobs:
-                    self.logprobs += out.logprobs
-                text = self.text.add([t for t in out.tokens if t not in eos])
+                tokens, logprobs, text = self._add(out.tokens, out.logprobs, eos)
+                self._observe(len(tokens))
+                self.tokens += tokens
+                if logprobs:
+                    self.logprobs += logprobs
                 finish = "stop" if self.text.stopped else out.finish_reason
                 if finish is not None and not self.text.stopped:
                     text += self.text.finish()
-                yield self._delta(text, out.tokens, out.logprobs, finish)
+                yield self._delta(text, tokens, logprobs, finish)
                 if finish is not None:
                     return  # after a stop string, leaving aborts the row
         finally:
             self.close()
+
+    def _add(self, tokens: list[int], logprobs: list | None, eos) -> tuple[list[int], list | None, str]:
+        """Text of new tokens, one at a time (a speculative step brings
+        several): a stop string ends them at the token that completes it, as
+        if they had come one per step."""
+        text = self.text.add([]) if not tokens else ""
+        for j, t in enumerate(tokens):
+            text += self.text.add([t] if t not in eos else [])
+            if self.text.stopped:
+                return tokens[: j + 1], logprobs[: j + 1] if logprobs else logprobs, text
+        return tokens, logprobs, text
 
     def _delta(self, text, tokens, logprobs, finish) -> Delta:
         calls = []

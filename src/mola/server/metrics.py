@@ -63,6 +63,10 @@ class StateCollector:
         yield c("mola_mixed_decode_steps", "Decode steps whose rows used several slots", value=st.mixed_steps)
         yield c("mola_prefill_tokens", "Prompt tokens prefilled", value=st.prefill_tokens)
         yield g("mola_batch_size_max", "Largest decode batch so far", value=st.max_batch)
+        yield c("mola_speculative_steps", "Decode steps that verified drafted tokens", value=st.spec_steps)
+        yield c("mola_speculative_draft_tokens", "Tokens drafted (speculative decoding)", value=st.draft_tokens)
+        yield c("mola_speculative_accepted_tokens", "Drafted tokens the model accepted",
+                value=st.accepted_tokens)
         pc = snap.prompt_cache
         yield g("mola_prompt_cache_bytes", "KV bytes held by the prompt cache", value=pc.bytes)
         yield g("mola_prompt_cache_max_bytes", "The prompt cache's budget (--prompt-cache-bytes)",
