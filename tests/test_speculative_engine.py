@@ -25,7 +25,7 @@ MESSAGES = [
     "Please call me at 555-0199 tomorrow!",
 ]
 MAX_TOKENS = 48
-WIDE = dict(max_batch=32)  # every test batch may speculate
+WIDE = dict(max_batch=32, cost_aware=False)  # every test batch with drafts speculates
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +195,7 @@ def test_abort_during_speculation_frees_the_row(echo, echo_refs):
 
 def test_batches_above_the_cut_off_do_not_speculate(echo_demo):
     base, _ = echo_demo
-    r = Runner(base, max_tokens=12, speculative=SpeculativeConfig(max_batch=2))
+    r = Runner(base, max_tokens=12, speculative=SpeculativeConfig(max_batch=2, cost_aware=False))
     try:
         r.wait([r.submit(r.prompt(m)) for m in MESSAGES])  # four rows: over the cut-off
         assert r.engine.runner.stats.spec_steps == 0

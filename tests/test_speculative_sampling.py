@@ -77,7 +77,8 @@ def test_first_tokens_follow_the_target_distribution(tiny_model, setting, monkey
     prompt, draft, bias, p = setting
     assert 0.45 < p[draft] < 0.55
     plain = Runner(tiny_model, max_tokens=3, max_num_seqs=64)
-    spec = Runner(tiny_model, max_tokens=3, max_num_seqs=64, speculative=SpeculativeConfig(max_batch=64))
+    always = SpeculativeConfig(max_batch=64, cost_aware=False)  # every row drafts: all verify
+    spec = Runner(tiny_model, max_tokens=3, max_num_seqs=64, speculative=always)
     try:
         without = first_tokens(plain, prompt, draft, bias)
         drafted_before = spec.engine.runner.stats.draft_tokens

@@ -19,6 +19,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     max_batch: int = 8  # a step with more decode rows than this does not speculate
     draft_model: str | None = None  # "draft": a local directory or hub id, same tokenizer
+    # Speculate only when the learned step costs say it pays; False: whenever
+    # a row drafts (for tests and measurements of the verification itself).
+    cost_aware: bool = True
 
     def __post_init__(self):
         if self.method not in SPECULATIVE_METHODS:

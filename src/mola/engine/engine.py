@@ -236,7 +236,7 @@ class Engine:
 
     def step(self) -> None:
         self._expire()
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(time.perf_counter())
         result = self._run(plan)
         if result is not None:
             self._postprocess(result)

@@ -137,7 +137,9 @@ class Scheduler:
                 expired.append(seq)
         return expired
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, now: float | None = None) -> StepPlan:
+        """The next step's plan; ``now`` (seconds, a monotonic clock) times
+        the steps for speculation's cost model."""
         plan = StepPlan()
         kept = [i for i, s in enumerate(self.running) if not s.is_finished]
         if len(kept) < len(self.running):
@@ -157,6 +159,9 @@ class Scheduler:
             proposal = self.speculator.propose(plan.decode, self._in_flight)
             if proposal is not None:
                 plan.num_draft, plan.draft_tokens = proposal.num_draft, proposal.tokens
+            if now is not None:
+                width = 1 + max(plan.num_draft) if plan.num_draft is not None else None
+                self.speculator.clock(now, len(plan.decode), width, plan.end > plan.start)
         self._in_flight = {s.seq_id for s in plan.decode} if plan.num_draft is None else set()
         return plan
 

@@ -17,9 +17,14 @@ to draft and, for prompt lookup, which:
 
 It adapts. A row's draft length doubles while its drafts are accepted in
 full and drops to what was accepted, plus one, when they are not; a row whose
-drafts keep failing stops drafting for a while, longer each time; a step with
-more rows than max_batch does not speculate; and a step in which no row
-drafts is the plain pipelined decode step, unchanged.
+drafts keep failing stops drafting for a while, longer each time. A step
+speculates only when it pays: the time of steps is learned as they run
+(mola.engine.step_costs: seconds against positions computed), each row's
+acceptance rate predicts how many of its drafts it will keep, and the step
+takes the draft width with the most tokens per second, or none when a plain
+step yields more (now and then it tries again, to see whether costs
+changed). A step with more rows than max_batch does not speculate, and a
+step in which no row drafts is the plain pipelined decode step, unchanged.
 
 Plain steps are pipelined, so when the next step is planned the token that a
 plain step sampled for each row is still on the device ("in flight"). Prompt
@@ -34,10 +39,19 @@ from dataclasses import dataclass
 
 from .config import SpeculativeConfig
 from .sequence import Sequence
+from .step_costs import StepCosts
 
 FIRST_LENGTH = 4  # tokens a row drafts at first (capped by num_draft_tokens)
 FAILURES_TO_PAUSE = 2  # verified steps in a row that accept nothing before a pause
 MAX_PAUSE = 64  # steps; a pause doubles each time, up to this
+FIRST_RATE = 0.6  # a row's acceptance rate before any of its drafts was verified
+EXPLORE_EVERY = 64  # steps with drafts that the costs turned down before one speculates anyway
+
+
+def expected_accepted(rate: float, drafted: int) -> float:
+    """Drafts a row keeps, when each is accepted (after the ones before it)
+    with probability ``rate``: rate + rate^2 + ... + rate^drafted."""
+    return sum(rate ** j for j in range(1, drafted + 1))
 
 
 class NgramIndex:
@@ -86,6 +100,7 @@ class RowState:
     failures: int = 0  # verified steps in a row that accepted nothing
     pause: int = 1  # steps the next pause lasts
     paused: int = 0  # steps left without drafting
+    rate: float = FIRST_RATE  # estimated chance that a draft is accepted, given the ones before it
     drafted: int = 0  # totals, for tests and logs
     accepted: int = 0
 
@@ -104,6 +119,9 @@ class Speculator:
         self.config = config
         self.sizes = tuple(range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1))
         self._states: dict[int, RowState] = {}  # seq_id -> state, for running rows only
+        self.costs = StepCosts()
+        self._since_speculating = 0  # steps since the last speculative one, while drafts were on hand
+        self._timing: tuple[float, int, bool] | None = None  # the step being timed: (start, positions, speculative)
 
     @property
     def uses_lookup(self) -> bool:
@@ -130,7 +148,43 @@ class Speculator:
             tokens.append(draft if self.uses_lookup else [])
         if not any(counts):
             return None
-        return Proposal(counts, tokens if self.uses_lookup else None)
+        width = self._width(rows, counts)
+        if width == 0:
+            self._since_speculating += 1
+            return None
+        self._since_speculating = 0
+        counts = [min(c, width) for c in counts]
+        return Proposal(counts, [t[:width] for t in tokens] if self.uses_lookup else None)
+
+    def _width(self, rows: list[Sequence], counts: list[int]) -> int:
+        """The draft width with the most tokens per second, 0 when a plain
+        step is expected to yield more."""
+        costs, B, widest = self.costs, len(rows), max(counts)
+        if not self.config.cost_aware or not costs.knows_plain or self._since_speculating >= EXPLORE_EVERY:
+            return widest
+        best, best_rate = 0, B / max(costs.plain(B), 1e-6)
+        rates = [self.state(s).rate if c else 0.0 for s, c in zip(rows, counts)]
+        width = 1
+        while True:
+            width = min(width, widest)
+            expected = B + sum(expected_accepted(r, min(c, width)) for r, c in zip(rates, counts))
+            rate = expected / max(costs.speculative(B * (1 + width), B), 1e-6)
+            if rate > best_rate:
+                best, best_rate = width, rate
+            if width == widest:
+                return best
+            width *= 2
+
+    def clock(self, now: float, rows: int, width: int | None, prefill: bool) -> None:
+        """A step is planned at ``now``: the one before it took until now.
+        This one decodes ``rows`` rows, verifying ``width`` positions each
+        (None: a plain step); a step that also prefills is not timed."""
+        if self._timing is not None:
+            start, positions, speculative = self._timing
+            self.costs.observe(positions, now - start, speculative)
+        self._timing = None
+        if rows and not prefill:
+            self._timing = (now, rows * (width or 1), width is not None)
 
     def _draft(self, seq: Sequence, lag: int):
         """Prompt lookup's tokens for one row (a draft model: how many)."""
@@ -160,6 +214,9 @@ class Speculator:
             return
         st.drafted += drafted
         st.accepted += accepted
+        # a + 1 trials, a successes (all accepted: one more success assumed)
+        seen = accepted / (accepted + 1) if accepted < drafted else (drafted + 1) / (drafted + 2)
+        st.rate = 0.6 * st.rate + 0.4 * seen
         if accepted >= drafted:
             st.length = min(self.config.num_draft_tokens, 2 * st.length)
         else:

@@ -64,6 +64,7 @@ class StateCollector:
         yield c("mola_prefill_tokens", "Prompt tokens prefilled", value=st.prefill_tokens)
         yield g("mola_batch_size_max", "Largest decode batch so far", value=st.max_batch)
         yield c("mola_speculative_steps", "Decode steps that verified drafted tokens", value=st.spec_steps)
+        yield c("mola_speculative_rows", "Rows that drafted, summed over those steps", value=st.spec_rows)
         yield c("mola_speculative_draft_tokens", "Tokens drafted (speculative decoding)", value=st.draft_tokens)
         yield c("mola_speculative_accepted_tokens", "Drafted tokens the model accepted",
                 value=st.accepted_tokens)
