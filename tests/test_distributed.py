@@ -103,15 +103,37 @@ def answers(url, models):
     return asyncio.run(go())
 
 
+LOOKUP_PROMPTS = ["the cat sat on the mat. the cat sat on the mat. the cat sat",
+                  "one two three four one two three four one two three"]
+
+
+def lookup_answers(url, models):
+    """Greedy completions of prompts whose ends occurred before in them
+    (prompt lookup drafts from the first step), every model in one batch."""
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            jobs = [(m, p) for p in LOOKUP_PROMPTS for m in models]
+            rs = await asyncio.gather(*(c.post("/v1/completions", json={
+                "model": m, "prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": True}) for m, p in jobs))
+            return {job: r.json()["choices"][0]["text"] for job, r in zip(jobs, rs)}
+    return asyncio.run(go())
+
+
 @pytest.fixture(scope="module")
-def single(setup):
+def reference(setup):
+    """One process's answers: to answers() and to lookup_answers()."""
     model, adapters = setup
     proc, url = launch(["--model", str(model), "--allow-any-adapter-path", "--max-lora-rank", "16",
                         *sum((["--adapter", f"{n}={p}"] for n, p in adapters.items()), [])], False)
     try:
-        yield answers(url, ["model", *adapters])
+        yield answers(url, ["model", *adapters]), lookup_answers(url, ["model", *adapters])
     finally:
         kill(proc)
+
+
+@pytest.fixture(scope="module")
+def single(reference):
+    return reference[0]
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +206,29 @@ def test_a_gguf_base_shards_like_its_mlx_lm_twin(setup, single):
     finally:
         kill(proc)
     assert got == {k: v for k, v in single.items() if k[0] in ("model", "d0", "d2")}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_two_ranks_speculate_like_one_process(setup, reference, method):
+    """Followers verify rank 0's drafts (prompt lookup: sent with the plan;
+    a draft model: each rank's own copy drafts the same tokens) and cut
+    their caches alike: the answers are one process's, without speculation."""
+    model, adapters = setup
+    flags = ["--speculative", method, "--speculate-always", "--speculative-max-batch", "32"]
+    if method == "draft":
+        flags += ["--draft-model", str(model)]
+    proc, url = launch(["--model", str(model), "--allow-any-adapter-path", "--max-lora-rank", "16", *flags,
+                        *sum((["--adapter", f"{n}={p}"] for n, p in adapters.items()), [])], True)
+    try:
+        models = ["model", *adapters]
+        assert lookup_answers(url, models) == reference[1]
+        assert answers(url, models) == reference[0]
+        metrics = httpx.get(url + "/metrics").text
+        drafted = next(float(line.split()[-1]) for line in metrics.splitlines()
+                       if line.startswith("mola_speculative_draft_tokens_total"))
+        assert drafted > 0
+    finally:
+        kill(proc)
 
 
 def start_ranks(model, tmp_path) -> tuple[list[subprocess.Popen], str]:

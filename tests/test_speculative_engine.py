@@ -18,14 +18,9 @@ from mola.synthetic.model import TinyModelSpec, make_tiny_model
 from helpers import EngineRunner as Runner
 from helpers import greedy_tokens, merged_model
 
-MESSAGES = [
-    "hello world, how are you?",
-    "the quick brown fox jumps over the lazy dog, and the lazy dog sleeps on",
-    "mola serves many adapters at once",
-    "Please call me at 555-0199 tomorrow!",
-]
-MAX_TOKENS = 48
-WIDE = dict(max_batch=32, cost_aware=False)  # every test batch with drafts speculates
+MESSAGES = ["hello world, how are you?", "the quick brown fox jumps over the lazy dog", "Please call me at 555-0199!"]
+MAX_TOKENS = 32
+WIDE = dict(max_batch=32, num_draft_tokens=6, cost_aware=False)  # every batch with drafts speculates
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +61,7 @@ def test_greedy_copies_equal_merged_mlx_lm_alone_and_in_a_mixed_batch(echo, echo
     for name, scale, m in jobs[::3]:  # alone too
         assert spec.run(spec.prompt(m), name, lora_scale=scale) == echo_refs[name, scale, m]
     st = spec.engine.runner.stats
-    assert st.accepted_tokens - accepted > 100  # the copies were drafted and accepted ...
+    assert st.accepted_tokens - accepted > 60  # the copies were drafted and accepted ...
     assert st.draft_tokens - drafted > st.accepted_tokens - accepted  # ... and some drafts were not
     assert len({tuple(echo_refs[j]) for j in jobs if j[2] == MESSAGES[0]}) == 4  # adapters differ
 
@@ -110,16 +105,14 @@ def test_logprobs_penalties_and_biases_are_those_without_speculation(echo):
     spec, plain, _, _ = echo
     tok = spec.loaded.tokenizer
     space, e = tok.encode(" ")[-1], tok.encode("e")[-1]
-    params = [dict(logprobs=3), dict(frequency_penalty=0.3, presence_penalty=0.2),
+    params = [dict(frequency_penalty=0.3, presence_penalty=0.2, logprobs=3),
               dict(logit_bias=((e, -3.0), (space, 1.5))), dict(temperature=0.8, top_p=0.9, seed=5, logprobs=0)]
-    for p in params:
-        for name in (None, "upper"):
-            a = [spec.submit(spec.prompt(m), name, **p) for m in MESSAGES]
-            b = [plain.submit(plain.prompt(m), name, **p) for m in MESSAGES]
-            spec.wait(a)
-            plain.wait(b)
-            for x, y in zip(a, b):
-                assert x.output == y.output, (p, name)
+    jobs = [(p, name, m) for p in params for name in (None, "title") for m in MESSAGES[1:]]
+    outs = [[r.submit(r.prompt(m), name, **p) for p, name, m in jobs] for r in (spec, plain)]
+    for r, seqs in zip((spec, plain), outs):
+        r.wait(seqs)
+    for job, x, y in zip(jobs, *outs):
+        assert x.output == y.output, job
 
 
 def test_logprobs_of_accepted_tokens_are_the_targets(echo):
@@ -184,7 +177,7 @@ def test_a_follow_up_turn_reuses_the_prompt_cache_after_speculation(echo, echo_r
 
 def test_abort_during_speculation_frees_the_row(echo, echo_refs):
     spec, _, _, _ = echo
-    long = spec.submit(spec.prompt(MESSAGES[1] * 4), None, max_tokens=2000)
+    long = spec.submit(spec.prompt(MESSAGES[1] * 3), None, max_tokens=2000)
     short = spec.submit(spec.prompt(MESSAGES[0]), "upper")
     time.sleep(0.2)
     spec.engine.abort(long.seq_id)

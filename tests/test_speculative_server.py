@@ -6,7 +6,6 @@ adapters; the metrics count drafted and accepted tokens; the flags."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import httpx
 import pytest
@@ -16,7 +15,7 @@ from mola.config import AdapterSpec
 
 from helpers import sse_events, start_server
 
-MESSAGES = ["the quick brown fox jumps over the lazy dog", "Please call me at 555-0199 tomorrow!"]
+MESSAGES = ["the quick brown fox jumps over the lazy dog"]
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +23,7 @@ def servers(echo_demo):
     base, adapters = echo_demo
     common = dict(model=str(base), served_model_name="mola-demo", max_loras=4, max_lora_rank=16,
                   adapters=tuple(AdapterSpec(n, str(adapters[n])) for n in ("upper", "title")))
-    spec = start_server(**common, speculative="ngram", prompt_cache_bytes=0)
-    speculator = spec.engine.scheduler.speculator  # whatever this machine's step costs say
-    speculator.config = dataclasses.replace(speculator.config, cost_aware=False)
+    spec = start_server(**common, speculative="ngram", speculate_always=True, prompt_cache_bytes=0)
     plain = start_server(**common, prompt_cache_bytes=0)
     yield spec, plain
     spec.stop()
@@ -37,10 +34,10 @@ def bodies() -> list[dict]:
     out = []
     for m in MESSAGES:
         for model in ("mola-demo", "upper"):
-            base = {"model": model, "messages": [{"role": "user", "content": m}], "max_tokens": 48}
+            base = {"model": model, "messages": [{"role": "user", "content": m}], "max_tokens": 40}
             out += [
                 {**base, "temperature": 0},
-                {**base, "temperature": 0, "stop": ["ov", "ONE", "Me"]},  # found inside a step's tokens
+                {**base, "temperature": 0, "stop": ["ov", "OWN"]},  # found inside a step's tokens
                 {**base, "temperature": 0, "logprobs": True, "top_logprobs": 2, "max_tokens": 7},
                 {**base, "temperature": 0.9, "seed": 11, "n": 3},
                 {**base, "temperature": 0, "frequency_penalty": 0.4, "stream": True,
@@ -91,21 +88,23 @@ def test_answers_are_those_of_a_server_without_speculation(servers):
     for job, g, w in zip(jobs, got, want):
         assert comparable(g) == comparable(w), job
     stopped = [g for job, g in zip(jobs, got) if job.get("stop") and g["choices"][0]["finish_reason"] == "stop"]
-    assert len(stopped) >= 3
+    assert len(stopped) == 2
     metrics = httpx.get(spec.url + "/metrics").text
     accepted = next(float(line.split()[-1]) for line in metrics.splitlines()
                     if line.startswith("mola_speculative_accepted_tokens_total"))
-    assert accepted > 50
+    assert accepted > 30
 
 
 def test_the_flags_make_the_engine_config(tmp_path):
     args = build_parser().parse_args(["serve", "--speculative", "ngram", "--num-draft-tokens", "12",
                                       "--prompt-lookup-min", "1", "--prompt-lookup-max", "5",
-                                      "--speculative-max-batch", "4"])
+                                      "--speculative-max-batch", "4", "--speculate-always"])
     spec = config_from_args(args).engine.speculative
     assert (spec.method, spec.num_draft_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
-            spec.max_batch) == ("ngram", 12, 1, 5, 4)
+            spec.max_batch, spec.cost_aware) == ("ngram", 12, 1, 5, 4, False)
     assert config_from_args(build_parser().parse_args(["serve"])).engine.speculative is None
+    plain_flags = build_parser().parse_args(["serve", "--speculative", "ngram"])
+    assert config_from_args(plain_flags).engine.speculative.cost_aware
     args = build_parser().parse_args(["serve", "--speculative", "draft", "--draft-model", "small"])
     assert config_from_args(args).engine.speculative.draft_model == "small"
 

@@ -116,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="longest n-gram prompt lookup matches, tried first (default 4)")
     serve.add_argument("--speculative-max-batch", type=int, metavar="N",
                        help="steps with more decode rows than N do not speculate (default 8)")
+    serve.add_argument("--speculate-always", action="store_true",
+                       help="speculate whenever a row has a draft (default: only when the step costs "
+                       "measured as the server runs say it pays)")
     add_train_parser(commands)
     convert = commands.add_parser(
         "convert", help="write a GGUF model as an mlx-lm model directory",

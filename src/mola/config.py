@@ -120,6 +120,7 @@ class ServeConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     speculative_max_batch: int = 8
+    speculate_always: bool = False  # whenever a row drafts, not only when the measured costs say it pays
     engine: EngineConfig = field(init=False)
 
     def __post_init__(self):
@@ -172,7 +173,8 @@ class ServeConfig:
             spec = SpeculativeConfig(method=self.speculative, num_draft_tokens=self.num_draft_tokens,
                                      prompt_lookup_min=self.prompt_lookup_min,
                                      prompt_lookup_max=self.prompt_lookup_max,
-                                     max_batch=self.speculative_max_batch, draft_model=self.draft_model)
+                                     max_batch=self.speculative_max_batch, draft_model=self.draft_model,
+                                     cost_aware=not self.speculate_always)
         # Raises on its own bad values (max_loras, ranks, batch sizes).
         object.__setattr__(
             self,
