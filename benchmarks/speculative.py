@@ -71,7 +71,8 @@ def echo_setup(cache: Path) -> tuple[Path, list[Path], list[Path]]:
     for i in range(5):  # on the MLP (float32 in the echo base: MLX's CPU gather_mm takes float32 only)
         path = cache / f"echo-mlp-lora-{i}"
         if not (path / "adapters.safetensors").is_file():
-            make_random_adapter(path, base, rank=8, seed=300 + i, std=0.02, keys=("mlp.up_proj", "mlp.down_proj"))
+            make_random_adapter(path, base, rank=8, seed=300 + i, std=0.02,
+                                keys=("mlp.up_proj", "mlp.down_proj"))
         randoms.append(path)
     return base, randoms, [demo["title"], demo["upper"]]
 
@@ -171,7 +172,8 @@ def main() -> int:
         finally:
             for s in servers.values():
                 s.stop()
-    args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=1))
+    summary = {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}
+    args.out.write_text(json.dumps(summary, indent=1))
     print(f"\nresults: {args.out}; server logs: {logs}")
     return 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -113,8 +114,9 @@ def lookup_answers(url, models):
     async def go():
         async with httpx.AsyncClient(base_url=url, timeout=120) as c:
             jobs = [(m, p) for p in LOOKUP_PROMPTS for m in models]
-            rs = await asyncio.gather(*(c.post("/v1/completions", json={
-                "model": m, "prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": True}) for m, p in jobs))
+            bodies = [{"model": m, "prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+                      for m, p in jobs]
+            rs = await asyncio.gather(*(c.post("/v1/completions", json=b) for b in bodies))
             return {job: r.json()["choices"][0]["text"] for job, r in zip(jobs, rs)}
     return asyncio.run(go())
 
@@ -208,15 +210,14 @@ def test_a_gguf_base_shards_like_its_mlx_lm_twin(setup, single):
     assert got == {k: v for k, v in single.items() if k[0] in ("model", "d0", "d2")}
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_two_ranks_speculate_like_one_process(setup, reference, method):
-    """Followers verify rank 0's drafts (prompt lookup: sent with the plan;
-    a draft model: each rank's own copy drafts the same tokens) and cut
-    their caches alike: the answers are one process's, without speculation."""
+def test_two_ranks_speculate_like_one_process(setup, reference):
+    """With a draft model (each rank holds a whole copy, which drafts the
+    same tokens on every rank), the followers verify the same drafts and cut
+    their caches alike: the answers are one process's without speculation.
+    (Prompt lookup's drafts travel in the plan: see test_a_plan_with_drafts_travels_whole.)"""
     model, adapters = setup
-    flags = ["--speculative", method, "--speculate-always", "--speculative-max-batch", "32"]
-    if method == "draft":
-        flags += ["--draft-model", str(model)]
+    flags = ["--speculative", "draft", "--draft-model", str(model), "--speculate-always",
+             "--speculative-max-batch", "32"]
     proc, url = launch(["--model", str(model), "--allow-any-adapter-path", "--max-lora-rank", "16", *flags,
                         *sum((["--adapter", f"{n}={p}"] for n, p in adapters.items()), [])], True)
     try:
@@ -229,6 +230,28 @@ def test_two_ranks_speculate_like_one_process(setup, reference, method):
         assert drafted > 0
     finally:
         kill(proc)
+
+
+def test_a_plan_with_drafts_travels_whole():
+    """A speculative plan on the wire: the followers get the drafts and
+    counts rank 0 verifies, with their own Sequence objects."""
+    from mola.engine.config import SpeculativeConfig
+    from mola.engine.distributed import unwire_plan, wire_plan
+    from mola.engine.scheduler import Scheduler
+    from mola.engine.sequence import SamplingParams, Sequence
+    from mola.engine.speculative import Speculator
+
+    s = Scheduler(speculator=Speculator(SpeculativeConfig()))
+    for prompt in ([1, 2, 3, 4, 5, 1, 2, 3], [9, 8, 7]):
+        s.add(Sequence(prompt=prompt, params=SamplingParams(max_tokens=9)))
+    plan = s.schedule()
+    assert plan.num_draft == [4, 0]
+    seqs: dict = {}
+    again = unwire_plan(pickle.loads(pickle.dumps(wire_plan(plan))), seqs)
+    assert (again.num_draft, again.draft_tokens) == (plan.num_draft, plan.draft_tokens)
+    assert again.draft_tokens == [[4, 5, 1, 2], []]
+    assert [q.seq_id for q in again.decode] == [q.seq_id for q in plan.decode]
+    assert again.decode[0] is seqs[plan.decode[0].seq_id]
 
 
 def start_ranks(model, tmp_path) -> tuple[list[subprocess.Popen], str]:

@@ -18,7 +18,8 @@ from mola.synthetic.model import TinyModelSpec, make_tiny_model
 from helpers import EngineRunner as Runner
 from helpers import greedy_tokens, merged_model
 
-MESSAGES = ["hello world, how are you?", "the quick brown fox jumps over the lazy dog", "Please call me at 555-0199!"]
+MESSAGES = ["hello world, how are you?", "the quick brown fox jumps over the lazy dog",
+            "Please call me at 555-0199!"]
 MAX_TOKENS = 32
 WIDE = dict(max_batch=32, num_draft_tokens=6, cost_aware=False)  # every batch with drafts speculates
 

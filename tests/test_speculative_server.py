@@ -51,7 +51,8 @@ async def ask_all(url: str, jobs: list[dict], at_once: int = 5) -> list:
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         rs = []
         for i in range(0, len(jobs), at_once):
-            rs += await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in jobs[i:i + at_once]))
+            wave = jobs[i:i + at_once]
+            rs += await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for b in wave))
     out = []
     for b, r in zip(jobs, rs):
         assert r.status_code == 200, r.text
@@ -62,7 +63,8 @@ async def ask_all(url: str, jobs: list[dict], at_once: int = 5) -> list:
 def stream_answer(text: str) -> dict:
     events = [e for e in sse_events(text) if e != "[DONE]"]
     content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
-    finish = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
+    finish = [e["choices"][0]["finish_reason"] for e in events
+              if e["choices"] and e["choices"][0]["finish_reason"]]
     return {"content": content, "finish": finish, "usage": usage(events[-1]["usage"])}
 
 
@@ -75,7 +77,8 @@ def comparable(answer: dict) -> dict:
     if "content" in answer:  # a stream
         return answer
     logprobs = [[(c["token"], round(c["logprob"], 3), [t["token"] for t in c["top_logprobs"]])
-                 for c in ch["logprobs"]["content"]] if ch.get("logprobs") else None for ch in answer["choices"]]
+                 for c in ch["logprobs"]["content"]] if ch.get("logprobs") else None
+                for ch in answer["choices"]]
     return {"choices": [(ch["message"]["content"], ch["finish_reason"]) for ch in answer["choices"]],
             "logprobs": logprobs, "usage": usage(answer["usage"])}
 
@@ -114,7 +117,8 @@ def test_the_flags_make_the_engine_config(tmp_path):
     (["--draft-model", "small"], "--speculative draft"),
     (["--speculative", "ngram", "--draft-model", "small"], "draft only"),
     (["--speculative", "ngram", "--num-draft-tokens", "0"], "num_draft_tokens must be at least 1, got 0"),
-    (["--speculative", "ngram", "--prompt-lookup-min", "3", "--prompt-lookup-max", "2"], "prompt_lookup_max (2)"),
+    (["--speculative", "ngram", "--prompt-lookup-min", "3", "--prompt-lookup-max", "2"],
+     "prompt_lookup_max (2)"),
 ])
 def test_bad_flags_are_refused_naming_them(argv, words, capsys):
     with pytest.raises(SystemExit):

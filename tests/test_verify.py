@@ -111,7 +111,8 @@ def test_position_counts_and_produced_counts_match_naive_ones():
 
 
 def rows(temps, top_p=1.0):
-    return [Sequence(prompt=[1], params=SamplingParams(max_tokens=8, temperature=t, top_p=top_p)) for t in temps]
+    return [Sequence(prompt=[1], params=SamplingParams(max_tokens=8, temperature=t, top_p=top_p))
+            for t in temps]
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.8])
@@ -132,7 +133,8 @@ def test_each_position_is_drawn_as_that_many_plain_steps_draw(top_p):
         after.append(k)
     assert tokens.tolist() == np.array(plain).T.tolist()
     accepted = mx.array([0, 3, 1])
-    inputs, next_keys = verify.next_state(tokens, accepted, chain, keys)  # as produced_tokens, accepted drafts = tokens
+    # the accepted drafts are the tokens sampled there (as produced_tokens makes them)
+    inputs, next_keys = verify.next_state(tokens, accepted, chain, keys)
     assert inputs.tolist() == [plain[a][i] for i, a in enumerate(accepted.tolist())]
     want = mx.stack([after[a + 1][i] for i, a in enumerate(accepted.tolist())])
     assert next_keys.tolist() == want.tolist()

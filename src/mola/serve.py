@@ -74,7 +74,7 @@ def follow(config: ServeConfig, group) -> int:
 
     draft_loader = None
     if config.draft_model is not None:  # each rank holds the whole draft model
-        draft_loader = lambda target: load_draft_model(config.draft_model, target, dtype=config.dtype)  # noqa: E731
+        draft_loader = lambda t: load_draft_model(config.draft_model, t, dtype=config.dtype)  # noqa: E731
     return run_follower(lambda: load_base_model(config.model, group=group.group, dtype=config.dtype),
                         config.engine, group, grammars, draft_loader)
 
@@ -115,7 +115,7 @@ def serve(config: ServeConfig) -> int:
     t0 = time.perf_counter()
     draft_loader = None
     if config.draft_model is not None:
-        draft_loader = lambda target: load_draft_model(config.draft_model, target, dtype=config.dtype)  # noqa: E731
+        draft_loader = lambda t: load_draft_model(config.draft_model, t, dtype=config.dtype)  # noqa: E731
     engine = Engine(lambda: load_base_model(config.model, group=group and group.group, dtype=config.dtype),
                     config.engine, group=group, draft_loader=draft_loader)
     try:

@@ -121,7 +121,8 @@ class Speculator:
         self._states: dict[int, RowState] = {}  # seq_id -> state, for running rows only
         self.costs = StepCosts()
         self._since_speculating = 0  # steps since the last speculative one, while drafts were on hand
-        self._timing: tuple[float, int, bool] | None = None  # the step being timed: (start, positions, speculative)
+        # the step being timed: (start, positions, speculative)
+        self._timing: tuple[float, int, bool] | None = None
 
     @property
     def uses_lookup(self) -> bool:

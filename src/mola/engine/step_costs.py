@@ -36,7 +36,8 @@ class _Sums:
         self.nt = self.nt * decay + n * t
 
     def decay(self, decay: float) -> None:
-        self.w, self.n, self.t, self.nn, self.nt = (x * decay for x in (self.w, self.n, self.t, self.nn, self.nt))
+        for name in ("w", "n", "t", "nn", "nt"):
+            setattr(self, name, getattr(self, name) * decay)
 
     @property
     def spread(self) -> tuple[float, float]:
