@@ -4,20 +4,24 @@ ngram) against mola without it, side by side in one run, at concurrency 1,
 
     python benchmarks/speculative.py [--concurrency 1 4 8] [--repeats 2] [--requests 2]
 
-Workloads (greedy; every request of a workload is answered by both servers,
-and their outputs must be identical):
+Workloads (every request of a workload is answered by both servers, and
+their outputs must be identical):
 
 - copy: "repeat this paragraph" on the demo's echo base (mola.synthetic.echo,
   which copies the user's message), every request on one adapter: a random
   rank-8 LoRA small enough that the base still copies (a fine-tune that
-  changes a little);
+  changes a letter or so);
 - copy_mixed: the same paragraphs, requests round robin over the base, the
-  demo's `title` and `upper` adapters (which rewrite what they copy, so
-  drafts copied from the prompt are partly or wholly wrong) and five random
-  adapters like copy's: different adapters verify in one batch;
+  demo's `title` and `upper` adapters (which rewrite what they copy: drafts
+  copied from the prompt are partly or wholly wrong), three more adapters
+  like copy's and one that swaps letters all along: different adapters
+  verify in one batch;
 - free: free generation on the 88M bench model of benchmarks/serve.py
   (random weights, distinct prompts, EOS banned so every request decodes
-  --max-tokens), where drafts rarely exist.
+  --free-tokens), greedy: a random model falls into loops, which prompt
+  lookup drafts;
+- free_sampled: the same, sampled (temperature 1, a seed per request), where
+  drafts almost never match: speculation must cost (next to) nothing.
 
 Each (workload, concurrency) runs --repeats times, the two servers
 interleaved; figures are medians. Reported: output tok/s, the ratio
@@ -68,11 +72,13 @@ def echo_setup(cache: Path) -> tuple[Path, list[Path], list[Path]]:
 
     base, demo = ensure_demo(cache / "echo")
     randoms = []
-    for i in range(5):  # on the MLP (float32 in the echo base: MLX's CPU gather_mm takes float32 only)
-        path = cache / f"echo-mlp-lora-{i}"
+    # On the MLP (float32 in the echo base: MLX's CPU gather_mm takes float32
+    # only). At std 0.002 the echo still copies, a letter or so changed; at
+    # 0.005 it swaps some letters all along ("lighphoqse keeper").
+    for i, std in enumerate((0.002, 0.002, 0.002, 0.002, 0.005)):
+        path = cache / f"echo-lora-{i}-{std}"
         if not (path / "adapters.safetensors").is_file():
-            make_random_adapter(path, base, rank=8, seed=300 + i, std=0.02,
-                                keys=("mlp.up_proj", "mlp.down_proj"))
+            make_random_adapter(path, base, rank=8, seed=300 + i, std=std, keys=("mlp.down_proj",))
         randoms.append(path)
     return base, randoms, [demo["title"], demo["upper"]]
 
@@ -81,9 +87,12 @@ def workload_jobs(workload: str, n: int, max_tokens: int, eos: int | None) -> li
     """Chat bodies: adapter ids a0..a4 are the random ones, a5 title, a6 upper."""
     jobs = []
     for i in range(n):
-        if workload == "free":
+        if workload.startswith("free"):
             body = {"model": "base", "messages": [{"role": "user", "content": prompt_for(i)}],
                     "logit_bias": {str(eos): -100}}
+            if workload == "free_sampled":
+                jobs.append({**body, "max_tokens": max_tokens, "temperature": 1.0, "seed": i})
+                continue
         else:
             model = "a0" if workload == "copy" else ["base", "a5", "a6", "a1", "a2", "a3", "a4"][i % 7]
             text = PARAGRAPHS[i % len(PARAGRAPHS)]
@@ -137,6 +146,8 @@ def measure(url: str, jobs: list[dict], concurrency: int) -> dict:
 
 def start(name: str, model: Path, adapters: list[Path], spec: bool, args, logs: Path):
     extra = ("--speculative", "ngram", "--num-draft-tokens", str(args.num_draft_tokens)) if spec else ()
+    if spec and args.speculate_always:
+        extra += ("--speculate-always",)
     return start_mola(model, adapters, max_loras=8, max_rank=16, max_num_seqs=32,
                       log=logs / f"speculative-{name}-{'spec' if spec else 'plain'}.log",
                       openblas=not args.no_openblas, extra=extra + ("--prompt-cache-bytes", "0"))
@@ -145,12 +156,14 @@ def start(name: str, model: Path, adapters: list[Path], spec: bool, args, logs: 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
-    p.add_argument("--workloads", nargs="+", default=["copy", "copy_mixed", "free"])
+    p.add_argument("--workloads", nargs="+", default=["copy", "copy_mixed", "free", "free_sampled"])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--requests", type=int, default=2, help="requests per concurrency slot (default 2)")
     p.add_argument("--max-tokens", type=int, default=200, help="copying workloads (default 200)")
     p.add_argument("--free-tokens", type=int, default=48, help="free generation (default 48)")
     p.add_argument("--num-draft-tokens", type=int, default=8)
+    p.add_argument("--speculate-always", action="store_true",
+                   help="the speculative server verifies whenever a row drafts (no cost check)")
     p.add_argument("--no-openblas", action="store_true")
     p.add_argument("--out", type=Path, default=HERE / "results" / "speculative.json")
     args = p.parse_args()
@@ -158,7 +171,8 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="mola-spec-"))
     echo, randoms, demo = echo_setup(CACHE)
     bench = bench_model()
-    setups = {"copy": (echo, randoms + demo), "copy_mixed": (echo, randoms + demo), "free": (bench, [])}
+    setups = {"copy": (echo, randoms + demo), "copy_mixed": (echo, randoms + demo), "free": (bench, []),
+              "free_sampled": (bench, [])}
     rows = []
     for model in dict.fromkeys(setups[w][0] for w in args.workloads):
         workloads = [w for w in args.workloads if setups[w][0] == model]
@@ -167,7 +181,7 @@ def main() -> int:
         try:
             for w in workloads:
                 for c in args.concurrency:
-                    rows.append(run_setting(servers, w, c, args, eos_id(model) if w == "free" else None))
+                    rows.append(run_setting(servers, w, c, args, eos_id(model) if w.startswith("free") else None))
                     print(format_row(rows[-1]), flush=True)
         finally:
             for s in servers.values():
@@ -180,7 +194,7 @@ def main() -> int:
 
 def run_setting(servers: dict, workload: str, concurrency: int, args, eos: int | None) -> dict:
     n = concurrency * args.requests
-    max_tokens = args.free_tokens if workload == "free" else args.max_tokens
+    max_tokens = args.free_tokens if workload.startswith("free") else args.max_tokens
     jobs = workload_jobs(workload, n, max_tokens, eos)
     runs = {False: [], True: []}
     order = [False, True]

@@ -173,3 +173,21 @@ def test_unfed_tokens_are_not_stored_in_the_prompt_cache():
     q.finish("length")
     plan = s.schedule()
     assert [(row, n) for row, _, n in plan.store_rows] == [(0, len(COPY) + 2)]
+
+
+def test_drafts_not_verified_still_teach_the_acceptance_rate():
+    """A row whose drafts the costs turned down checks them against the
+    tokens that come: right guesses raise its rate, wrong ones lower it."""
+    spec = Speculator(SpeculativeConfig())
+    source = list(range(1, 60))
+    right, wrong = seq(source + [1, 2, 3]), seq(source + [1, 2, 3])
+    spec.propose([right, wrong], set())
+    for st in (spec.state(right), spec.state(wrong)):
+        st.rate, st.length = 0.4, 1
+    for step in range(12):  # plain steps: one token each, known one step late
+        right.output.append(4 + step)  # the copy goes on: the guesses were right
+        wrong.output.append(99 + step)
+        spec.propose([right, wrong], {right.seq_id, wrong.seq_id})
+    assert spec.state(right).rate > 0.6 and spec.state(right).length > 2
+    assert spec.state(wrong).rate < 0.4 and spec.state(wrong).length == 1
+    assert spec.state(right).drafted == 0  # nothing was verified

@@ -17,7 +17,9 @@ to draft and, for prompt lookup, which:
 
 It adapts. A row's draft length doubles while its drafts are accepted in
 full and drops to what was accepted, plus one, when they are not; a row whose
-drafts keep failing stops drafting for a while, longer each time. A step
+drafts keep failing stops drafting for a while, longer each time. Drafts
+that were not verified are checked against the tokens that come, so a row's
+length and acceptance rate follow its text whether or not it speculates. A step
 speculates only when it pays: the time of steps is learned as they run
 (mola.engine.step_costs: seconds against positions computed), each row's
 acceptance rate predicts how many of its drafts it will keep, and the step
@@ -44,8 +46,14 @@ from .step_costs import StepCosts
 FIRST_LENGTH = 4  # tokens a row drafts at first (capped by num_draft_tokens)
 FAILURES_TO_PAUSE = 2  # verified steps in a row that accept nothing before a pause
 MAX_PAUSE = 64  # steps; a pause doubles each time, up to this
-FIRST_RATE = 0.6  # a row's acceptance rate before any of its drafts was verified
-EXPLORE_EVERY = 64  # steps with drafts that the costs turned down before one speculates anyway
+FIRST_RATE = 0.6  # a row's acceptance rate before any of its drafts was checked
+RATE_STEP = 0.2  # how far one checked draft token moves the rate towards what it showed
+# Steps with drafts that the costs turned down before one speculates anyway
+# (to see whether the costs changed): EXPLORE_CLOSE when the expected tokens
+# per second came within CLOSE of a plain step's.
+EXPLORE_EVERY = 64
+EXPLORE_CLOSE = 8
+CLOSE = 0.8
 
 
 def expected_accepted(rate: float, drafted: int) -> float:
@@ -101,6 +109,9 @@ class RowState:
     pause: int = 1  # steps the next pause lasts
     paused: int = 0  # steps left without drafting
     rate: float = FIRST_RATE  # estimated chance that a draft is accepted, given the ones before it
+    # A draft not verified, to check against the tokens that come: (where its
+    # first token goes in prompt + output, its tokens).
+    shadow: tuple[int, list[int]] | None = None
     drafted: int = 0  # totals, for tests and logs
     accepted: int = 0
 
@@ -161,11 +172,11 @@ class Speculator:
         """The draft width with the most tokens per second, 0 when a plain
         step is expected to yield more."""
         costs, B, widest = self.costs, len(rows), max(counts)
-        if not self.config.cost_aware or not costs.knows_plain or self._since_speculating >= EXPLORE_EVERY:
+        if not self.config.cost_aware or not costs.knows_plain:
             return widest
-        best, best_rate = 0, B / max(costs.plain(B), 1e-6)
+        plain = B / max(costs.plain(B), 1e-6)  # tokens per second
         rates = [self.state(s).rate if c else 0.0 for s, c in zip(rows, counts)]
-        width = 1
+        best, best_rate, width = 0, 0.0, 1
         while True:
             width = min(width, widest)
             expected = B + sum(expected_accepted(r, min(c, width)) for r, c in zip(rates, counts))
@@ -173,8 +184,13 @@ class Speculator:
             if rate > best_rate:
                 best, best_rate = width, rate
             if width == widest:
-                return best
+                break
             width *= 2
+        if best_rate > plain:
+            return best
+        # Turned down: look again now and then, sooner when it was close.
+        again = EXPLORE_CLOSE if best_rate > CLOSE * plain else EXPLORE_EVERY
+        return best if self._since_speculating >= again else 0
 
     def clock(self, now: float, rows: int, width: int | None, prefill: bool) -> None:
         """A step is planned at ``now``: the one before it took until now.
@@ -206,7 +222,39 @@ class Speculator:
         if new > 0:
             st.index.extend(seq.output[-new:])
             st.seen += new
-        return st.index.draft(k, skip=lag)
+        self._check_shadow(st)
+        draft = st.index.draft(k, skip=lag)
+        if st.shadow is None:  # what it would draft, checked against what comes
+            guess = draft or st.index.draft(st.length, skip=lag)
+            st.shadow = (len(st.index.tokens) + lag, guess) if guess else None
+        return draft
+
+    def _check_shadow(self, st: RowState) -> None:
+        """Learn from a draft that was not verified, now that the tokens it
+        guessed are known (drafts turned down cost nothing, and tell whether
+        the row's drafts are right again)."""
+        if st.shadow is None:
+            return
+        start, guess = st.shadow
+        known = st.index.tokens[start:start + len(guess)]
+        matched = next((i for i, (a, b) in enumerate(zip(known, guess)) if a != b), len(known))
+        if matched < len(known) or len(known) == len(guess):
+            self._learn(st, len(guess), matched)
+            st.shadow = None
+
+    def _learn(self, st: RowState, drafted: int, accepted: int) -> None:
+        """Draft length and acceptance rate after ``accepted`` of ``drafted``
+        were right: a + 1 trials and a successes (all accepted: d trials,
+        and one more success assumed), each trial moving the rate by
+        RATE_STEP."""
+        if accepted >= drafted:
+            st.length = min(self.config.num_draft_tokens, 2 * st.length)
+            seen, trials = (drafted + 1) / (drafted + 2), drafted
+        else:
+            st.length = accepted + 1
+            seen, trials = accepted / (accepted + 1), accepted + 1
+        keep = (1 - RATE_STEP) ** trials
+        st.rate = keep * st.rate + (1 - keep) * seen
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A verified step accepted ``accepted`` of the ``drafted`` tokens of ``seq``."""
@@ -215,13 +263,8 @@ class Speculator:
             return
         st.drafted += drafted
         st.accepted += accepted
-        # a + 1 trials, a successes (all accepted: one more success assumed)
-        seen = accepted / (accepted + 1) if accepted < drafted else (drafted + 1) / (drafted + 2)
-        st.rate = 0.6 * st.rate + 0.4 * seen
-        if accepted >= drafted:
-            st.length = min(self.config.num_draft_tokens, 2 * st.length)
-        else:
-            st.length = accepted + 1
+        st.shadow = None  # verified instead
+        self._learn(st, drafted, accepted)
         if accepted > 0:
             st.failures = 0
             st.pause = max(1, st.pause // 2)

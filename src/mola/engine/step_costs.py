@@ -9,6 +9,11 @@ recent steps (older ones weigh less, by DECAY per step). Speculation asks it
 whether a step of so many positions pays against a plain one: on a GPU
 extra positions cost next to nothing; on a CPU they may cost nearly as much
 as the rows themselves.
+
+A machine shared with other work makes some steps far slower than others:
+once a kind of step has been timed a few times, a time further than CLIP
+times from what the fit expects counts as that far only. The first
+speculative steps, which pay for new array shapes, are not counted.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DECAY = 0.97  # weight an observation keeps per later one (about the last 30 steps count)
+WARM_UP = 2  # speculative steps not counted (new array shapes)
+TRUST_AFTER = 3  # counted steps of a kind before their fit is believed (and clips)
+CLIP = 2.0  # a time counts as at most this many times, or this fraction of, the fit's
 
 
 @dataclass
@@ -27,6 +35,7 @@ class _Sums:
     t: float = 0.0
     nn: float = 0.0
     nt: float = 0.0
+    count: int = 0  # observations counted, undecayed
 
     def add(self, n: float, t: float, decay: float) -> None:
         self.w = self.w * decay + 1
@@ -34,6 +43,7 @@ class _Sums:
         self.t = self.t * decay + t
         self.nn = self.nn * decay + n * n
         self.nt = self.nt * decay + n * t
+        self.count += 1
 
     def decay(self, decay: float) -> None:
         for name in ("w", "n", "t", "nn", "nt"):
@@ -52,19 +62,28 @@ class StepCosts:
         self.decay = decay
         self._plain = _Sums()
         self._spec = _Sums()
+        self._warm_up = WARM_UP
 
     def observe(self, positions: int, seconds: float, speculative: bool) -> None:
+        if speculative and self._warm_up > 0:
+            self._warm_up -= 1
+            return
         mine, other = (self._spec, self._plain) if speculative else (self._plain, self._spec)
+        if mine.count >= TRUST_AFTER:
+            expected = self._line(mine, positions)
+            if expected > 0:
+                seconds = min(max(seconds, expected / CLIP), expected * CLIP)
         mine.add(positions, seconds, self.decay)
         other.decay(self.decay)
 
     @property
     def knows_plain(self) -> bool:
-        return self._plain.w > 0
+        return self._plain.count > 0
 
     @property
     def knows_speculative(self) -> bool:
-        return self._spec.w > 0
+        """Enough speculative steps were timed to believe their fit."""
+        return self._spec.count >= TRUST_AFTER
 
     @property
     def slope(self) -> float:
@@ -76,15 +95,16 @@ class StepCosts:
             cov, var = cov + c, var + v
         return max(0.0, cov / var) if var > 1e-9 else 0.0
 
+    def _line(self, s: _Sums, positions: int) -> float:
+        return max(0.0, (s.t - self.slope * s.n) / s.w) + self.slope * positions
+
     def plain(self, positions: int) -> float:
         """Seconds of a plain step of this many rows."""
-        s = self._plain
-        return max(0.0, (s.t - self.slope * s.n) / s.w) + self.slope * positions
+        return self._line(self._plain, positions)
 
     def speculative(self, positions: int, rows: int) -> float:
         """Seconds of a speculative step of ``rows`` rows computing
-        ``positions`` in all; before any was timed, a plain step's."""
-        s = self._spec
-        if s.w == 0:
+        ``positions`` in all; until a few were timed, a plain step's."""
+        if not self.knows_speculative:
             return self.plain(rows)
-        return max(0.0, (s.t - self.slope * s.n) / s.w) + self.slope * positions
+        return self._line(self._spec, positions)
