@@ -16,6 +16,9 @@ their outputs must be identical):
   copied from the prompt are partly or wholly wrong), three more adapters
   like copy's and one that swaps letters all along: different adapters
   verify in one batch;
+- copy_real: "Repeat this paragraph exactly" on the real SmolLM2-135M-Instruct
+  GGUF (mola.models.fetch, kept in mola's cache), base model: an instruct
+  model that copies;
 - free: free generation on the 88M bench model of benchmarks/serve.py
   (random weights, distinct prompts, EOS banned so every request decodes
   --free-tokens), greedy: a random model falls into loops, which prompt
@@ -93,6 +96,10 @@ def workload_jobs(workload: str, n: int, max_tokens: int, eos: int | None) -> li
             if workload == "free_sampled":
                 jobs.append({**body, "max_tokens": max_tokens, "temperature": 1.0, "seed": i})
                 continue
+        elif workload == "copy_real":
+            text = PARAGRAPHS[i % len(PARAGRAPHS)] + " " + PARAGRAPHS[(i + 1) % len(PARAGRAPHS)]
+            body = {"model": "base", "messages": [
+                {"role": "user", "content": "Repeat this paragraph exactly, word for word:\n\n" + text}]}
         else:
             model = "a0" if workload == "copy" else ["base", "a5", "a6", "a1", "a2", "a3", "a4"][i % 7]
             text = PARAGRAPHS[i % len(PARAGRAPHS)]
@@ -156,7 +163,7 @@ def start(name: str, model: Path, adapters: list[Path], spec: bool, args, logs: 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
-    p.add_argument("--workloads", nargs="+", default=["copy", "copy_mixed", "free", "free_sampled"])
+    p.add_argument("--workloads", nargs="+", default=["copy", "copy_mixed", "copy_real", "free", "free_sampled"])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--requests", type=int, default=2, help="requests per concurrency slot (default 2)")
     p.add_argument("--max-tokens", type=int, default=200, help="copying workloads (default 200)")
@@ -173,6 +180,14 @@ def main() -> int:
     bench = bench_model()
     setups = {"copy": (echo, randoms + demo), "copy_mixed": (echo, randoms + demo), "free": (bench, []),
               "free_sampled": (bench, [])}
+    if "copy_real" in args.workloads:
+        from mola.models.fetch import FetchError, ensure_smollm
+
+        try:
+            setups["copy_real"] = (ensure_smollm(), [])
+        except FetchError as e:
+            print(f"copy_real skipped: {e.message}", flush=True)
+            args.workloads.remove("copy_real")
     rows = []
     for model in dict.fromkeys(setups[w][0] for w in args.workloads):
         workloads = [w for w in args.workloads if setups[w][0] == model]
