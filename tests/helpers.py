@@ -247,17 +247,23 @@ class EngineRunner:
     """A real engine on a model directory, adapters in slots, and a blocking
     way to run sequences to the end."""
 
-    def __init__(self, model_dir, adapters=(), max_tokens: int = 10, draft_loader=None, **config):
+    def __init__(self, model_dir, adapters=(), max_tokens: int = 10, draft_model=None, **config):
         from mola.engine.engine import EngineConfig
+        from mola.models.loader import load_draft_model
+
+        def load():
+            loaded = load_base_model(str(model_dir))
+            if draft_model is not None:  # as mola serve --draft-model loads it
+                loaded.draft = load_draft_model(str(draft_model), loaded).model
+            return loaded
 
         self.max_tokens = max_tokens
         self.done: dict = {}
         self.cond = threading.Condition()
         self.engine = Engine(
-            lambda: load_base_model(str(model_dir)),
+            load,
             EngineConfig(**{"max_loras": 4, "max_lora_rank": 16, **config}),
             self._on_outputs,
-            draft_loader=draft_loader,
         )
         self.loaded = self.engine.start()
         self.slots: dict[str, int] = {}

@@ -16,7 +16,7 @@ from mola.models.loader import ModelLoadError, load_base_model, load_draft_model
 from mola.synthetic.model import TinyModelSpec, make_tiny_model
 
 from helpers import EngineRunner as Runner
-from helpers import greedy_tokens, merged_model
+from helpers import greedy_tokens, merged_model, runner_stats
 
 MESSAGES = ["hello world, how are you?", "the quick brown fox jumps over the lazy dog",
             "Please call me at 555-0199!"]
@@ -53,7 +53,7 @@ def echo_refs(echo):
 
 def test_greedy_copies_equal_merged_mlx_lm_alone_and_in_a_mixed_batch(echo, echo_refs):
     spec, plain, _, _ = echo
-    before = spec.engine.runner.stats
+    before = runner_stats(spec.engine)
     drafted, accepted = before.draft_tokens, before.accepted_tokens
     jobs = list(echo_refs)
     seqs = [spec.submit(spec.prompt(m), name, lora_scale=scale) for name, scale, m in jobs]
@@ -61,7 +61,7 @@ def test_greedy_copies_equal_merged_mlx_lm_alone_and_in_a_mixed_batch(echo, echo
         assert out == echo_refs[job], job
     for name, scale, m in jobs[::3]:  # alone too
         assert spec.run(spec.prompt(m), name, lora_scale=scale) == echo_refs[name, scale, m]
-    st = spec.engine.runner.stats
+    st = runner_stats(spec.engine)
     assert st.accepted_tokens - accepted > 60  # the copies were drafted and accepted ...
     assert st.draft_tokens - drafted > st.accepted_tokens - accepted  # ... and some drafts were not
     assert len({tuple(echo_refs[j]) for j in jobs if j[2] == MESSAGES[0]}) == 4  # adapters differ
@@ -192,9 +192,9 @@ def test_batches_above_the_cut_off_do_not_speculate(echo_demo):
     r = Runner(base, max_tokens=12, speculative=SpeculativeConfig(max_batch=2, cost_aware=False))
     try:
         r.wait([r.submit(r.prompt(m)) for m in MESSAGES])  # four rows: over the cut-off
-        assert r.engine.runner.stats.spec_steps == 0
+        assert runner_stats(r.engine).spec_steps == 0
         r.run(r.prompt(MESSAGES[1]))
-        assert r.engine.runner.stats.spec_steps > 0
+        assert runner_stats(r.engine).spec_steps > 0
     finally:
         r.stop()
 
@@ -206,10 +206,9 @@ def test_batches_above_the_cut_off_do_not_speculate(echo_demo):
 def drafted(tiny_model, adapters):
     """The tiny model drafting for itself: bare, its greedy drafts are all
     right for the base and partly right under an adapter."""
-    load = lambda target: load_draft_model(str(tiny_model), target)  # noqa: E731
     cfg = SpeculativeConfig(method="draft", draft_model=str(tiny_model), **WIDE)
     spec = Runner(tiny_model, adapters=list(adapters.items()), max_tokens=16, speculative=cfg,
-                  draft_loader=load)
+                  draft_model=tiny_model)
     plain = Runner(tiny_model, adapters=list(adapters.items()), max_tokens=16)
     yield spec, plain
     spec.stop()
@@ -227,7 +226,7 @@ def test_draft_model_greedy_equals_merged_mlx_lm_in_a_mixed_batch(drafted, tiny_
     jobs = list(refs)
     seqs = [spec.submit(spec.prompt(q), name) for name, q in jobs]
     assert spec.wait(seqs) == [refs[j] for j in jobs]
-    st = spec.engine.runner.stats
+    st = runner_stats(spec.engine)
     assert st.spec_steps > 0 and 0 < st.accepted_tokens < st.draft_tokens
 
 

@@ -15,6 +15,7 @@ import mola.engine.verify as verify
 from mola.engine.config import SpeculativeConfig
 
 from helpers import EngineRunner as Runner
+from helpers import runner_stats
 
 NUM_SEEDS = 400
 TEMPERATURE = 1.0
@@ -81,9 +82,9 @@ def test_first_tokens_follow_the_target_distribution(tiny_model, setting, monkey
     spec = Runner(tiny_model, max_tokens=3, max_num_seqs=64, speculative=always)
     try:
         without = first_tokens(plain, prompt, draft, bias)
-        drafted_before = spec.engine.runner.stats.draft_tokens
+        drafted_before = runner_stats(spec.engine).draft_tokens
         with_spec = first_tokens(spec, prompt, draft, bias)
-        st = spec.engine.runner.stats
+        st = runner_stats(spec.engine)
         assert st.draft_tokens - drafted_before >= NUM_SEEDS  # every row drafted at its first step
         # The draws are those plain decoding makes: the same tokens, seed by seed.
         assert with_spec == without

@@ -66,17 +66,26 @@ def join_group():
 def follow(config: ServeConfig, group) -> int:
     """A rank other than 0: hold a shard, replay rank 0's steps, no HTTP."""
     from .engine.distributed import run_follower
-    from .models.loader import load_base_model, load_draft_model
     from .structured import StructuredOutputs
 
     def grammars(loaded):  # each rank compiles its own matchers from rank 0's grammar text
         return StructuredOutputs(loaded.tokenizer, loaded.vocab_size).rebuild
 
-    draft_loader = None
-    if config.draft_model is not None:  # each rank holds the whole draft model
-        draft_loader = lambda t: load_draft_model(config.draft_model, t, dtype=config.dtype)  # noqa: E731
-    return run_follower(lambda: load_base_model(config.model, group=group.group, dtype=config.dtype),
-                        config.engine, group, grammars, draft_loader)
+    return run_follower(model_loader(config, group.group), config.engine, group, grammars)
+
+
+def model_loader(config: ServeConfig, group=None):
+    """What the engine (or a follower) loads: the base model (this rank's
+    shard of it in a group), and beside it the whole --draft-model, if any."""
+    from .models.loader import load_base_model, load_draft_model
+
+    def load():
+        loaded = load_base_model(config.model, group=group, dtype=config.dtype)
+        if config.draft_model is not None:
+            loaded.draft = load_draft_model(config.draft_model, loaded, dtype=config.dtype).model
+        return loaded
+
+    return load
 
 
 def exposure_warning(config: ServeConfig) -> str | None:
@@ -96,7 +105,6 @@ def exposure_warning(config: ServeConfig) -> str | None:
 
 def serve(config: ServeConfig) -> int:
     from .engine.engine import Engine
-    from .models.loader import load_base_model, load_draft_model
     from .errors import MolaError
 
     setup_logging(config.log_level)
@@ -113,11 +121,7 @@ def serve(config: ServeConfig) -> int:
         print(f"[mola] warning: {warning}", file=sys.stderr, flush=True)
     print(f"[mola] loading {config.model} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    draft_loader = None
-    if config.draft_model is not None:
-        draft_loader = lambda t: load_draft_model(config.draft_model, t, dtype=config.dtype)  # noqa: E731
-    engine = Engine(lambda: load_base_model(config.model, group=group and group.group, dtype=config.dtype),
-                    config.engine, group=group, draft_loader=draft_loader)
+    engine = Engine(model_loader(config, group and group.group), config.engine, group=group)
     try:
         loaded = engine.start()
     except MolaError as e:

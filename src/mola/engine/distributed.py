@@ -140,14 +140,14 @@ def unwire_plan(data: dict, seqs: dict[int, Sequence], rebuild=None) -> StepPlan
 # ---- the other ranks ---------------------------------------------------------------
 
 
-def run_follower(loader, config, group: Group, grammars=None, draft_loader=None) -> int:
+def run_follower(loader, config, group: Group, grammars=None) -> int:
     """A rank other than 0: load the shard, then replay rank 0's messages
     until it says stop (or the group breaks). Adapters are re-created from
     the recipe rank 0 wrote, read and checked the way rank 0 did; the
     matchers of constrained rows from their grammar text, with
     ``grammars(loaded)`` (grammar text -> Constraint). Speculative steps
     come with rank 0's drafts (prompt lookup) or are drafted by this rank's
-    own whole copy of the draft model, ``draft_loader(loaded)``: every rank
+    own whole copy of the draft model (``loaded.draft``): every rank
     verifies the same drafts alike."""
     from ..lora.pack import AdapterPacks
     from ..lora.recipe import read_recipe
@@ -160,9 +160,8 @@ def run_follower(loader, config, group: Group, grammars=None, draft_loader=None)
             packs = AdapterPacks.install(loaded.model, max_loras=config.max_loras,
                                          max_rank=config.max_lora_rank)
             # The same one-token probe as rank 0's runner (its collectives pair up).
-            draft = draft_loader(loaded).model if draft_loader is not None else None
             runner = ModelRunner(loaded.model, packs, loaded.vocab_size,
-                                 prompt_cache=config.prompt_cache_bytes > 0, draft=draft)
+                                 prompt_cache=config.prompt_cache_bytes > 0, draft=loaded.draft)
             rebuild = grammars(loaded) if grammars is not None else None
             seqs: dict[int, Sequence] = {}
             log.info("rank %d of %d ready", group.rank, group.size)

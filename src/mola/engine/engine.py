@@ -34,7 +34,7 @@ from .prompt_cache import PromptCache, PromptCacheStats
 from .runner import ModelRunner, StepResult
 from .scheduler import Scheduler, StepPlan
 from .sequence import Sequence
-from .speculative import Speculator
+from .speculative import make_speculator
 
 log = logging.getLogger("mola.engine")
 
@@ -51,15 +51,11 @@ class Engine:
         config: EngineConfig = EngineConfig(),
         on_outputs: Callable[[list[SeqOutput]], None] | None = None,
         group: Group | None = None,
-        draft_loader: Callable[[LoadedModel], LoadedModel] | None = None,
     ):
         self.config = config
         self.group = group  # a tensor-parallel group this engine leads, if any
         self.on_outputs = on_outputs or (lambda outputs: None)
         self._loader = loader
-        # --speculative draft: loads the draft model, given the target (whose
-        # tokenizer it must share)
-        self._draft_loader = draft_loader
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -179,14 +175,9 @@ class Engine:
         )
         self.geometry = self.packs.geometry
         wanted = self.config.prompt_cache_bytes > 0
-        draft = self._draft_loader(loaded).model if self._draft_loader is not None else None
-        self.runner = ModelRunner(loaded.model, self.packs, loaded.vocab_size, prompt_cache=wanted, draft=draft)
-        if self.config.speculative is not None:
-            if self.runner.can_rewind:
-                self.scheduler.speculator = Speculator(self.config.speculative)
-            else:
-                log.warning("speculative decoding off: this model's KV caches cannot be cut at a token "
-                            "(sliding windows or recurrent state)")
+        self.runner = ModelRunner(loaded.model, self.packs, loaded.vocab_size, prompt_cache=wanted,
+                                  draft=loaded.draft)
+        self.scheduler.speculator = make_speculator(self.config.speculative, self.runner.can_rewind)
         per_token = self.runner.kv_bytes_per_token
         if per_token is not None:
             self.scheduler.prompt_cache = PromptCache(self.config.prompt_cache_bytes, per_token,
@@ -267,24 +258,12 @@ class Engine:
         for seq, tokens, lps, unfed in zip(result.rows, result.tokens, result.logprobs, result.last_unfed):
             if seq.is_finished:  # finished or aborted while this step ran
                 continue
-            taken, reason, error = 0, None, None
-            for token in tokens:  # one token, or a speculative step's several
-                taken += 1
-                reason = seq.append(token)
-                c = seq.constraint
-                if c is not None and c.error is not None and c.error_at < seq.num_output_tokens:
-                    error, reason = c.error, "error"  # the grammar refused a token: never a wrong output
-                    log.error("sequence %d left its grammar: %s", seq.seq_id, error)
-                if reason is not None:
-                    break
-            seq.num_unfed_tokens = int(unfed and taken == len(tokens))
-            if reason is not None:
-                seq.finish(reason)
+            taken, reason, error = seq.take(tokens, unfed)
+            if error is not None:
+                log.error("sequence %d left its grammar: %s", seq.seq_id, error)
             outputs.append(SeqOutput(seq, tokens[:taken], reason, error=error,
                                      logprobs=None if lps is None else lps[:taken]))
-        spec = self.scheduler.speculator
-        for seq, drafted, accepted in result.speculated if spec is not None else ():
-            spec.record(seq, drafted, accepted)
+        self.scheduler.record_speculation(result.speculated)
         if outputs:
             self.on_outputs(outputs)
 

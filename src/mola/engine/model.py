@@ -19,6 +19,7 @@ class LoadedModel:
     tokenizer: Any  # mlx_lm TokenizerWrapper
     config: dict  # the model's config.json
     path: Path | None = None  # the local directory it came from
+    draft: nn.Module | None = None  # --speculative draft: the draft model (the same tokenizer)
 
     @property
     def vocab_size(self) -> int:

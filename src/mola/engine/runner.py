@@ -22,13 +22,10 @@ Rows under a grammar (``Sequence.constraint``) are sampled through one
 ``where`` over the batch's [B, V] mask, filled while the step's forward pass
 runs (see :meth:`ModelRunner.run`); a batch without one pays nothing.
 
-A speculative step (the plan gives drafts) feeds each row its input and its
-drafts and verifies them in the one forward pass (mola.engine.verify). It
-reads its own tokens back at its end, so nothing is in flight after it; the
-tokens of a plain step before it are read while its forward pass runs. With
-a draft model, the runner's caches are the target's layers then the
-draft's, and the draft is fed whatever the target is fed (prefill and plain
-steps too), so both caches always hold the same tokens.
+A speculative step feeds each row its input and its drafts, verifies them in
+one forward pass (mola.engine.verify) and reads its tokens back at its end.
+A draft model's caches follow the target's in each cache list, and it is fed
+whatever the target is fed, so both always hold the same tokens.
 """
 
 from __future__ import annotations
@@ -165,7 +162,7 @@ class ModelRunner:
         mine, rejected = verify.read(launched)  # waits for the step
         verify.rewind(self.cache, rejected)
         advance_matchers(mine)
-        self._count_speculation(mine, plan.num_draft)
+        self.stats.count_speculation(mine, plan.num_draft)
         return mine if result is None else result.extend(mine)
 
     def _fill_masks(self, rows: list[Sequence]) -> np.ndarray:
@@ -321,13 +318,6 @@ class ModelRunner:
         return StepResult(launch.rows, [[t] for t in tokens],
                           [[lps[i]] if i in lps else None for i in range(len(tokens))],
                           [False] * len(tokens))
-
-    def _count_speculation(self, result: StepResult, num_draft: list[int]) -> None:
-        st = self.stats
-        st.spec_steps += 1
-        st.spec_rows += len(result.speculated)
-        st.draft_tokens += sum(num_draft)
-        st.accepted_tokens += sum(a for _, _, a in result.speculated)
 
     def _count_decode(self, slots: list[int]) -> None:
         st = self.stats

@@ -165,6 +165,11 @@ class Scheduler:
         self._in_flight = {s.seq_id for s in plan.decode} if plan.num_draft is None else set()
         return plan
 
+    def record_speculation(self, speculated: list[tuple[Sequence, int, int]]) -> None:
+        """What a speculative step's rows accepted: (row, drafted, accepted)."""
+        for seq, drafted, accepted in speculated if self.speculator is not None else ():
+            self.speculator.record(seq, drafted, accepted)
+
     def _form_group(self, plan: StepPlan) -> None:
         room = self.max_num_seqs - len(self.running)
         group: list[Sequence] = []

@@ -126,3 +126,23 @@ class Sequence:
         if len(self.output) >= self.params.max_tokens:
             return "length"
         return None
+
+    def take(self, tokens: list[int], last_unfed: bool) -> tuple[int, str | None, str | None]:
+        """Record a step's tokens (one, or a speculative step's several) up to
+        the first that ends the sequence, and finish it then; returns (tokens
+        taken, finish reason, the grammar's error if it refused one). A grammar
+        error ends the row ("error"): never a wrong output."""
+        taken, reason, error = 0, None, None
+        for token in tokens:
+            taken += 1
+            reason = self.append(token)
+            c = self.constraint
+            if c is not None and c.error is not None and c.error_at < len(self.output):
+                error, reason = c.error, "error"
+            if reason is not None:
+                break
+        # the last token of a speculative step was never fed to the model
+        self.num_unfed_tokens = int(last_unfed and taken == len(tokens))
+        if reason is not None:
+            self.finish(reason)
+        return taken, reason, error

@@ -37,11 +37,14 @@ the draft, so a wrong guess costs only the positions it wastes.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from .config import SpeculativeConfig
 from .sequence import Sequence
 from .step_costs import StepCosts
+
+log = logging.getLogger("mola.engine")
 
 FIRST_LENGTH = 4  # tokens a row drafts at first (capped by num_draft_tokens)
 FAILURES_TO_PAUSE = 2  # verified steps in a row that accept nothing before a pause
@@ -123,6 +126,18 @@ class Proposal:
 
     num_draft: list[int]
     tokens: list[list[int]] | None = None  # None: a draft model drafts them
+
+
+def make_speculator(config: SpeculativeConfig | None, can_rewind: bool) -> Speculator | None:
+    """The engine's speculator: None without --speculative, or (with a
+    warning) for a model whose KV caches cannot be cut back at a token."""
+    if config is None:
+        return None
+    if not can_rewind:
+        log.warning("speculative decoding off: this model's KV caches cannot be cut at a token "
+                    "(sliding windows or recurrent state)")
+        return None
+    return Speculator(config)
 
 
 class Speculator:

@@ -92,6 +92,13 @@ class RunnerStats:
     draft_tokens: int = 0  # tokens drafted
     accepted_tokens: int = 0  # drafted tokens accepted
 
+    def count_speculation(self, result: StepResult, num_draft: list[int]) -> None:
+        """A speculative step drafted ``num_draft`` tokens per row and gave ``result``."""
+        self.spec_steps += 1
+        self.spec_rows += len(result.speculated)
+        self.draft_tokens += sum(num_draft)
+        self.accepted_tokens += sum(a for _, _, a in result.speculated)
+
 
 def token_logprobs(logits: mx.array, tokens: mx.array, rows: list[Sequence], wanted: list[int]) -> tuple:
     """The model's own log-probability of each sampled token [N] and its top
