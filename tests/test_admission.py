@@ -18,7 +18,7 @@ from mola.engine.engine import Engine, EngineConfig
 from mola.engine.loader import load_base_model
 from mola.lora.host_tier import HostTier
 from mola.lora.loader import AdapterLoader
-from mola.lora.records import AdapterState
+from mola.lora.records import AdapterRecord, AdapterState
 from mola.lora.registry import AdapterRegistry
 from mola.synthetic.adapter import make_random_adapter
 
@@ -262,8 +262,7 @@ def pieces_of(response) -> list[str]:
     return response.json()["choices"][0]["logprobs"]["tokens"]
 
 
-def rec(name: str, last_used: float, in_flight: int) -> "AdapterRecord":
-    from mola.lora.records import AdapterRecord
+def rec(name: str, last_used: float, in_flight: int) -> AdapterRecord:
 
     r = AdapterRecord(name=name, path=f"/{name}", source="rest", version=1)
     r.state, r.last_used, r.in_flight = S.RESIDENT, last_used, in_flight

@@ -12,7 +12,6 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from mola.config import AdapterSpec
 from mola.server.metrics import rss_bytes
 from mola.synthetic.adapter import make_random_adapter
 

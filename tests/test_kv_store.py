@@ -146,7 +146,7 @@ def test_a_reloaded_adapter_never_sees_its_old_versions_entries(runner, models, 
 
 def test_the_byte_budget_evicts_and_frees_the_arrays(tiny_model, models):
     small = EngineRunner(tiny_model, max_tokens=MAX_TOKENS, prompt_cache_bytes=1)
-    per_token = small.engine.runner.kv_bytes_per_token
+    per_token = small.engine.call(lambda: small.engine.runner.kv_bytes_per_token).result(timeout=30)
     small.stop()
     budget = 150 * per_token  # room for about two of these prompts with their outputs
     r = EngineRunner(tiny_model, max_tokens=MAX_TOKENS, prompt_cache_bytes=budget)
@@ -174,6 +174,7 @@ def test_zero_bytes_turns_the_cache_off(tiny_model, models):
         outs = [r.submit(prompt) for _ in range(2)]
         r.wait(outs)
         assert all(s.num_cached_tokens == 0 and s.output == reference(models, None, prompt) for s in outs)
-        assert r.engine.scheduler.prompt_cache is None and not r.engine.snapshot.prompt_cache.enabled
+        assert r.engine.call(lambda: r.engine.scheduler.prompt_cache).result(timeout=30) is None
+        assert not r.engine.snapshot.prompt_cache.enabled
     finally:
         r.stop()

@@ -17,7 +17,7 @@ from ..errors import (ContextLengthExceeded, InvalidRequest, MolaError, Overload
                       ShuttingDown)
 from ..lora.registry import Lease
 from ..structured import CompiledGrammar
-from .protocol import ChatCompletionRequest, _Sampling
+from .protocol import _Sampling
 from .state import ServerState
 from .textstream import TextStream
 from .tools import ToolCallParser

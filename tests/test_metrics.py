@@ -1,0 +1,50 @@
+"""/metrics on a real server on 127.0.0.1: request, token, latency, adapter,
+memory and HTTP series move as requests are answered, and the route can be
+put behind the API key (mola/server/metrics.py)."""
+
+from __future__ import annotations
+
+import re
+
+import httpx
+
+from helpers import start_server
+
+API = "api-key-123456"
+
+
+def chat(model="tiny", **extra):
+    return {"model": model, "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4, **extra}
+
+
+def test_metrics(server):
+    before = httpx.get(server.url + "/metrics").text
+    for model in ("tiny", "a", "a"):
+        assert httpx.post(server.url + "/v1/chat/completions", json=chat(model, ignore_eos=True)).status_code == 200
+    text = httpx.get(server.url + "/metrics").text
+
+    def value(name, text=text):
+        m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    assert value('mola_requests_total{model="a",outcome="length"}') - value(
+        'mola_requests_total{model="a",outcome="length"}', before) == 2
+    assert value('mola_generation_tokens_total{model="a"}') - value('mola_generation_tokens_total{model="a"}', before) == 8
+    assert value("mola_time_to_first_token_seconds_count") >= 3
+    assert value("mola_inter_token_latency_seconds_count") >= 9
+    assert value("mola_adapters_resident") == server.state.registry.num_resident
+    assert value("mola_adapter_slots") == server.state.registry.max_loras
+    assert value("mola_adapter_loads_total") >= 3
+    assert value("mola_memory_active_bytes") > 0 and value("mola_process_resident_bytes") > 0
+    assert 'mola_http_requests_total{method="POST",route="/v1/chat/completions",status="200"}' in text
+    assert value("mola_running_requests") == 0
+
+
+def test_protected_metrics(tiny_model):
+    handle = start_server(model=str(tiny_model), api_key=API, protect_metrics=True)
+    try:
+        assert httpx.get(handle.url + "/metrics").status_code == 401
+        assert httpx.get(handle.url + "/health").status_code == 401
+        assert httpx.get(handle.url + "/metrics", headers={"Authorization": f"Bearer {API}"}).status_code == 200
+    finally:
+        handle.stop()
