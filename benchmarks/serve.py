@@ -1,17 +1,25 @@
 """Serving benchmark: mola against mlx-lm's server and mlx-lm's in-process
 batch_generate, side by side in one run, on the same model and adapters.
 
-    python benchmarks/serve.py [--concurrency 1 8 32] [--repeats 3] [--max-tokens 32]
+    python benchmarks/serve.py [--model synthetic|real|DIR] [--concurrency 1 8 32] [--repeats 3]
+                               [--max-tokens 32]
 
-It builds (once, into benchmarks/.cache) a float32 llama of ~88M parameters
-with random weights and 64 random rank-16 adapters, starts the servers on
-127.0.0.1 (OpenBLAS preloaded for all, as `mola serve` does by itself),
-drives them with streaming chat requests (greedy, EOS banned by logit_bias
-so every request decodes exactly --max-tokens tokens), interleaving systems
-and workloads within each repeat, and prints medians over repeats, the
-targets of benchmarks/README.md as ratios, and a hot-load measurement. JSON
-(the summary, and every request's timeline in *.runs.json) and a PNG plot are written beside
-(benchmarks/results/).
+--model synthetic (default) builds (once, into benchmarks/.cache) a float32
+llama of ~88M parameters with random weights and 64 random rank-16 adapters.
+--model real serves the real model, SmolLM2-135M-Instruct's Q4_1 GGUF (fetched
+once into mola's cache), to mola as the file itself in the dtype `--dtype
+auto` picks (float32 on a CPU), and to mlx_lm.server and batch_generate as its
+`mola convert` output in that dtype (the same weights), with 64 random
+rank-8 adapters on every linear of all 30 layers; its defaults are workloads
+base, one, mixed8, mixed64 at concurrency 8 and 32.
+
+It starts the servers on 127.0.0.1 (OpenBLAS preloaded for all, as `mola
+serve` does by itself), drives them with streaming chat requests (greedy, EOS
+banned by logit_bias so every request decodes exactly --max-tokens tokens),
+interleaving systems and workloads within each repeat, and prints medians
+over repeats, the targets of benchmarks/README.md as ratios, and a hot-load
+measurement. JSON (the summary, and every request's timeline in *.runs.json)
+and a PNG plot are written beside (benchmarks/results/).
 
 Workloads: base (every request on the base model), one (every request on
 adapter a0), mixed8 (round robin over 8 adapters), zipf8 (Zipf popularity over
@@ -35,7 +43,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import Request, RunResult, format_table, prompt_for, run_load, summarize  # noqa: E402
 from systems import (HERE, bench_adapters, bench_model, eos_id, mlx_lm_body, mola_body,  # noqa: E402
-                     run_batch_generate, start_mlx_lm, start_mola)
+                     real_model, run_batch_generate, start_mlx_lm, start_mola)
 
 K_MAX = 64
 
@@ -205,7 +213,7 @@ def ratios(table: list[dict], hot: dict | None) -> list[dict]:
     return out
 
 
-def plot(table: list[dict], path: Path) -> bool:
+def plot(table: list[dict], path: Path, title: str) -> bool:
     try:
         import matplotlib
 
@@ -221,7 +229,7 @@ def plot(table: list[dict], path: Path) -> bool:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests")
     ax.set_ylabel("output tokens / s (median)")
-    ax.set_title("mola vs mlx-lm, 88M float32 model, rank-16 adapters")
+    ax.set_title(title)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -229,25 +237,50 @@ def plot(table: list[dict], path: Path) -> bool:
     return True
 
 
+DEFAULTS = {  # what --model changes: its settings, unless given
+    "synthetic": dict(concurrency=[1, 8, 32], workloads=["base", "one", "mixed8", "zipf8", "mixed64"],
+                      rank=16, out=HERE / "results" / "serve.json"),
+    "real": dict(concurrency=[8, 32], workloads=["base", "one", "mixed8", "mixed64"],
+                 rank=8, out=HERE / "results" / "serve_real.json"),
+}
+
+
+def models(a) -> tuple[Path, Path, list[Path], str]:
+    """(what mola serves, what mlx-lm serves, the adapters, a title)."""
+    if a.model == "real":
+        gguf, converted = real_model()
+        adapters = bench_adapters(converted, K_MAX + 1, a.rank, prefix="smollm2-adapter")
+        return gguf, converted, adapters, f"SmolLM2-135M-Instruct ({converted.name}), rank-{a.rank} adapters"
+    model = bench_model() if a.model == "synthetic" else Path(a.model)
+    adapters = bench_adapters(model, K_MAX + 1, a.rank)
+    title = "88M float32 model" if a.model == "synthetic" else model.name
+    return model, model, adapters, f"{title}, rank-{a.rank} adapters"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, help="model directory (default: the 88M bench model)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--workloads", nargs="+", default=["base", "one", "mixed8", "zipf8", "mixed64"])
+    p.add_argument("--model", default="synthetic",
+                   help="synthetic (the 88M bench model, default), real (SmolLM2-135M-Instruct), or a "
+                   "model directory")
+    p.add_argument("--concurrency", type=int, nargs="+")
+    p.add_argument("--workloads", nargs="+")
     p.add_argument("--mlx-lm-workloads", nargs="+", default=["base", "one", "mixed8"])
     p.add_argument("--systems", nargs="+", default=["mola", "mlx_lm.server", "batch_generate"])
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--requests-per-slot", type=int, default=2, help="requests per run = this x concurrency (>= 4)")
     p.add_argument("--max-seconds", type=float, default=45, help="no new request after this, per run")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--rank", type=int)
+    p.add_argument("--no-hot-load", action="store_true", help="skip the hot-load measurement")
     p.add_argument("--no-openblas", action="store_true", help="the reference BLAS of MLX's wheel")
-    p.add_argument("--out", type=Path, default=HERE / "results" / "serve.json")
+    p.add_argument("--out", type=Path)
     a = p.parse_args()
+    for key, value in DEFAULTS["real" if a.model == "real" else "synthetic"].items():
+        if getattr(a, key) is None:
+            setattr(a, key, value)
 
-    model = a.model or bench_model()
-    adapters = bench_adapters(model, K_MAX + 1, a.rank)  # one more for the hot load
-    eos = eos_id(model)
+    model, mlx_model, adapters, title = models(a)  # one more adapter than K_MAX: the hot load
+    eos = eos_id(mlx_model)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     blas = not a.no_openblas
     servers = {}
@@ -260,9 +293,10 @@ def main() -> int:
             servers["mola"] = start_mola(model, adapters[:K_MAX], K_MAX + 1, a.rank, max(a.concurrency) + 2,
                                          a.out.with_suffix(".mola.log"), blas)
         if "mlx_lm.server" in a.systems:
-            servers["mlx_lm.server"] = start_mlx_lm(model, max(a.concurrency), a.out.with_suffix(".mlx_lm.log"), blas)
+            servers["mlx_lm.server"] = start_mlx_lm(mlx_model, max(a.concurrency), a.out.with_suffix(".mlx_lm.log"),
+                                                    blas)
         for name, server in servers.items():  # warm-up, not measured
-            asyncio.run(run_load(server.url, requests_for(name, "mixed8", 8, 8, model, adapters, eos, 50_000),
+            asyncio.run(run_load(server.url, requests_for(name, "mixed8", 8, 8, mlx_model, adapters, eos, 50_000),
                                  8, RunResult(name, "warmup", 8), 120))
         offset = 0
         for rep in range(a.repeats):
@@ -270,18 +304,18 @@ def main() -> int:
                 n = max(4, a.requests_per_slot * conc)
                 for name, server in servers.items():
                     for wl in (a.workloads if name == "mola" else a.mlx_lm_workloads):
-                        reqs = requests_for(name, wl, n, a.max_tokens, model, adapters, eos, offset)
+                        reqs = requests_for(name, wl, n, a.max_tokens, mlx_model, adapters, eos, offset)
                         offset += n
                         r = asyncio.run(run_load(server.url, reqs, conc, RunResult(name, wl, conc), a.max_seconds))
                         results.append(r)
                         print(f"  rep {rep} {name:<14} {wl:<8} c={conc:<3} {r.tok_s:7.1f} tok/s "
                               f"({r.completed}/{r.requests} requests)", file=sys.stderr, flush=True)
                 if "batch_generate" in a.systems:
-                    bg = run_batch_generate(model, n, conc, a.max_tokens, blas)
+                    bg = run_batch_generate(mlx_model, n, conc, a.max_tokens, blas)
                     results.append(RunResult("batch_generate", "base", conc, n, n, bg["tokens"], bg["wall_s"]))
                     print(f"  rep {rep} batch_generate base     c={conc:<3} {bg['tok_s']:7.1f} tok/s",
                           file=sys.stderr, flush=True)
-        if "mola" in servers:
+        if "mola" in servers and not a.no_hot_load:
             hot = asyncio.run(hot_load(servers["mola"].url, adapters[K_MAX], 192, eos))
     finally:
         for server in servers.values():
@@ -299,7 +333,7 @@ def main() -> int:
                                  "targets": targets, "hot_load": hot}, indent=1))
     # every request's timeline: megabytes, so beside the summary and not committed
     a.out.with_suffix(".runs.json").write_text(json.dumps([asdict(r) for r in results]))
-    if plot(table, a.out.with_suffix(".png")):
+    if plot(table, a.out.with_suffix(".png"), f"mola vs mlx-lm, {title}"):
         print(f"wrote {a.out} and {a.out.with_suffix('.png')}")
     return 0
 

@@ -36,13 +36,30 @@ def bench_model(cache: Path = CACHE) -> Path:
     return path
 
 
-def bench_adapters(model: Path, k: int, rank: int, cache: Path = CACHE) -> list[Path]:
+def real_model(cache: Path = CACHE) -> tuple[Path, Path]:
+    """The real model: SmolLM2-135M-Instruct's Q4_1 GGUF (fetched once into
+    mola's cache, hashes checked), which mola serves as it is, and its `mola
+    convert` output in the dtype `--dtype auto` picks for it here (float32 on a
+    CPU, kept quantized on a GPU), for mlx-lm: the same weights and dtype."""
+    from mola.models.convert import convert
+    from mola.models.fetch import ensure_smollm
+    from mola.models.loader import resolve_dtype
+
+    gguf = ensure_smollm()
+    dtype = resolve_dtype("auto", is_gguf=True)
+    out = cache / f"smollm2-{dtype}"
+    if not (out / "config.json").is_file():
+        convert(gguf, out, dtype=dtype, force=True)
+    return gguf, out
+
+
+def bench_adapters(model: Path, k: int, rank: int, cache: Path = CACHE, prefix: str = "adapter") -> list[Path]:
     """K random adapters of ``rank`` on every linear of every block."""
     from mola.synthetic.adapter import make_random_adapter
 
     out = []
     for i in range(k):
-        path = cache / f"adapter-r{rank}-{i}"
+        path = cache / f"{prefix}-r{rank}-{i}"
         if not (path / "adapters.safetensors").is_file():
             make_random_adapter(path, model, rank=rank, keys=ADAPTER_KEYS, seed=100 + i, std=0.02)
         out.append(path)

@@ -1,19 +1,25 @@
-"""Build the embedded demo and write its adapters to adapters/demo/.
+"""Retrain the demo adapters and write them to adapters/.
 
-    python devtools/build_demo.py [--out adapters/demo] [--keep-data DIR] [--check N]
+    python devtools/build_demo.py [--demo chat|echo] [--out DIR] [--keep-data DIR] [--check N]
 
-The base model is built by mola.synthetic.echo; each adapter is trained with
-`mola train`'s own function (mola.train.train_adapter) on data from
-mola.synthetic.demo_data (see mola/demo.py for the recipes). The build goes
-to a temporary directory; the adapters and the SHA-256 of the base they were
-trained on (base.sha256) then replace --out. The base itself is not kept
-there: `mola serve` rebuilds it into its cache in seconds. On Linux, preload
-OpenBLAS for speed (mola serve and mola train do it by themselves):
+chat (default): SmolLM2-135M-Instruct (fetched into mola's cache, hashes
+checked) and the adapters of mola/demo/chat.py, trained with `mola train`'s own
+function on the base model's own answers to generated questions, rewritten
+by each style's rule (mola/demo/styles.py); stored as float16 in
+adapters/smollm2/ with the SHA-256 of the GGUF file they were trained on.
+echo: the echo demo's adapters (mola/demo/echo.py) in adapters/echo/, with
+the SHA-256 of the echo base (which is not kept: `mola serve` rebuilds it).
+
+The build goes to a temporary directory that then replaces --out. It is
+reproducible on one machine (greedy answers, seeded training); another CPU or
+BLAS may round differently. On Linux, preload OpenBLAS for speed (mola serve
+and mola train do it by themselves):
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 python devtools/build_demo.py
 
---check N greedily decodes N held-out messages with each model (plain mlx-lm,
-no mola code) and reports how many come out exactly right.
+--check N greedily answers N held-out questions (messages, for echo) with the
+base and each adapter and reports how many show the adapter's behaviour; the
+exit status is 1 when one does not (or, for chat, when the base's does).
 """
 
 from __future__ import annotations
@@ -29,13 +35,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def check(demo: Path, n: int, seed: int = 12345) -> bool:
+def check_echo(demo: Path, n: int, seed: int = 12345) -> bool:
+    """Exact answers of the echo base and adapters (plain mlx-lm, no mola code)."""
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.generate import generate_step
     from mlx_lm.sample_utils import make_sampler
 
-    from mola.demo import BASE, DEMO_ADAPTERS, RECIPES
+    from mola.demo.echo import BASE, DEMO_ADAPTERS, RECIPES
     from mola.synthetic import demo_data
 
     messages = demo_data.messages(n, seed)
@@ -64,27 +71,67 @@ def check(demo: Path, n: int, seed: int = 12345) -> bool:
     return ok_all
 
 
+def check_chat(demo: Path, n: int, max_tokens: int = 64) -> bool:
+    """Each adapter's greedy answers to held-out questions pass its style's
+    check and no other's; the base's pass none (mlx-lm's LoRA layers on the
+    GGUF base as mola loads it)."""
+    from mlx_lm import batch_generate
+    from mlx_lm.tuner.utils import load_adapters
+
+    from mola.demo.chat import DEMO_ADAPTERS, NAME
+    from mola.demo.questions import questions
+    from mola.demo.styles import CHECKS
+    from mola.models.fetch import ensure_smollm
+    from mola.models.loader import load_base_model
+
+    held_out = questions(held_out=True, seed=1)[:n]
+    ok_all = True
+    for name in (NAME, *DEMO_ADAPTERS):
+        loaded = load_base_model(str(ensure_smollm()))
+        model = loaded.model if name == NAME else load_adapters(loaded.model, str(demo / name))
+        tok = loaded.tokenizer
+        prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+                   for q in held_out]
+        answers = batch_generate(model, tok, prompts, max_tokens=max_tokens).texts
+        passed = {style: sum(check(a) for a in answers) for style, check in CHECKS.items()}
+        want = {style: (len(answers) if style == name else 0) for style in CHECKS}
+        ok = passed == want
+        ok_all = ok_all and ok
+        print(f"{name:22s} passes " + ", ".join(f"{s} {k}/{len(answers)}" for s, k in passed.items())
+              + ("" if ok else f"  (want {want})"), flush=True)
+        for q, a in list(zip(held_out, answers))[:3]:
+            print(f"    {q!r} -> {a!r}")
+    return ok_all
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=ROOT / "adapters" / "demo")
+    p.add_argument("--demo", choices=["chat", "echo"], default="chat")
+    p.add_argument("--out", type=Path, help="default: adapters/smollm2 (chat) or adapters/echo")
     p.add_argument("--keep-data", type=Path, help="also write each adapter's train/valid data here")
-    p.add_argument("--check", type=int, default=0, metavar="N", help="check N held-out messages per model")
+    p.add_argument("--check", type=int, default=0, metavar="N", help="check N held-out questions per model")
     a = p.parse_args()
 
-    from mola.demo import BASE, BASE_HASH_FILE, DEMO_ADAPTERS, base_hash, build_demo
+    from mola.demo import chat, echo
 
-    out = a.out.resolve()
+    out = (a.out or (chat.checkout_demo_dir() if a.demo == "chat" else echo.checkout_demo_dir())).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix=".demo-build-", dir=out.parent) as tmp:
         tmp = Path(tmp)
-        build_demo(tmp, keep_data=a.keep_data)
-        ok = check(tmp, a.check) if a.check else True
         done = tmp / "out"
-        done.mkdir()
-        for name in DEMO_ADAPTERS:
-            os.replace(tmp / name, done / name)
-        (done / BASE_HASH_FILE).write_text(base_hash(tmp / BASE) + "\n")
+        if a.demo == "chat":
+            from mola.models.fetch import ensure_smollm
+
+            chat.build_demo(done, ensure_smollm(), keep_data=a.keep_data)
+            ok = check_chat(done, a.check) if a.check else True
+        else:
+            echo.build_demo(tmp, keep_data=a.keep_data)
+            ok = check_echo(tmp, a.check) if a.check else True
+            done.mkdir()
+            for name in echo.DEMO_ADAPTERS:
+                os.replace(tmp / name, done / name)
+            (done / echo.BASE_HASH_FILE).write_text(echo.base_hash(tmp / echo.BASE) + "\n")
         if out.exists():
             shutil.rmtree(out)
         os.replace(done, out)

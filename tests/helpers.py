@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+import httpx
 import mlx.core as mx
 import uvicorn
 
@@ -82,6 +87,41 @@ def start_server(**kwargs) -> ServerHandle:
             raise RuntimeError(f"the test server did not start: {box.get('error')}")
         time.sleep(0.02)
     return ServerHandle(f"http://127.0.0.1:{config.port}", engine, box["server"], thread, config)
+
+
+def start_mola_serve(args, env=None, timeout=120):
+    """`mola serve ARGS` in a process of its own on 127.0.0.1, once /health answers 200."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mola", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, **(env or {})},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"mola serve exited with {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("mola serve did not become healthy")
+        time.sleep(0.2)
+
+
+def stop_mola_serve(proc) -> tuple[int, str]:
+    """SIGINT, as Ctrl-C; the exit status and everything it printed."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, _ = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return proc.returncode, out
 
 
 # ---- references ---------------------------------------------------------------

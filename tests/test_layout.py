@@ -18,6 +18,9 @@ ABOVE = {
     "engine": ("structured", "server", "serve", "cli", "train", "demo"),
     "structured": ("server", "serve", "cli", "train", "demo"),
     "server": ("serve", "cli", "train", "demo"),
+    "models": ("structured", "server", "serve", "cli", "train", "demo"),
+    "train": ("server", "serve", "cli", "demo"),
+    "demo": ("server", "serve", "cli"),
 }
 ENGINE_INTERNALS = {"scheduler", "runner", "packs", "_commands"}
 

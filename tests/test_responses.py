@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-import mola.demo as demo
+import mola.demo.echo as demo
 from mola.config import AdapterSpec
 
 from helpers import start_server, typed_events, validate_schema, validate_stream_event

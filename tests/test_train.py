@@ -16,7 +16,7 @@ import httpx
 import mlx.core as mx
 import pytest
 
-import mola.engine.loader
+import mola.models.loader
 from mola.config import AdapterSpec
 from mola.train import DataError, OutputPathError, TrainConfig, TrainError, check_data, check_output, hot_load, train_adapter
 
@@ -121,7 +121,7 @@ def test_checks_come_before_the_model_loads(tmp_path, monkeypatch):
     def no_load(*a, **k):
         raise AssertionError("the model was loaded")
 
-    monkeypatch.setattr(mola.engine.loader, "load_base_model", no_load)
+    monkeypatch.setattr(mola.models.loader, "load_base_model", no_load)
     bad = write(tmp_path / "bad", "train.jsonl", [CHAT, "{"])
     good = write(tmp_path / "good", "train.jsonl", [CHAT] * 4)
     (tmp_path / "taken").mkdir()

@@ -8,7 +8,7 @@ import sys
 
 from . import __version__
 from .blas import maybe_reexec_with_openblas
-from .config import (DTYPE_CHOICES, FIELDS, AdapterSpec, ServeConfig, load_config_file, merge_adapters,
+from .config import (DEMO_CHOICES, DTYPE_CHOICES, FIELDS, AdapterSpec, ServeConfig, load_config_file, merge_adapters,
                      parse_adapter_arg, parse_bytes)
 
 
@@ -39,7 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="a TOML or YAML file declaring the model, adapters and settings")
     serve.add_argument("--model", help="base model: a local mlx-lm directory, a Hugging Face hub id, "
                        "or a llama.cpp GGUF file (or a directory holding one) "
-                       "(default: the embedded demo, built offline on first run)")
+                       "(default: the demo, SmolLM2-135M-Instruct with three adapters, fetched on "
+                       "first run; offline, the echo demo)")
+    serve.add_argument("--demo", choices=DEMO_CHOICES,
+                       help="with no --model: chat (default; the echo demo when its model cannot be "
+                       "fetched) or echo (a tiny base that echoes the message, built in seconds)")
     serve.add_argument("--served-model-name", help="the id clients use for the base model "
                        "(default: the model directory's name, or the GGUF file's name without .gguf)")
     serve.add_argument("--dtype", choices=DTYPE_CHOICES,

@@ -16,6 +16,7 @@ from .lora.names import check_adapter_id
 from .lora.resolvers import ResolverSpec, parse_resolver
 
 DTYPE_CHOICES = ("auto", "keep", "float16", "bfloat16", "float32")
+DEMO_CHOICES = ("chat", "echo")  # what `mola serve` with no model serves (mola.demo)
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,13 @@ class AdapterSpec:
 
 @dataclass(frozen=True)
 class ServeConfig:
-    # The base model: a local directory or a Hugging Face hub id. None serves
-    # the embedded demo (a small model and demo adapters built offline).
+    # The base model: a local directory, a Hugging Face hub id or a GGUF file.
+    # None serves the embedded demo (mola.demo: SmolLM2-135M-Instruct, fetched
+    # once, with three adapters; the echo demo when it cannot be fetched).
     model: str | None = None
+    # Which demo a model of None serves: "chat" (falling back to the echo demo,
+    # saying why, when its model cannot be fetched) or "echo".
+    demo: str = "chat"
     # The id clients use for the base model (default: the directory's name).
     served_model_name: str | None = None
     # Adapters named at start; each is checked and loaded before serving.
@@ -88,7 +93,7 @@ class ServeConfig:
     # limit (otherwise the default is whatever room the context has left).
     default_max_tokens: int = 2048
     log_level: str = "info"
-    cache_dir: Path | None = None  # where the demo is built (default ~/.cache/mola)
+    cache_dir: Path | None = None  # where the demo is fetched and built (default ~/.cache/mola)
     # Access: with api_key, every /v1 route needs "Authorization: Bearer KEY";
     # with admin_key, loading and unloading adapters needs that key instead.
     # /health and /metrics stay open unless protect_metrics.
@@ -158,6 +163,11 @@ class ServeConfig:
             key = getattr(self, name)
             if key is not None and (not isinstance(key, str) or len(key) < 8):
                 raise ValueError(f"{name} must be a string of at least 8 characters")
+        if self.demo not in DEMO_CHOICES:
+            raise ValueError(f"unknown demo {self.demo!r}; choose one of {', '.join(DEMO_CHOICES)}")
+        if self.demo != "chat" and self.model is not None:
+            raise ValueError(f"demo {self.demo!r} is served in place of a model; it cannot go with "
+                             f"model {self.model!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):

