@@ -10,7 +10,7 @@ adapters/smollm2/ with the SHA-256 of the GGUF file they were trained on.
 echo: the echo demo's adapters (mola/demo/echo.py) in adapters/echo/, with
 the SHA-256 of the echo base (which is not kept: `mola serve` rebuilds it).
 
-The build goes to a temporary directory that then replaces --out. It is
+The build goes to a temporary directory outside the checkout that then replaces --out. It is
 reproducible on one machine (greedy answers, seeded training); another CPU or
 BLAS may round differently. On Linux, preload OpenBLAS for speed (mola serve
 and mola train do it by themselves):
@@ -117,7 +117,8 @@ def main() -> int:
     out = (a.out or (chat.checkout_demo_dir() if a.demo == "chat" else echo.checkout_demo_dir())).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix=".demo-build-", dir=out.parent) as tmp:
+    # Built outside the checkout (an interrupted build leaves nothing in it), then moved into place.
+    with tempfile.TemporaryDirectory(prefix="mola-demo-build-") as tmp:
         tmp = Path(tmp)
         done = tmp / "out"
         if a.demo == "chat":
@@ -134,7 +135,7 @@ def main() -> int:
             (done / echo.BASE_HASH_FILE).write_text(echo.base_hash(tmp / echo.BASE) + "\n")
         if out.exists():
             shutil.rmtree(out)
-        os.replace(done, out)
+        shutil.move(done, out)
     total = 0
     for f in sorted(out.rglob("*")):
         if f.is_file():

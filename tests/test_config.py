@@ -88,6 +88,17 @@ def test_bad_values_are_refused():
         AdapterSpec("a", "/x", float("nan"))
     with pytest.raises(ValueError, match="'int4'"):
         ServeConfig(dtype="int4")
+    with pytest.raises(ValueError, match="unknown demo 'pirate'"):
+        ServeConfig(demo="pirate")
+    with pytest.raises(ValueError, match="demo 'echo' is served in place of a model; it cannot go with model 'm'"):
+        ServeConfig(demo="echo", model="m")
+
+
+def test_demo_from_flag_and_file(tmp_path):
+    assert parse().demo == "chat" and parse("--demo", "echo").demo == "echo"
+    f = tmp_path / "mola.toml"
+    f.write_text('demo = "echo"\n')
+    assert parse("--config", str(f)).demo == "echo"
 
 
 def test_dtype_from_flag_and_file(tmp_path):

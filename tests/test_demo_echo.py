@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 import mola.demo.echo as demo
-from mola.config import AdapterSpec
+from mola.config import AdapterSpec, ServeConfig
+from mola.serve import with_demo
 from mola.synthetic import demo_data
 
 from helpers import sse_events, start_server, validate_schema
@@ -87,11 +88,14 @@ async def ask_all(url: str, jobs: list[tuple[str, dict]]) -> list[dict]:
     return [r.json() for r in responses]
 
 
-def test_only_the_adapters_are_committed(server, cache):
+def test_the_echo_demo_is_what_serve_demo_echo_serves(server, cache):
     """Committed adapters on a base built into the cache: the very base they
     were trained on (its hash is committed beside them), and only the
     adapters (a few KB) are in the checkout."""
+    config = with_demo(ServeConfig(demo="echo", cache_dir=cache))
     base = cache / f"demo-v{demo.DEMO_VERSION}" / demo.BASE
+    assert config.model == str(base) and config.served_model_name == "mola-demo"
+    assert [(a.name, a.path) for a in config.adapters] == [(n, str(ROOT / n)) for n in ("upper", "title", "count")]
     assert demo.base_hash(base) == (ROOT / demo.BASE_HASH_FILE).read_text().strip()
     assert not (ROOT / demo.BASE).exists()
     sizes = sum(f.stat().st_size for f in ROOT.rglob("*") if f.is_file())

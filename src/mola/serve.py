@@ -38,6 +38,7 @@ def with_demo(config: ServeConfig) -> ServeConfig:
     return dataclasses.replace(
         config,
         model=str(demo.model),
+        demo=ServeConfig.demo,  # the demo is now the model: no choice is left to make
         served_model_name=config.served_model_name or demo.name,
         adapters=demo_adapters + config.adapters,
     )

@@ -155,7 +155,7 @@ def ensure_demo(cache_dir: Path | None = None, recipes: dict[str, Recipe] | None
     recipes = RECIPES if recipes is None else recipes
     names = tuple(recipes)
     if not smollm_path(cache_dir).is_file():
-        stderr(f"[mola] first run: fetching {NAME} (98 MB) into {smollm_path(cache_dir).parent}")
+        stderr(f"[mola] first run: fetching {NAME} (about 100 MB, once) into {smollm_path(cache_dir).parent}")
     gguf = ensure_smollm(cache_dir)
     checkout = checkout_demo_dir()
     if adapters_are_built(checkout, names):
