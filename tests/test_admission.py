@@ -15,7 +15,7 @@ import pytest
 from mola.config import AdapterSpec
 from mola.engine.client import AsyncEngine
 from mola.engine.engine import Engine, EngineConfig
-from mola.engine.loader import load_base_model
+from mola.models.loader import load_base_model
 from mola.lora.host_tier import HostTier
 from mola.lora.loader import AdapterLoader
 from mola.lora.records import AdapterRecord, AdapterState

@@ -16,7 +16,7 @@ import pytest
 
 from mola.engine.client import AsyncEngine
 from mola.engine.engine import Engine, EngineConfig
-from mola.engine.loader import load_base_model
+from mola.models.loader import load_base_model
 from mola.engine.sequence import SamplingParams, Sequence
 from mola.errors import InvalidAdapter
 from mola.lora.formats import read_adapter

@@ -15,7 +15,7 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from mola.engine.loader import load_base_model
+from mola.models.loader import load_base_model
 from mola.lora.formats import read_adapter
 from mola.lora.pack import AdapterPacks, geometry_of
 from mola.synthetic.adapter import make_random_adapter, read_model_config

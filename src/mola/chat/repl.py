@@ -29,7 +29,7 @@ HELP = """\
 
 
 def _history_file() -> Path:
-    from ..demo import default_cache_dir
+    from ..cache import default_cache_dir
 
     return default_cache_dir() / "chat_history"
 

@@ -122,7 +122,7 @@ def build_demo(target: Path, gguf: Path, log: Callable[[str], None] = stderr,
                 f"({r.iters} iterations of mola train)")
             data = write_data(answers, r.style, data_root / name)
             train_adapter(TrainConfig(
-                model=str(gguf), data=data, out=target / name, rank=r.rank, layers=r.layers,
+                model=str(gguf), dtype="float32", data=data, out=target / name, rank=r.rank, layers=r.layers,
                 targets=r.targets, iters=r.iters, batch_size=r.batch_size, learning_rate=r.learning_rate,
                 lr_schedule="cosine", warmup=r.warmup, grad_clip=1.0, mask_prompt=True, seed=SEED,
                 steps_per_report=10, steps_per_eval=r.iters, val_batches=-1, force=True,
