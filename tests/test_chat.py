@@ -207,6 +207,15 @@ def test_url_and_a_server_of_its_own_do_not_mix(tmp_path):
     assert r.returncode == 2 and "with --url the server is already running" in r.stderr
 
 
+def test_the_chat_server_of_its_own_takes_serve_flags():
+    from mola.chat.command import serve_args
+    from mola.cli import build_parser
+
+    args = build_parser().parse_args(["chat", "upper", "--demo", "echo", "--max-lora-rank", "16"])
+    assert serve_args(args) == ["--demo", "echo", "--max-lora-rank", "16"]
+    assert serve_args(build_parser().parse_args(["chat"])) == []
+
+
 def test_session_requests():
     s = Session(model="a", system="Be kind.", max_tokens=5)
     s.ask("hi")

@@ -156,6 +156,8 @@ def add_chat_parser(commands) -> argparse.ArgumentParser:
     chat.add_argument("--url", help="a running mola (or any OpenAI-compatible) server, e.g. http://127.0.0.1:8000")
     chat.add_argument("--api-key", help="bearer key for --url (default: $MOLA_API_KEY)")
     chat.add_argument("--model", help="without --url: the base model of the chat's own server")
+    chat.add_argument("--demo", choices=DEMO_CHOICES,
+                      help="without --url and --model: which demo its server serves (chat, the default, or echo)")
     chat.add_argument("--adapter", dest="adapters", action="append", metavar="NAME=PATH",
                       help="without --url: serve this adapter too (repeatable)")
     chat.add_argument("--adapter-dir", dest="adapter_dirs", action="append", metavar="DIR",

@@ -16,7 +16,7 @@ from .session import Session
 def serve_args(args: argparse.Namespace) -> list[str]:
     """The `mola serve` flags of an in-process chat."""
     out = []
-    for flag, value in (("--model", args.model), ("--config", args.config),
+    for flag, value in (("--model", args.model), ("--demo", args.demo), ("--config", args.config),
                         ("--max-lora-rank", args.max_lora_rank)):
         if value is not None:
             out += [flag, str(value)]
@@ -29,7 +29,7 @@ def serve_args(args: argparse.Namespace) -> list[str]:
 
 def main(args: argparse.Namespace) -> int:
     if args.url is not None and serve_args(args):
-        print("[mola] error: --model, --adapter, --adapter-dir, --config and --max-lora-rank start the "
+        print("[mola] error: --model, --demo, --adapter, --adapter-dir, --config and --max-lora-rank start the "
               "chat's own server; with --url the server is already running", file=sys.stderr)
         return 2
     api_key = args.api_key or os.environ.get("MOLA_API_KEY") or None
