@@ -32,7 +32,7 @@ from helpers import greedy_tokens, start_mola_serve, start_server, stop_mola_ser
 ROOT = chat.checkout_demo_dir()
 README = Path(__file__).resolve().parents[1] / "README.md"
 README_QUESTION = "What is the capital of France?"
-HELD_OUT = [README_QUESTION] + [q for q in questions(held_out=True, seed=1) if q != README_QUESTION][:5]
+HELD_OUT = [README_QUESTION] + [q for q in questions(held_out=True, seed=1) if q != README_QUESTION][:3]
 MODELS = (chat.NAME, *chat.DEMO_ADAPTERS)
 MAX_TOKENS = 64
 
@@ -131,8 +131,9 @@ def test_the_adapters_answer_as_in_plain_mlx_lm(smollm_gguf, mixed):
 def readme_answers() -> dict[str, str]:
     """The answers the README shows under its curl loop."""
     text = README.read_text()
-    loop = text.index("for model in ")
-    block = text[text.index("```\n", text.index("done\n```", loop)) + 4:]
+    after_loop = text.index("done\n```\n", text.index("for model in ")) + len("done\n```\n")
+    assert text.startswith("```\n", after_loop), "the curl loop's output block must follow it"
+    block = text[after_loop + 4:]
     block = block[: block.index("```")]
     return dict(re.fullmatch(r"(\S+) -> (.*)", line).groups() for line in block.strip().splitlines())
 
@@ -185,7 +186,7 @@ def test_first_run_without_a_checkout_trains_into_the_cache(smollm_gguf, tmp_pat
     cache = tmp_path / "cache"
     (cache / "models").mkdir(parents=True)
     (cache / "models" / smollm_gguf.name).symlink_to(smollm_gguf)
-    small = {"pirate": chat.Recipe("pirate", iters=1, batch_size=2, warmup=0)}
+    small = {"pirate": chat.Recipe("pirate", iters=1, batch_size=1, warmup=0)}
     gguf, adapters = chat.ensure_demo(cache, recipes=small, max_questions=6)
     root = cache / f"chat-demo-v{chat.DEMO_VERSION}"
     assert gguf == cache / "models" / smollm_gguf.name and adapters == {"pirate": root / "pirate"}
