@@ -105,6 +105,6 @@ def server(tiny_model, adapters) -> ServerHandle:
 def echo_demo(tmp_path_factory):
     """The demo's echo base (it copies the user's message), built into a
     cache of its own, and its committed adapters (upper, title, count)."""
-    from mola.demo import ensure_demo
+    from mola.demo.echo import ensure_demo
 
     return ensure_demo(tmp_path_factory.mktemp("echo-cache"))
