@@ -68,9 +68,9 @@ def served(smollm_gguf):
 def mixed(served) -> dict[tuple[str, str], str]:
     """(model, question) -> answer, all of them sent at once."""
     jobs = [(m, q) for q in HELD_OUT for m in MODELS]
-    steps_before = served.engine.runner.stats.mixed_steps
+    steps_before = served.engine.snapshot.stats.mixed_steps  # the engine's published copy
     answers = asyncio.run(ask_all(served.url, jobs))
-    assert served.engine.runner.stats.mixed_steps > steps_before
+    assert served.engine.snapshot.stats.mixed_steps > steps_before
     return dict(zip(jobs, answers))
 
 

@@ -121,13 +121,13 @@ def test_each_model_answers_held_out_messages_exactly(server, held_out, model):
 
 
 def test_all_four_mixed_in_one_batch(server, held_out):
-    stats = server.engine.runner.stats
-    mixed_before = stats.mixed_steps
+    mixed_before = server.engine.snapshot.stats.mixed_steps  # the engine's published copy
     jobs = [(model, body(model, m)) for m in held_out for model in TASKS]
     answers = asyncio.run(ask_all(server.url, jobs))
     for (model, b), a in zip(jobs, answers):
         m = b["messages"][0]["content"]
         assert a["choices"][0]["message"]["content"] == TASKS[model](m), (model, m)
+    stats = server.engine.snapshot.stats
     assert stats.mixed_steps > mixed_before
     assert stats.max_slots_in_step >= 3
 

@@ -23,6 +23,7 @@ ABOVE = {
     "demo": ("server", "serve", "cli"),
 }
 ENGINE_INTERNALS = {"scheduler", "runner", "packs", "_commands"}
+THREAD_OWNED = {"scheduler", "runner", "packs"}  # what only the engine thread may read
 
 
 def modules(folder: str):
@@ -65,4 +66,21 @@ def test_the_server_reads_no_engine_internals():
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS:
                 reads.append(f"{path.relative_to(SRC)}:{node.lineno} .{node.attr}")
+    assert not reads, reads
+
+
+def test_tests_read_engine_internals_only_on_the_engine_thread():
+    """Tests hold to the same rule: a test reads the scheduler, runner or
+    packs only inside a function it hands the engine thread (engine.call),
+    else it reads the snapshot. (Putting a command on the engine's queue, as
+    the dying-engine test does, is not a read.)"""
+    reads = []
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        on_engine = {id(sub) for node in ast.walk(tree) if isinstance(node, ast.Lambda) for sub in ast.walk(node)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in THREAD_OWNED and id(node) not in on_engine:
+                owner = node.value.attr if isinstance(node.value, ast.Attribute) else getattr(node.value, "id", "")
+                if owner == "engine":
+                    reads.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
     assert not reads, reads

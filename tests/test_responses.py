@@ -323,8 +323,10 @@ def test_a_failure_mid_stream_is_response_failed(server):
                 buf += chunk
                 if buf.count("\n\n") >= 4 and not blocks:
                     blocks.append("aborted")
-                    for seq in list(server.engine.scheduler.running):
-                        server.engine.abort(seq.seq_id)
+                    engine = server.engine  # the running rows, read on the engine thread
+                    running = engine.call(lambda: [s.seq_id for s in engine.scheduler.running]).result(timeout=30)
+                    for seq_id in running:
+                        engine.abort(seq_id)
     events = typed_events(buf)
     for e in events:
         validate_stream_event(e)

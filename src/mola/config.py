@@ -14,8 +14,8 @@ from .engine.config import DEFAULT_PROMPT_CACHE_BYTES, EngineConfig, Speculative
 from .errors import InvalidAdapterName
 from .lora.names import check_adapter_id
 from .lora.resolvers import ResolverSpec, parse_resolver
+from .models import DTYPE_CHOICES
 
-DTYPE_CHOICES = ("auto", "keep", "float16", "bfloat16", "float32")
 DEMO_CHOICES = ("chat", "echo")  # what `mola serve` with no model serves (mola.demo)
 
 

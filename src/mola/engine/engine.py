@@ -28,7 +28,7 @@ from ..lora.pack import AdapterPacks, SlotGeometry, SlotRows
 from ..lora.recipe import Recipe
 from .config import EngineConfig
 from .distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS, Group, Leader, wire_plan
-from .model import LoadedModel
+from ..models.model import LoadedModel
 from .outputs import EngineSnapshot, SeqOutput
 from .prompt_cache import PromptCache, PromptCacheStats
 from .runner import ModelRunner, StepResult

@@ -1,6 +1,7 @@
 """Base models: mlx-lm directories, hub ids and llama.cpp GGUF files, loaded as
 mlx-lm models with mlx-lm tokenizers.
 
+    model.py      LoadedModel: what the loader hands the engine
     loader.py     where a model comes from, and --dtype
     metadata.py   a GGUF file's metadata -> mlx-lm config
     gguf.py       a GGUF file -> mlx-lm weights and model
@@ -9,3 +10,6 @@ mlx-lm models with mlx-lm tokenizers.
     convert.py    `mola convert`: a GGUF file -> an mlx-lm model directory
     fetch.py      the real test/demo model (SmolLM2-135M-Instruct), fetched once
 """
+
+# --dtype: auto (float32 on a CPU, the file's own codecs on a GPU), keep, or a float dtype
+DTYPE_CHOICES = ("auto", "keep", "float16", "bfloat16", "float32")

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..config import DTYPE_CHOICES
-from ..engine.model import LoadedModel
 from ..errors import ModelLoadError
+from . import DTYPE_CHOICES
 from .gguf import DTYPES
 from .metadata import find_gguf
+from .model import LoadedModel
 
 log = logging.getLogger("mola.loader")
 
