@@ -53,10 +53,16 @@ FIRST_RATE = 0.6  # a row's acceptance rate before any of its drafts was checked
 RATE_STEP = 0.2  # how far one checked draft token moves the rate towards what it showed
 # Steps with drafts that the costs turned down before one speculates anyway
 # (to see whether the costs changed): EXPLORE_CLOSE when the expected tokens
-# per second came within CLOSE of a plain step's.
+# per second came within CLOSE of a plain step's. Acceptance rates need no
+# exploring (drafts turned down are checked against the tokens that come),
+# and a turned-down step costs what it falls short by, which on a CPU is much:
+# at CLOSE = 0.8 a batch of 4 or 8 copying rows on mixed adapters explored
+# one step in 8 at some 20-60% below a plain step's tokens per second, and
+# lost 15-25% in all (benchmarks/README.md, speculative decoding). Exploring
+# now loses at most (1 - CLOSE) / EXPLORE_CLOSE + 1 / EXPLORE_EVERY, about 2%.
 EXPLORE_EVERY = 64
 EXPLORE_CLOSE = 8
-CLOSE = 0.8
+CLOSE = 0.95
 
 
 def expected_accepted(rate: float, drafted: int) -> float:
