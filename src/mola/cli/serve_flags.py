@@ -1,0 +1,144 @@
+"""`mola serve`'s flags (each maps to a ServeConfig field of the same name)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config import DEMO_CHOICES, AdapterSpec, parse_adapter_arg, parse_bytes
+from ..models import DTYPE_CHOICES
+
+
+def adapter_arg(value: str) -> AdapterSpec:
+    try:
+        return parse_adapter_arg(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
+def size_arg(value: str) -> int:
+    try:
+        return parse_bytes(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
+def add_serve_parser(commands) -> argparse.ArgumentParser:
+    """`mola serve`: settings from defaults, then --config FILE, then the flags given."""
+    serve = commands.add_parser(
+        "serve", help="serve a base model and its adapters over an OpenAI-compatible API",
+        description="Settings come from defaults, then --config FILE, then the flags given.",
+        argument_default=argparse.SUPPRESS,
+    )
+    _model_flags(serve)
+    _adapter_flags(serve)
+    _engine_flags(serve)
+    _access_flags(serve)
+    _speculative_flags(serve)
+    return serve
+
+
+def _model_flags(serve: argparse.ArgumentParser) -> None:
+    """Which model, in what dtype, under what id."""
+    serve.add_argument("--config", help="a TOML or YAML file declaring the model, adapters and settings")
+    serve.add_argument("--model", help="base model: a local mlx-lm directory, a Hugging Face hub id, "
+                       "or a llama.cpp GGUF file (or a directory holding one) "
+                       "(default: the demo, SmolLM2-135M-Instruct with three adapters, fetched on "
+                       "first run; offline, the echo demo)")
+    serve.add_argument("--demo", choices=DEMO_CHOICES,
+                       help="with no --model: chat (default; the echo demo when its model cannot be "
+                       "fetched) or echo (a tiny base that echoes the message, built in seconds)")
+    serve.add_argument("--served-model-name", help="the id clients use for the base model "
+                       "(default: the model directory's name, or the GGUF file's name without .gguf)")
+    serve.add_argument("--dtype", choices=DTYPE_CHOICES,
+                       help="weights at load: keep (quantized layers stay quantized), float16, "
+                       "bfloat16 or float32 (dequantized); auto (default): GGUF files float32 on a "
+                       "CPU and kept on a GPU, mlx-lm directories as they are")
+
+
+def _adapter_flags(serve: argparse.ArgumentParser) -> None:
+    """Where adapters may come from, and how many are kept where."""
+    serve.add_argument("--adapter", dest="adapters", action="append", type=adapter_arg, metavar="NAME=PATH",
+                       help="serve the adapter at PATH (a directory, .gguf file or hub id) as model "
+                       "id NAME (repeatable)")
+    serve.add_argument("--adapter-dir", dest="adapter_dirs", action="append", metavar="DIR",
+                       help="every subdirectory or .gguf file of DIR is an adapter named after it, "
+                       "loaded on first use (repeatable)")
+    serve.add_argument("--allow-any-adapter-path", action="store_true",
+                       help="let adapters load from any path, not only under --adapter-dir (or named at start)")
+    serve.add_argument("--allow-adapter-symlinks", action="store_true",
+                       help="follow symlinks inside an --adapter-dir wherever they lead (default: an "
+                       "adapter's real path must lie under an --adapter-dir)")
+    serve.add_argument("--adapter-resolver", dest="adapter_resolvers", action="append", metavar="SPEC",
+                       help="where a model id no adapter has is looked for (repeatable, tried in "
+                       "order; off by default): dir:PATH tries PATH/<id>; hf:ORG/* (or "
+                       "hf:ORG/A,ORG/B) an ORG/NAME hub repo, through huggingface-hub's cache")
+
+
+def _engine_flags(serve: argparse.ArgumentParser) -> None:
+    """The address, the batch, the context and the prompt cache."""
+    serve.add_argument("--host", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--max-loras", type=int, help="adapter slots, i.e. resident adapters (default 8)")
+    serve.add_argument("--max-lora-rank", type=int, help="largest adapter rank (default 64)")
+    serve.add_argument("--max-cpu-loras", type=int, metavar="N",
+                       help="keep up to N recently used adapters read and prepared in host memory, "
+                       "so that loading one into a slot is only the copy (default: no host tier)")
+    serve.add_argument("--adapter-cache-bytes", type=size_arg, metavar="SIZE",
+                       help="cap the host tier's memory, e.g. 4GB or 512MiB (with or without "
+                       "--max-cpu-loras; default: no host tier)")
+    serve.add_argument("--max-adapter-wait", type=float, metavar="SECONDS",
+                       help="a request that waited this long for its adapter's slot gets the next slot "
+                       "that frees, ahead of busier adapters (default 2)")
+    serve.add_argument("--max-num-seqs", type=int, help="rows in one decode batch (default 32)")
+    serve.add_argument("--prefill-step-size", type=int,
+                       help="prompt tokens prefilled per engine step (default 512)")
+    serve.add_argument("--max-model-len", type=int, help="context limit (default: the model's own)")
+    serve.add_argument("--prompt-cache-bytes", type=size_arg, metavar="SIZE",
+                       help="KV state of earlier prompts and outputs kept for reuse, per adapter "
+                       "(e.g. 512MB, 2GiB; default 1GiB; 0 turns the prompt cache off)")
+
+
+def _access_flags(serve: argparse.ArgumentParser) -> None:
+    """Logs, BLAS, keys, limits and timeouts."""
+    serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--no-openblas", action="store_true",
+                       help="on Linux CPU, do not preload the system's OpenBLAS (see mola/blas.py)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route "
+                       "(default: $MOLA_API_KEY)")
+    serve.add_argument("--admin-key", help="require this key to load and unload adapters "
+                       "(default: $MOLA_ADMIN_KEY)")
+    serve.add_argument("--protect-metrics", action="store_true",
+                       help="require the API key on /metrics and /health too")
+    serve.add_argument("--max-request-bytes", type=int, metavar="N",
+                       help="refuse request bodies larger than N bytes with a 413 (default 4 MiB)")
+    serve.add_argument("--max-queue", type=int,
+                       help="sequences waiting beyond the batch before 429s (default 256)")
+    serve.add_argument("--max-stored-responses", type=int,
+                       help="responses kept in memory for previous_response_id, least recently used "
+                       "evicted first (default 1024)")
+    serve.add_argument("--request-timeout", type=float,
+                       help="seconds a request may run (or wait) before it ends (default: no limit)")
+    serve.add_argument("--shutdown-timeout", type=float,
+                       help="seconds running requests may take to finish on SIGTERM (default 30)")
+
+
+def _speculative_flags(serve: argparse.ArgumentParser) -> None:
+    """Distributed serving and speculative decoding."""
+    serve.add_argument("--distributed", action="store_true",
+                       help="shard the base over the ranks started by mlx.launch (see README)")
+    serve.add_argument("--speculative", choices=["ngram", "draft"],
+                       help="speculative decoding: ngram (prompt lookup: drafts copied from the prompt "
+                       "and output so far) or draft (a --draft-model drafts); default off")
+    serve.add_argument("--draft-model", help="--speculative draft: a small model with the same tokenizer "
+                       "(a local directory or hub id); it runs without adapters")
+    serve.add_argument("--num-draft-tokens", type=int, metavar="N",
+                       help="most tokens a row drafts in one step (default 8)")
+    serve.add_argument("--prompt-lookup-min", type=int, metavar="N",
+                       help="shortest n-gram prompt lookup matches (default 2)")
+    serve.add_argument("--prompt-lookup-max", type=int, metavar="N",
+                       help="longest n-gram prompt lookup matches, tried first (default 4)")
+    serve.add_argument("--speculative-max-batch", type=int, metavar="N",
+                       help="steps with more decode rows than N do not speculate (default 8)")
+    serve.add_argument("--speculate-always", action="store_true",
+                       help="speculate whenever a row has a draft (default: only when the step costs "
+                       "measured as the server runs say it pays)")
