@@ -9,6 +9,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 
 import httpx
@@ -148,8 +149,14 @@ def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(server, tmp_path):
     before = generated_tokens(server.url, "tiny")
     child.sendline(prompt)
     child.expect_exact(shown(prompt) + "\r\n" + shown(answer[:3]))
+    # Hold the engine thread (no more tokens) until the interrupt is in, so
+    # that the answer cannot end first on a busy machine.
+    gate = threading.Event()
+    held = server.engine.call(lambda: gate.wait(60))
     child.sendintr()  # Ctrl-C
     child.expect_exact(" [stopped]")
+    gate.set()
+    held.result(timeout=30)
     child.expect_exact("tiny> ")
     deadline = time.monotonic() + 10
     while server.state.active_sequences and time.monotonic() < deadline:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from .client import ChatClient, ServerError
@@ -28,6 +29,10 @@ def serve_args(args: argparse.Namespace) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if sys.stdin.isatty():
+        # Ctrl-C stops an answer. A process started with SIGINT ignored (a
+        # background job of a shell, some CI runners) would never see it.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.url is not None and serve_args(args):
         print("[mola] error: --model, --demo, --adapter, --adapter-dir, --config and --max-lora-rank start the "
               "chat's own server; with --url the server is already running", file=sys.stderr)
