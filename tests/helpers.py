@@ -29,6 +29,16 @@ from mola.server.app import build_state, create_app
 SCHEMAS = Path(__file__).parent / "data" / "openai_schemas.json"
 
 
+# Prompts of several lengths for the engine's and the runner's tests, and
+# their answers' length.
+ENGINE_QUESTIONS = [
+    "Hello there",
+    "What is the capital of France? Please answer in one word.",
+    "hi",
+    "Write a poem about autumn leaves falling softly on the quiet street, then explain it.",
+]
+ENGINE_MAX_TOKENS = 10
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,17 +108,24 @@ def start_mola_serve(args, env=None, timeout=120):
         env={**os.environ, **(env or {})},
     )
     url = f"http://127.0.0.1:{port}"
+    wait_healthy(proc, url, timeout, proc.kill)
+    return proc, url
+
+
+def wait_healthy(proc, url: str, timeout: float, kill) -> None:
+    """Wait until ``url``/health answers 200; fail with the process's output
+    if it exits first, and ``kill`` it after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
             raise AssertionError(f"mola serve exited with {proc.returncode}:\n{proc.stdout.read()}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+                return
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            proc.kill()
+            kill()
             raise AssertionError("mola serve did not become healthy")
         time.sleep(0.2)
 

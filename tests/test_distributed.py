@@ -22,7 +22,7 @@ from mola.engine.distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS
 from mola.synthetic.adapter import make_random_adapter
 from mola.synthetic.model import TinyModelSpec, make_tiny_model
 
-from helpers import free_port
+from helpers import free_port, wait_healthy
 
 pytestmark = pytest.mark.skipif(
     shutil.which("mlx.launch") is None or not sys.platform.startswith("linux"),
@@ -56,19 +56,8 @@ def launch(args: list[str], distributed: bool):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            kill(proc)
-            raise AssertionError("server did not start")
-        time.sleep(0.3)
+    wait_healthy(proc, url, 180, lambda: kill(proc))
+    return proc, url
 
 
 def kill(proc):

@@ -9,16 +9,9 @@ import time
 import pytest
 
 from helpers import EngineRunner as Runner
+from helpers import ENGINE_QUESTIONS as QUESTIONS
+from helpers import ENGINE_MAX_TOKENS as MAX_TOKENS
 from helpers import greedy_tokens, merged_model
-
-QUESTIONS = [
-    "Hello there",
-    "What is the capital of France? Please answer in one word.",
-    "hi",
-    "Write a poem about autumn leaves falling softly on the quiet street, then explain it.",
-]
-MAX_TOKENS = 10
-
 
 @pytest.fixture(scope="module")
 def runner(tiny_model, adapters):
