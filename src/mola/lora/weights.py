@@ -14,15 +14,26 @@ from ..errors import AdapterRankTooHigh, InvalidAdapter
 
 @dataclass(frozen=True)
 class ModuleLoRA:
-    """The LoRA of one linear: delta(x) = scale * (x @ a) @ b."""
+    """The LoRA of one linear: delta(x) = scale * (x @ a) @ b.
 
-    a: mx.array  # [in, r]
-    b: mx.array  # [r, out]
+    For the experts of a mixture-of-experts layer (an mlx-lm SwitchLinear,
+    whose weight is [E, out, in]) each expert has its own factors, stacked on
+    a leading expert axis: a token routed to expert e gets
+    scale * (x @ a[e]) @ b[e]. An expert the adapter leaves alone has zeros.
+    """
+
+    a: mx.array  # [in, r], or [E, in, r] for experts
+    b: mx.array  # [r, out], or [E, r, out] for experts
     scale: float
 
     @property
     def rank(self) -> int:
-        return self.a.shape[1]
+        return self.a.shape[-1]
+
+    @property
+    def num_experts(self) -> int | None:
+        """E for an expert module, None for a plain linear."""
+        return self.a.shape[0] if self.a.ndim == 3 else None
 
 
 @dataclass(frozen=True)

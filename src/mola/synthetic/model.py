@@ -54,6 +54,8 @@ For each function call, return a json object within <tool_call></tool_call> tags
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# mlx-lm mixture-of-experts architectures the synthetic builder makes.
+MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss")
 
 
 @dataclass(frozen=True)
@@ -76,14 +78,40 @@ class TinyModelSpec:
     dtype: str = "float32"  # "float32", "bfloat16" or "float16"
     quantize_bits: int | None = None  # e.g. 4: an nn.QuantizedLinear base
     quantize_group_size: int = 32
-    model_type: str = "llama"  # also "qwen2" (q/k/v biases) and "qwen3" (q/k norms)
+    # Also "qwen2" (q/k/v biases) and "qwen3" (q/k norms), and the mixtures of
+    # experts in MOE_TYPES.
+    model_type: str = "llama"
     # Norm weights are 1 + this * N(0, 1), so that swapped norms change the output.
     norm_noise: float = 0.0
+    # Mixtures of experts (model_type in MOE_TYPES): experts per MoE layer, how
+    # many each token is routed to, and each expert's width (mixtral and
+    # gpt_oss use intermediate_size for it).
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    shared_expert_intermediate_size: int = 48  # qwen2_moe's shared expert
+
+    @property
+    def is_moe(self) -> bool:
+        return self.model_type in MOE_TYPES
 
     def config(self) -> dict:
         extra = {}
-        if self.model_type == "qwen3":
-            extra["head_dim"] = self.hidden_size // self.num_attention_heads
+        head_dim = self.hidden_size // self.num_attention_heads
+        if self.model_type in ("qwen3", "qwen3_moe", "gpt_oss"):
+            extra["head_dim"] = head_dim
+        if self.model_type in ("qwen3_moe", "qwen2_moe"):
+            extra.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                         moe_intermediate_size=self.moe_intermediate_size)
+        if self.model_type == "qwen3_moe":
+            extra.update(decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+        if self.model_type == "qwen2_moe":
+            extra["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+        if self.model_type in ("mixtral", "gpt_oss"):
+            extra.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
+        if self.model_type == "gpt_oss":  # alternating sliding-window and full attention
+            extra.update(sliding_window=128, layer_types=[
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_hidden_layers)])
         return {
             **extra,
             "model_type": self.model_type,
@@ -153,7 +181,8 @@ def random_model(spec: TinyModelSpec) -> nn.Module:
     def scale(path, w):
         if w.ndim == 1 and "norm" in path and spec.norm_noise:
             return w + spec.norm_noise * mx.random.normal(w.shape)
-        return w * gain if path.endswith("weight") and w.ndim == 2 and "embed" not in path else w
+        # Linears, experts' stacks [E, out, in] included.
+        return w * gain if path.endswith("weight") and w.ndim in (2, 3) and "embed" not in path else w
 
     flat = [(p, scale(p, w)) for p, w in tree_flatten(model.parameters())]
     model.load_weights(flat)
