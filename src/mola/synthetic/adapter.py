@@ -122,3 +122,49 @@ def make_random_adapter(
     total = read_model_config(Path(model_path))["num_hidden_layers"]
     layers = total if num_layers is None else min(num_layers, total)
     return save_mlx_lm_adapter(path, weights, num_layers=layers, keys=keys)
+
+
+def make_mlx_lm_lora(
+    path: str | Path,
+    model_path: str | Path,
+    *,
+    rank: int = 8,
+    keys: tuple[str, ...] | None = None,
+    num_layers: int | None = None,
+    scale: float = 2.0,
+    std: float = 0.2,
+    seed: int = 0,
+) -> Path:
+    """Write an adapter the way mlx-lm's tuner does: its own
+    ``linear_to_lora_layers`` wraps the model (``keys`` None: mlx-lm's default
+    keys, every linear of a block, the experts' SwitchLinears included), the
+    factors are drawn at random (B non-zero) and the trainable parameters are
+    saved as ``mlx_lm.lora`` saves them."""
+    from mlx.utils import tree_flatten, tree_map_with_path
+    from mlx_lm import load
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    model, _ = load(str(model_path))
+    total = len(model.layers)
+    num_layers = total if num_layers is None else min(num_layers, total)
+    model.freeze()
+    params = {"rank": rank, "scale": scale, "dropout": 0.0}
+    if keys is not None:
+        params["keys"] = list(keys)
+    linear_to_lora_layers(model, num_layers, params)
+    rng = np.random.default_rng(seed)
+
+    def draw(p: str, w: mx.array) -> mx.array:
+        fan_in = w.shape[-1] if p.endswith("lora_a") else w.shape[-2]
+        sd = 1.0 / np.sqrt(fan_in) if p.endswith("lora_a") else std
+        return mx.array(rng.normal(0.0, sd, w.shape).astype(np.float32)).astype(w.dtype)
+
+    model.update(tree_map_with_path(draw, model.trainable_parameters()))
+    weights = dict(tree_flatten(model.trainable_parameters()))
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "adapters.safetensors"), weights)
+    config = {"fine_tune_type": "lora", "num_layers": num_layers,
+              "lora_parameters": {**params, "keys": sorted({k.split(".", 3)[3].rsplit(".", 1)[0] for k in weights})}}
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return path

@@ -6,6 +6,10 @@
                           model.layers.3.self_attn.q_proj.lora_b  [r, out]
 
 delta(x) = scale * (x @ lora_a) @ lora_b, as mlx-lm's LoRALinear computes it.
+
+The experts of a mixture of experts (mlx-lm's LoRASwitchLinear) store
+lora_a [E, r, in] and lora_b [E, out, r]; they are read as a [E, in, r] and
+b [E, r, out] (see weights.ModuleLoRA).
 """
 
 from __future__ import annotations
@@ -79,6 +83,8 @@ def read_mlx_lm_adapter(path: Path, dtype: mx.Dtype | None = None) -> LoRAWeight
             missing = ({"lora_a", "lora_b"} - set(factors)).pop()
             raise InvalidAdapter(f"{weights_file}: {module} has no {missing}.")
         a, b = factors["lora_a"], factors["lora_b"]
+        if a.ndim == 3 and b.ndim == 3:  # LoRASwitchLinear: [E, r, in] and [E, out, r]
+            a, b = a.swapaxes(1, 2), b.swapaxes(1, 2)
         if dtype is not None:
             a, b = a.astype(dtype), b.astype(dtype)
         modules[module] = ModuleLoRA(a=a, b=b, scale=scale)
