@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .engine.config import DEFAULT_PROMPT_CACHE_BYTES, EngineConfig, SpeculativeConfig
+from .engine.config import DEFAULT_EXPERT_RANK, DEFAULT_PROMPT_CACHE_BYTES, EngineConfig, SpeculativeConfig
 from .errors import InvalidAdapterName
 from .lora.names import check_adapter_id
 from .lora.resolvers import ResolverSpec, parse_resolver
@@ -67,6 +67,11 @@ class ServeConfig:
     port: int = 8000
     max_loras: int = 8  # adapter slots decoded together (resident adapters)
     max_lora_rank: int = 64  # largest adapter rank a slot holds
+    # Mixtures of experts: how many of the slots can also carry LoRA on the
+    # experts (None: 4, or max_loras if fewer), and its largest rank there.
+    # An expert slot weighs E times a dense one (README: "MoE models").
+    max_expert_loras: int | None = None
+    max_expert_lora_rank: int = DEFAULT_EXPERT_RANK
     # The host tier: adapters kept read, checked and prepared in host memory,
     # so that loading one into a slot is only the copy. At most this many
     # (None: no limit by count) and this many bytes (None: no limit by size);
@@ -151,6 +156,9 @@ class ServeConfig:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if not (isinstance(self.max_adapter_wait, (int, float)) and self.max_adapter_wait > 0):
             raise ValueError(f"max_adapter_wait must be > 0 seconds, got {self.max_adapter_wait!r}")
+        if self.max_expert_loras is not None and not 0 <= self.max_expert_loras <= self.max_loras:
+            raise ValueError(f"max_expert_loras must be in 0..max_loras ({self.max_loras}), "
+                             f"got {self.max_expert_loras}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.max_stored_responses < 0:
@@ -192,6 +200,8 @@ class ServeConfig:
             EngineConfig(
                 max_loras=self.max_loras,
                 max_lora_rank=self.max_lora_rank,
+                expert_slots=self.max_expert_loras,
+                max_expert_rank=self.max_expert_lora_rank,
                 max_num_seqs=self.max_num_seqs,
                 prefill_step_size=self.prefill_step_size,
                 prompt_cache_bytes=self.prompt_cache_bytes,

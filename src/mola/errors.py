@@ -20,6 +20,11 @@ class ModelLoadError(MolaError):
     """The base model cannot be found or loaded (or converted)."""
 
 
+class SlotsDoNotFit(ModelLoadError):
+    """The adapter slots asked for (--max-loras, --max-lora-rank, the expert
+    slots) take more memory than the machine has free beside the base."""
+
+
 class InvalidRequest(MolaError):
     """A request whose body or parameters cannot be served as given."""
 

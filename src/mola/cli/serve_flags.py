@@ -80,6 +80,11 @@ def _engine_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--max-loras", type=int, help="adapter slots, i.e. resident adapters (default 8)")
     serve.add_argument("--max-lora-rank", type=int, help="largest adapter rank (default 64)")
+    serve.add_argument("--max-expert-loras", type=int, metavar="N",
+                       help="mixture-of-experts bases: how many of the slots can also carry LoRA on the "
+                       "experts, each E times a dense slot's size (default 4, or --max-loras if fewer)")
+    serve.add_argument("--max-expert-lora-rank", type=int, metavar="R",
+                       help="largest adapter rank in the experts (default 16)")
     serve.add_argument("--max-cpu-loras", type=int, metavar="N",
                        help="keep up to N recently used adapters read and prepared in host memory, "
                        "so that loading one into a slot is only the copy (default: no host tier)")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_PROMPT_CACHE_BYTES = 1 << 30  # 1 GiB of KV state
+DEFAULT_EXPERT_SLOTS = 4  # adapter slots that can also carry expert LoRA (--max-expert-loras)
+DEFAULT_EXPERT_RANK = 16  # the largest rank in the experts (--max-expert-lora-rank)
 SPECULATIVE_METHODS = ("ngram", "draft")
 
 
@@ -43,6 +45,11 @@ class SpeculativeConfig:
 class EngineConfig:
     max_loras: int = 8  # adapter slots (slot 0, the base model, comes on top)
     max_lora_rank: int = 64
+    # Slots 1..expert_slots can also carry LoRA on the experts of a mixture
+    # of experts, of rank up to max_expert_rank there (an expert slot weighs
+    # E times a dense one); bases without experts ignore both.
+    expert_slots: int | None = None  # None: DEFAULT_EXPERT_SLOTS, or max_loras if fewer
+    max_expert_rank: int = DEFAULT_EXPERT_RANK
     max_num_seqs: int = 32  # rows decoded together
     prefill_step_size: int = 512  # prompt tokens prefilled per step
     # KV state of earlier prompts (and outputs) kept for reuse; 0: no prompt cache.
@@ -50,9 +57,13 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     def __post_init__(self):
-        for name in ("max_loras", "max_lora_rank", "max_num_seqs", "prefill_step_size"):
+        for name in ("max_loras", "max_lora_rank", "max_num_seqs", "prefill_step_size", "max_expert_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.expert_slots is None:
+            object.__setattr__(self, "expert_slots", min(self.max_loras, DEFAULT_EXPERT_SLOTS))
+        if not 0 <= self.expert_slots <= self.max_loras:
+            raise ValueError(f"expert_slots must be in 0..max_loras ({self.max_loras}), got {self.expert_slots}")
         if isinstance(self.prompt_cache_bytes, bool) or not isinstance(self.prompt_cache_bytes, int) \
                 or self.prompt_cache_bytes < 0:
             raise ValueError(f"prompt_cache_bytes must be a whole number of bytes >= 0, "

@@ -24,9 +24,10 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from ..errors import EngineUnavailable
-from ..lora.pack import AdapterPacks, SlotGeometry, SlotRows
+from ..lora.pack import AdapterPacks, SlotGeometry, SlotRows, geometry_of
 from ..lora.recipe import Recipe
 from .config import EngineConfig
+from .memory import check_slots_fit, free_bytes
 from .distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS, Group, Leader, wire_plan
 from ..models.model import LoadedModel
 from .outputs import EngineSnapshot, SeqOutput
@@ -170,9 +171,14 @@ class Engine:
 
     def _load(self) -> None:
         loaded = self._loader()
-        self.packs = AdapterPacks.install(
-            loaded.model, max_loras=self.config.max_loras, max_rank=self.config.max_lora_rank
-        )
+        c = self.config
+        # Expert LoRA is not sharded: a tensor-parallel group serves none (distributed.py alike).
+        expert_slots = c.expert_slots if self.group is None else 0
+        slots = dict(max_loras=c.max_loras, max_rank=c.max_lora_rank, expert_slots=expert_slots,
+                     max_expert_rank=c.max_expert_rank)
+        check_slots_fit(geometry_of(loaded.model, c.max_lora_rank, c.max_loras + 1, expert_slots,
+                                    c.max_expert_rank), free_bytes())
+        self.packs = AdapterPacks.install(loaded.model, **slots)
         self.geometry = self.packs.geometry
         wanted = self.config.prompt_cache_bytes > 0
         self.runner = ModelRunner(loaded.model, self.packs, loaded.vocab_size, prompt_cache=wanted,

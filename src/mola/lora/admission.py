@@ -49,9 +49,14 @@ class SlotControl(Protocol):
     def prefetch(self, record: AdapterRecord) -> None:
         """Start reading it on the reader thread, unless done or under way."""
 
-    def take_slot(self) -> int | None:
-        """Reserve a free slot, or evict an idle (or drained yielding)
-        resident for one; None if every slot is busy."""
+    def slot_for(self, record: AdapterRecord) -> int | None:
+        """Reserve a free slot that can carry ``record`` (its rows read), or
+        evict an idle (or drained yielding) resident for one; None if every
+        such slot is busy."""
+
+    def can_serve(self, resident: AdapterRecord, record: AdapterRecord) -> bool:
+        """Could ``resident``'s slot carry ``record`` (an expert slot for an
+        adapter with expert LoRA)?"""
 
     def install(self, record: AdapterRecord, slot: int) -> None:
         """Write its rows into the reserved ``slot`` and admit its waiters."""
@@ -159,37 +164,44 @@ def admit(queue: AdmissionQueue, control: SlotControl, now: float, max_yielding:
     for record in waiting:
         if not control.has_rows(record):
             control.prefetch(record)
-    blocked = 0  # starving adapters without a slot
+    blocked: list[AdapterRecord] = []  # starving adapters without a slot
     for record in waiting:
         starving = queue.is_starving(record, now)
         if blocked and not starving:
             break  # the next slot that frees is a starving adapter's
         if not control.has_rows(record):
-            blocked += starving  # its read is under way: others may go first, unless it starves
+            if starving:  # its read is under way: others may go first, unless it starves
+                blocked.append(record)
             continue
-        slot = control.take_slot()
+        slot = control.slot_for(record)
         if slot is None:
             if not starving:
                 break
-            blocked += 1
+            blocked.append(record)
             continue
         queue.admitted(record, now)
         control.install(record, slot)
-    _reconcile_yields(queue, control, min(blocked, max_yielding))
+    _reconcile_yields(queue, control, blocked[:max_yielding])
 
 
-def _reconcile_yields(queue: AdmissionQueue, control: SlotControl, needed: int) -> None:
-    """One yielding resident per starving adapter without a slot (``needed``,
-    already capped); extra ones are taken back."""
+def _reconcile_yields(queue: AdmissionQueue, control: SlotControl, starving: list[AdapterRecord]) -> None:
+    """One yielding resident, whose slot can carry it, per starving adapter
+    without a slot (``starving``, already capped); extra ones are taken back
+    (those with most requests in flight first)."""
     residents = control.residents()
-    yielding = [r for r in residents if r.state is S.YIELDING]
-    for _ in range(needed - len(yielding)):
-        victim = pick_yielder([r for r in residents if r.state is S.RESIDENT])
-        if victim is None:
-            return
-        control.set_yielding(victim, True)
-        residents.remove(victim)
-        queue.stats.yields += 1
-    for extra in sorted(yielding, key=lambda r: -r.in_flight)[:max(0, len(yielding) - needed)]:
-        control.set_yielding(extra, False)
-        queue.stats.yields_cancelled += 1
+    yielding = sorted((r for r in residents if r.state is S.YIELDING), key=lambda r: r.in_flight)
+    kept: list[AdapterRecord] = []
+    for record in starving:
+        match = next((y for y in yielding if y not in kept and control.can_serve(y, record)), None)
+        if match is None:
+            match = pick_yielder([r for r in residents if r.state is S.RESIDENT and r not in kept
+                                  and control.can_serve(r, record)])
+            if match is None:
+                continue
+            control.set_yielding(match, True)
+            queue.stats.yields += 1
+        kept.append(match)
+    for extra in yielding:
+        if extra not in kept:
+            control.set_yielding(extra, False)
+            queue.stats.yields_cancelled += 1

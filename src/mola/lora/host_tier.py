@@ -85,6 +85,11 @@ class HostTier:
         record.cached = True
         self.settle()
 
+    def peek(self, record: AdapterRecord) -> PreparedAdapter | None:
+        """The rows of ``record``, or None, counting nothing."""
+        entry = self._entries.get(record)
+        return entry.prepared if entry is not None else None
+
     def take(self, record: AdapterRecord, count: bool = True) -> PreparedAdapter | None:
         """The rows of ``record`` for a slot write, or None; with ``count``,
         a hit or a miss of a load for waiting requests."""

@@ -47,6 +47,12 @@ class LoRARouting:
     order: mx.array | None = None  # [B] rows sorted by slot (sorted path only)
     inv_order: mx.array | None = None  # [B] inverse permutation of ``order``
     sorted_idx: mx.array | None = None  # [B] idx[order]
+    # Expert LoRA (mola.lora.experts): slots 1..expert_slots can carry it, the
+    # others read the empty expert slot 0.
+    expert_slots: int = 0
+    expert_slot: int | None = 0  # every row on this expert slot; None when rows differ
+    expert_idx: mx.array | None = None  # [B, 1, 1] uint32, row -> expert slot (rows differ)
+    expert_slots_used: frozenset[int] = frozenset()  # expert slots of this pass but 0
     _key: tuple | None = None  # the arguments of the last set()
 
     def set(self, slots: list[int], scales: list[float] | None = None) -> None:
@@ -60,6 +66,7 @@ class LoRARouting:
         if scales is not None and any(s != 1.0 for s in scales):
             self.row_scale = mx.array(scales, dtype=mx.float32)[:, None, None]
         self.idx = self.order = self.inv_order = self.sorted_idx = None
+        self._set_experts(slots)
         if len(self.slots) == 1:
             self.single_slot = slots[0]
             return
@@ -73,6 +80,14 @@ class LoRARouting:
             self.order = mx.array(order, dtype=mx.uint32)
             self.inv_order = mx.array(inv, dtype=mx.uint32)
             self.sorted_idx = mx.array([slots[r] for r in order], dtype=mx.uint32)
+
+    def _set_experts(self, slots: list[int]) -> None:
+        local = [s if s <= self.expert_slots else 0 for s in slots]
+        self.expert_slots_used = frozenset(local) - {0}
+        self.expert_idx = None
+        self.expert_slot = local[0] if len(set(local)) == 1 else None
+        if self.expert_slot is None and self.expert_slots_used:
+            self.expert_idx = mx.array(local, dtype=mx.uint32)[:, None, None]
 
     def clear(self) -> None:
         self._key = None
@@ -135,6 +150,7 @@ class TargetGeometry:
     input_dims: int  # of the whole linear, across shards
     output_dims: int
     sharding: Sharding = Sharding()
+    num_experts: int | None = None  # E for the experts of a mixture of experts (a SwitchLinear)
 
     @property
     def dims(self) -> tuple[int, int]:
@@ -145,8 +161,8 @@ class TargetGeometry:
 class ModuleRows:
     """What one slot of one MultiLoRALinear stores for an adapter."""
 
-    a: mx.array  # [r, in_part]: A^T at the adapter's own rank (the slot zero-pads it)
-    b: mx.array  # [r, out_part]: scale * B
+    a: mx.array  # [r, in_part]: A^T at the adapter's own rank (the slot zero-pads it); experts [E, r, in]
+    b: mx.array  # [r, out_part]: scale * B; experts [E, r, out]
     rank: int  # the adapter's own rank in this module, r
     scale: float  # the scale folded into b (kept for reading)
 
@@ -155,10 +171,16 @@ def module_rows(target: TargetGeometry, max_rank: int, dtype: mx.Dtype, a: mx.ar
                 scale: float) -> ModuleRows:
     """The rows a slot stores for factors a [in, r], b [r, out]: A^T and
     scale * B, cut to this rank's part, at rank r (not padded to ``max_rank``,
-    so that rows kept in host memory take only what the adapter needs). Pure:
-    any thread may compute them."""
-    r = a.shape[1]
+    so that rows kept in host memory take only what the adapter needs). For
+    experts, a [E, in, r] and b [E, r, out] give A^T [E, r, in] and scale * B
+    [E, r, out] (never sharded). Pure: any thread may compute them."""
+    r = a.shape[-1]
     assert r <= max_rank, (r, max_rank)
+    if target.num_experts is not None:
+        E = target.num_experts
+        assert a.shape == (E, target.input_dims, r) and b.shape == (E, r, target.output_dims)
+        a_rows = mx.contiguous(a.swapaxes(1, 2).astype(dtype))  # [E, r, in]
+        return ModuleRows(a_rows, (scale * b.astype(mx.float32)).astype(dtype), r, scale)
     assert a.shape == (target.input_dims, r) and b.shape == (r, target.output_dims)
     sh = target.sharding
     if sh.kind == "row":  # this rank sees part of the input: its rows of A

@@ -41,7 +41,8 @@ def read_checked(path: str, geometry: SlotGeometry, model_config: dict | None) -
     config = model_config or {}
     weights = read_adapter(path, dtype=geometry.dtype, model_type=config.get("model_type"),
                            model_config=config)
-    validate(weights, geometry.dims, geometry.max_rank)
+    validate(weights, geometry.targets, geometry.max_rank, geometry.max_expert_rank,
+             geometry.expert_slots)
     return weights
 
 
@@ -52,4 +53,4 @@ def read_recipe(recipe: Recipe, geometry: SlotGeometry, model_config: dict | Non
     if recipe.is_single:
         return read_checked(recipe.parts[0][0], geometry, model_config)
     parts = [(read_checked(path, geometry, model_config), scale) for path, scale in recipe.parts]
-    return compose(parts, geometry.max_rank)
+    return compose(parts, geometry.max_rank, geometry.max_expert_rank)

@@ -72,6 +72,7 @@ class AdapterRegistry:
         resolvers: list | None = None,
         tier: HostTier | None = None,
         max_wait: float = math.inf,
+        expert_slots: int = 0,  # slots 1..expert_slots carry expert LoRA (mixtures of experts)
     ):
         self.base_id = base_id
         self.backend = backend
@@ -88,7 +89,7 @@ class AdapterRegistry:
         self.queue = AdmissionQueue(max_wait)  # requests waiting for a slot
         # Which records are in slots, and how they get there and leave.
         self.residency = Residency(backend, max_loras, self.tier, self.stacks, self.stats, self.queue,
-                                   self._wake, self._admit)
+                                   self._wake, self._admit, expert_slots)
         self.slots = self.residency.slots
         self._wakes: dict[AdapterRecord, asyncio.Future] = {}  # what a record's waiters await
         self._timer: asyncio.TimerHandle | None = None  # the next time a waiter starts to starve
@@ -155,7 +156,8 @@ class AdapterRegistry:
         self.catalog.check_name(name)  # another load may have taken the name meanwhile
         record = self.register(name, real, source, scale)
         self.residency.note_weights(record, prepared)
-        slot = None if len(self.queue) else self.residency.take_slot()  # waiting requests come first
+        # Waiting requests come first.
+        slot = None if len(self.queue) else self.residency.take_slot(prepared.rows.has_experts)
         if slot is not None:
             self.residency.place(record, slot, prepared, t0)
         self.tier.put(record, prepared)

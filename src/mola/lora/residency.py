@@ -37,9 +37,9 @@ def recipe_of(record: AdapterRecord) -> Recipe:
 class Residency:
     def __init__(self, backend: SlotBackend, max_loras: int, tier: HostTier, stacks: Stacks,
                  stats: RegistryStats, queue: AdmissionQueue,
-                 wake: Callable[..., None], admit: Callable[[], None]):
+                 wake: Callable[..., None], admit: Callable[[], None], expert_slots: int = 0):
         self.backend = backend
-        self.slots = SlotTable(max_loras)
+        self.slots = SlotTable(max_loras, expert_slots)
         self.tier = tier
         self.stats = stats
         self._stacks = stacks
@@ -85,11 +85,24 @@ class Residency:
         else:
             self._wake(record)  # its waiters take leases again
 
-    def take_slot(self) -> int | None:
-        """A reserved slot: a free one, or the slot of a drained yielding
-        record or of the least recently used idle resident (evicting it);
-        None if every slot is busy."""
-        taken = self.slots.reserve()
+    def needs_experts(self, record: AdapterRecord) -> bool:
+        """Its rows (read already) carry expert LoRA: it needs an expert slot."""
+        prepared = self.tier.peek(record)
+        return prepared is not None and prepared.rows.has_experts
+
+    def slot_for(self, record: AdapterRecord) -> int | None:
+        """take_slot for a record whose rows are read."""
+        return self.take_slot(self.needs_experts(record))
+
+    def can_serve(self, resident: AdapterRecord, record: AdapterRecord) -> bool:
+        """Would ``resident``'s slot carry ``record``?"""
+        return resident.slot is not None and self.slots.can_carry(resident.slot, self.needs_experts(record))
+
+    def take_slot(self, needs_experts: bool = False) -> int | None:
+        """A reserved slot (an expert slot if ``needs_experts``): a free one,
+        or the slot of a drained yielding record or of the least recently
+        used idle resident (evicting it); None if every such slot is busy."""
+        taken = self.slots.reserve(needs_experts)
         if taken is None:
             return None
         slot, victim = taken

@@ -56,7 +56,8 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel) 
     tier = HostTier(config.max_cpu_loras, config.adapter_cache_bytes)
     registry = AdapterRegistry(base_id, loader, config.max_loras, sources, forget=async_engine.forget_prompts,
                                resolvers=make_resolvers(config.adapter_resolvers, sources),
-                               tier=tier, max_wait=config.max_adapter_wait)
+                               tier=tier, max_wait=config.max_adapter_wait,
+                               expert_slots=loader.geometry.expert_slots)
     state = ServerState(
         config=config,
         engine=async_engine,
