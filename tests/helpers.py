@@ -144,19 +144,25 @@ def stop_mola_serve(proc) -> tuple[int, str]:
 # ---- references ---------------------------------------------------------------
 
 
-def merged_model(model_dir, adapter_dirs=(), scales=None):
+def merged_model(model_dir, adapter_dirs=(), scales=None, dequantize=False):
     """Plain mlx-lm model with each adapter merged into the base weights:
-    W' = W + scale * (A @ B)^T."""
+    W' = W + scale * (A @ B)^T (for experts, per expert: W[e] += scale *
+    (A[e] @ B[e])^T). With ``dequantize``, quantized layers are made float
+    first (mlx-lm's own dequantize_model)."""
     from mlx_lm import load
+    from mlx_lm.utils import dequantize_model
 
     model, tokenizer = load(str(model_dir))
+    if dequantize:
+        model = dequantize_model(model)
     modules = dict(model.named_modules())
     for i, adapter in enumerate(adapter_dirs):
         weights = read_adapter(adapter)
         extra = 1.0 if scales is None else scales[i]
         for path, m in weights.modules.items():
             lin = modules[path]
-            lin.weight = lin.weight + (extra * m.scale) * (m.a @ m.b).T.astype(lin.weight.dtype)
+            delta = (extra * m.scale) * (m.a @ m.b)  # [in, out], experts [E, in, out]
+            lin.weight = lin.weight + delta.swapaxes(-1, -2).astype(lin.weight.dtype)
     mx.eval(model.parameters())
     return model, tokenizer
 
@@ -316,6 +322,7 @@ class EngineRunner:
 
         self.max_tokens = max_tokens
         self.done: dict = {}
+        self.logprobs: dict = {}  # seq_id -> [(logprob, [(id, logprob)])], for rows that ask
         self.cond = threading.Condition()
         self.engine = Engine(
             load,
@@ -339,7 +346,7 @@ class EngineRunner:
         from mola.lora.weights import validate
 
         geometry = self.engine.geometry
-        validate(weights, geometry.dims, geometry.max_rank)
+        validate(weights, geometry.targets, geometry.max_rank, geometry.max_expert_rank)
         slot = self.slots.get(name, len(self.slots) + 1)
         self.engine.call(lambda: self.engine.packs.fill_from(slot, weights)).result()
         self.slots[name] = slot
@@ -348,6 +355,8 @@ class EngineRunner:
     def _on_outputs(self, outputs):
         with self.cond:
             for out in outputs:
+                if out.logprobs:
+                    self.logprobs.setdefault(out.seq.seq_id, []).extend(out.logprobs)
                 if out.finish_reason is not None:
                     self.done[out.seq.seq_id] = out.seq
             self.cond.notify_all()
