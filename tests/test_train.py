@@ -291,3 +291,34 @@ def test_unknown_target_and_too_many_layers(tiny_model, banana_data, tmp_path):
     with pytest.raises(TrainError, match="--layers 5: the model has only 2 layers"):
         train_adapter(TrainConfig(model=str(tiny_model), data=banana_data, out=tmp_path / "b", layers=5),
                       log=lambda line: None)
+
+
+def test_train_on_a_mixture_of_experts_trains_the_experts(banana_data, tmp_path):
+    """The default targets include the experts (as mlx-lm's default keys do);
+    mola serves the result as mlx-lm's own LoRASwitchLinear computes it."""
+    from mlx_lm import load
+
+    from mola.synthetic.model import TinyModelSpec, make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "moe", TinyModelSpec(model_type="qwen3_moe"))
+    out = tmp_path / "moe-adapter"
+    train_adapter(TrainConfig(model=str(model_dir), data=banana_data, out=out, iters=5, batch_size=2,
+                              learning_rate=1e-2, steps_per_report=5), log=lambda line: None)
+    saved = mx.load(str(out / "adapters.safetensors"))
+    assert saved["model.layers.1.mlp.switch_mlp.up_proj.lora_a"].shape == (8, 8, 64)  # [E, r, in]
+    assert "model.layers.1.mlp.gate.lora_a" in saved and "model.layers.1.self_attn.q_proj.lora_a" in saved
+    model, tok = load(str(model_dir), adapter_path=str(out))
+    prompt = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True)
+    from helpers import detokenize
+
+    want = detokenize(tok, greedy_tokens(model, prompt, max_tokens=6), stop_at_eos=False)
+    handle = start_server(model=str(model_dir), served_model_name="moe", adapters=(AdapterSpec("t", str(out)),),
+                          max_loras=2, max_lora_rank=8, max_expert_lora_rank=8)
+    try:
+        r = httpx.post(handle.url + "/v1/chat/completions", timeout=60, json={
+            "model": "t", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 6,
+            "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == want
+    finally:
+        handle.stop()

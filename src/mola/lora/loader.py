@@ -48,6 +48,7 @@ class PreparedAdapter:
     scale: float | None  # the adapter's own scale, when its modules share one
     format: str
     nbytes: int  # of its factors as read
+    expert_nbytes: int = 0  # of those, its expert modules' (mixtures of experts)
 
     @property
     def host_bytes(self) -> int:
@@ -58,7 +59,8 @@ def prepare(recipe: Recipe, geometry: SlotGeometry, model_config: dict | None) -
     """Read, check and prepare ``recipe`` (any thread; the reader thread runs it)."""
     weights = read_recipe(recipe, geometry, model_config)
     rows = prepare_rows(weights, geometry, recipe.scale)
-    return PreparedAdapter(rows, weights.rank, weights.scale, weights.format, weights.nbytes)
+    return PreparedAdapter(rows, weights.rank, weights.scale, weights.format, weights.nbytes,
+                           weights.expert_nbytes)
 
 
 def _reader_init() -> None:

@@ -76,6 +76,7 @@ class AdapterRecord:
     adapter_scale: float | None = None
     format: str | None = None
     nbytes: int | None = None
+    expert_nbytes: int | None = None  # of nbytes, LoRA on experts: needs an expert slot when > 0
     # A stack (several adapters in one slot): (path, scale) of each part, and
     # the part records it was built from.
     parts: tuple[tuple[str, float], ...] | None = None
@@ -133,6 +134,7 @@ class AdapterRecord:
             "scale": self.adapter_scale,
             "default_request_scale": self.scale,
             "nbytes": self.nbytes,
+            "expert_nbytes": self.expert_nbytes,
             "in_flight": self.in_flight,
             "waiting": self.waiting,
             "loads": self.loads,

@@ -151,6 +151,7 @@ class Residency:
     def note_weights(record: AdapterRecord, prepared: PreparedAdapter) -> None:
         record.rank, record.adapter_scale = prepared.rank, prepared.scale
         record.format, record.nbytes = prepared.format, prepared.nbytes
+        record.expert_nbytes = prepared.expert_nbytes
 
     def drop_stack(self, stack: AdapterRecord) -> None:
         if stack.state is S.KNOWN:

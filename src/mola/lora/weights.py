@@ -71,6 +71,11 @@ class LoRAWeights:
         return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values())
 
     @property
+    def expert_nbytes(self) -> int:
+        """Of its factors, what its expert modules take."""
+        return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values() if m.num_experts is not None)
+
+    @property
     def expert_modules(self) -> list[str]:
         """Module paths of its expert LoRA (mixture-of-experts projections)."""
         return sorted(p for p, m in self.modules.items() if m.num_experts is not None)

@@ -53,6 +53,22 @@ class StateCollector:
         yield g("mola_adapters_resident", "Adapters (and stacks) in slots", value=reg.num_resident)
         yield g("mola_adapter_slots", "Adapter slots (--max-loras)", value=reg.max_loras)
         yield g("mola_adapter_slot_occupancy", "Fraction of slots in use", value=reg.num_resident / reg.max_loras)
+        geometry = s.engine.geometry
+        yield g("mola_expert_adapter_slots", "Slots that can carry LoRA on experts (--max-expert-loras)",
+                value=geometry.expert_slots)
+        packs = g("mola_lora_pack_bytes", "Device memory of the LoRA slot packs, by kind", labels=["kind"])
+        packs.add_metric(["dense"], geometry.num_slots * geometry.dense_slot_bytes)
+        packs.add_metric(["experts"], (geometry.expert_slots + 1) * geometry.expert_slot_bytes
+                         if geometry.expert_slots else 0)
+        yield packs
+        sizes = g("mola_adapter_bytes", "Bytes of each adapter's factors as read, by kind (experts: LoRA on "
+                  "the experts of a mixture of experts)", labels=["adapter", "kind"])
+        for record in reg.adapters():
+            if record.nbytes is not None:
+                experts = record.expert_nbytes or 0
+                sizes.add_metric([record.name, "dense"], record.nbytes - experts)
+                sizes.add_metric([record.name, "experts"], experts)
+        yield sizes
         yield g("mola_memory_active_bytes", "MLX memory in use", value=mx.get_active_memory())
         yield g("mola_memory_peak_bytes", "MLX peak memory", value=mx.get_peak_memory())
         yield g("mola_process_resident_bytes", "Resident memory of the process", value=rss_bytes())

@@ -74,12 +74,15 @@ def batchable(items: list[tuple[list[int], int]], seed: int | None):
 
 def resolve_targets(model, targets: tuple[str, ...] | None) -> list[str]:
     """Block-relative module paths (mlx-lm's lora_parameters.keys) for the
-    given short names; every linear layer of a block when None."""
+    given short names; every linear layer of the blocks when None, the
+    experts of a mixture of experts (SwitchLinear) included, as mlx-lm's
+    own default keys are."""
     import mlx.nn as nn
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
-    block = model.layers[0]
-    linears = [name for name, m in block.named_modules()
-               if isinstance(m, (nn.Linear, nn.QuantizedLinear)) or hasattr(m, "to_lora")]
+    kinds = (nn.Linear, nn.QuantizedLinear, SwitchLinear, QuantizedSwitchLinear)
+    linears = sorted({name for block in model.layers for name, m in block.named_modules()
+                      if isinstance(m, kinds) or hasattr(m, "to_lora")})
     if targets is None:
         return sorted(linears)
     keys = []
