@@ -199,3 +199,21 @@ def test_against_the_real_model(smollm_gguf, adapters, tmp_path):
     read_checked(str(lora), shape.geometry, shape.config)
     with pytest.raises(InvalidAdapter, match="do not fit the base model"):
         read_checked(str(adapters["a"]), shape.geometry, shape.config)  # the tiny model's
+
+
+def test_moe_adapters_report_their_experts_and_expert_rank(tmp_path):
+    from mola.synthetic.adapter import make_mlx_lm_lora
+
+    model = make_tiny_model(tmp_path / "moe", TinyModelSpec(model_type="qwen3_moe", num_experts=4))
+    adapter = make_mlx_lm_lora(tmp_path / "ad", model, rank=4, seed=1)
+    code, out, err = mola_validate(adapter, "--model", model, "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    info, shape = report["info"], report["model"]
+    assert info["num_experts"] == 4 and info["expert_modules"] == 6  # 2 layers x gate, up, down
+    assert info["expert_targets"] == ["mlp.switch_mlp.down_proj", "mlp.switch_mlp.gate_proj",
+                                      "mlp.switch_mlp.up_proj"]
+    assert (shape["num_experts"], shape["expert_targets"]) == (4, 6)
+    code, out, err = mola_validate(adapter, "--model", model, "--max-expert-lora-rank", 2)
+    assert code == 1 and "--max-expert-lora-rank 2" in err
+    assert "experts  mlp.switch_mlp.down_proj" in out and "4 experts each" in out

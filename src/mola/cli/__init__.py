@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "validate":
         from ..validate import run as validate
 
-        return validate(args.adapter, args.model, args.json, args.max_lora_rank, args.dtype)
+        return validate(args.adapter, args.model, args.json, args.max_lora_rank, args.dtype,
+                        args.max_expert_lora_rank)
     parser.error(f"unknown command {args.command}")
     return 2
 

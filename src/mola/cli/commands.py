@@ -181,4 +181,6 @@ def add_validate_parser(commands) -> argparse.ArgumentParser:
     validate.add_argument("--json", action="store_true", help="print the report as JSON")
     validate.add_argument("--max-lora-rank", type=int, default=ServeConfig.max_lora_rank,
                           help="the server's --max-lora-rank to check against (default 64)")
+    validate.add_argument("--max-expert-lora-rank", type=int, default=ServeConfig.max_expert_lora_rank,
+                          help="the server's --max-expert-lora-rank to check against (default 16)")
     return validate

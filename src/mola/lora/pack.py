@@ -61,7 +61,8 @@ class AdapterPacks:
         layers = dict(wrapped)
         for path, glu in glus:
             layers.update((f"{path}.{name}", p) for name, p in glu.projections())
-        packs = cls(layers, routing, max_rank, max_loras + 1, expert_slots if glus else 0, max_expert_rank)
+        packs = cls(layers, routing, max_rank, max_loras + 1, expert_slots if glus else 0,
+                    max_expert_rank if glus else 0)
         mx.eval(packs.arrays())
         return packs
 
@@ -159,7 +160,7 @@ def geometry_of(model: nn.Module, max_rank: int, num_slots: int, expert_slots: i
             geometry[f"{path}.{name}"] = TargetGeometry(i, o, num_experts=E)
     return SlotGeometry(
         targets=geometry, max_rank=max_rank, num_slots=num_slots, dtype=compute_dtype(targets[0][1]),
-        expert_slots=expert_slots if glus else 0, max_expert_rank=max_expert_rank,
+        expert_slots=expert_slots if glus else 0, max_expert_rank=max_expert_rank if glus else 0,
     )
 
 

@@ -9,6 +9,7 @@ import json
 import sys
 from dataclasses import dataclass
 
+from ..engine.config import DEFAULT_EXPERT_RANK
 from ..errors import MolaError
 from ..lora.recipe import read_checked
 from ..lora.sources import AdapterSources
@@ -30,20 +31,24 @@ class Report:
     def to_json(self) -> dict:
         model = None
         if self.model is not None:
+            g = self.model.geometry
+            experts = sum(t.num_experts is not None for t in g.targets.values())
             model = {"path": str(self.model.path), "model_type": self.model.model_type,
-                     "layers": self.model.num_layers, "targets": len(self.model.geometry.targets),
-                     "dtype": str(self.model.geometry.dtype).removeprefix("mlx.core.")}
+                     "layers": self.model.num_layers, "targets": len(g.targets) - experts,
+                     "expert_targets": experts, "num_experts": g.num_experts,
+                     "dtype": str(g.dtype).removeprefix("mlx.core.")}
         return {"adapter": self.adapter, "ok": self.ok, "error": self.error,
                 **({"info": self.info.to_json()} if self.info else {"info": None}), "model": model}
 
 
-def validate(adapter: str, model: str | None = None, max_rank: int = 64, dtype: str = "auto") -> Report:
+def validate(adapter: str, model: str | None = None, max_rank: int = 64, dtype: str = "auto",
+             max_expert_rank: int = DEFAULT_EXPERT_RANK) -> Report:
     report = Report(adapter)
     try:
         real = AdapterSources(allow_any_path=True).resolve(adapter)  # a path, or a hub id through its cache
         report.info = describe(real)
         if model is not None:
-            report.model = model_shape(model, max_rank, dtype)
+            report.model = model_shape(model, max_rank, dtype, max_expert_rank)
             read_checked(real, report.model.geometry, report.model.config)  # what serve's reader runs
     except MolaError as e:
         report.error = e.message
@@ -84,19 +89,25 @@ def text(report: Report) -> list[str]:
                   f"dtype    {', '.join(info.dtypes)}",
                   f"size     {_size(info.size_bytes)} on disk, {info.parameters:,} parameters",
                   f"base     {info.base or '(not declared)'}"]
+        if info.expert_modules:
+            lines.insert(3, f"experts  {', '.join(info.expert_targets)}: {info.num_experts} experts each, "
+                            f"{info.expert_modules} of the {info.modules} modules")
     if report.model is not None:
         m = report.model
         dtype = str(m.geometry.dtype).removeprefix("mlx.core.")
+        experts = sum(t.num_experts is not None for t in m.geometry.targets.values())
+        moe = f" + {experts} expert projections of {m.geometry.num_experts} experts" if experts else ""
         lines.append(f"model    {m.path} ({m.model_type}, {m.num_layers} layers, "
-                     f"{len(m.geometry.targets)} linears, {dtype})")
+                     f"{len(m.geometry.targets) - experts} linears{moe}, {dtype})")
     if report.ok:
         lines.append("ok       the adapter would load" + (" on this model" if report.model else
                                                           " (pass --model to check it against a base)"))
     return lines
 
 
-def run(adapter: str, model: str | None, as_json: bool, max_rank: int, dtype: str = "auto") -> int:
-    report = validate(adapter, model, max_rank, dtype)
+def run(adapter: str, model: str | None, as_json: bool, max_rank: int, dtype: str = "auto",
+        max_expert_rank: int = DEFAULT_EXPERT_RANK) -> int:
+    report = validate(adapter, model, max_rank, dtype, max_expert_rank)
     if as_json:
         print(json.dumps(report.to_json(), indent=2))
     else:

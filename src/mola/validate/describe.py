@@ -32,6 +32,10 @@ class AdapterInfo:
     parameters: int  # numbers in its factors
     base: str | None  # the base model it declares, if any
     architecture: str | None  # GGUF general.architecture
+    # LoRA on the experts of a mixture of experts (per-expert factors):
+    expert_modules: int = 0  # expert projections it adapts (of ``modules``)
+    expert_targets: list[str] | None = None  # their block-relative names
+    num_experts: int | None = None  # experts per projection
 
     @property
     def rank(self) -> int:
@@ -73,14 +77,17 @@ def _declared(path: Path, kind: str) -> tuple[str | None, float | None, str | No
 
 
 def _info(path: Path, kind: str, weights: LoRAWeights, base, alpha, arch, stored) -> AdapterInfo:
-    targets, layers = set(), set()
-    for module in weights.modules:
+    targets, layers, expert_targets = set(), set(), set()
+    for module, lora in weights.modules.items():
         m = _LAYER.fullmatch(module)
         if m:
             layers.add(int(m.group(1)))
             targets.add(m.group(2))
         else:
             targets.add(module)
+        if lora.num_experts is not None:
+            expert_targets.add(m.group(2) if m else module)
+    experts = sorted({lora.num_experts for lora in weights.modules.values() if lora.num_experts})
     dtypes = stored or sorted({str(x.dtype).removeprefix("mlx.core.")
                                for m in weights.modules.values() for x in (m.a, m.b)})
     return AdapterInfo(
@@ -92,4 +99,6 @@ def _info(path: Path, kind: str, weights: LoRAWeights, base, alpha, arch, stored
         size_bytes=sum(f.stat().st_size for f in adapter_files(path)),
         parameters=sum(m.a.size + m.b.size for m in weights.modules.values()),
         base=base if isinstance(base, str) else None, architecture=arch,
+        expert_modules=len(weights.expert_modules), expert_targets=sorted(expert_targets) or None,
+        num_experts=experts[-1] if experts else None,
     )

@@ -18,6 +18,7 @@ import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..engine.config import DEFAULT_EXPERT_RANK
 from ..lora.formats.gguf import tensor_base_name
 from ..lora.pack import SlotGeometry, geometry_of
 from ..models.loader import ModelLoadError, resolve_dtype, resolve_model_path
@@ -38,24 +39,24 @@ class ModelShape:
         return len({p.split(".")[2] for p in self.geometry.targets})
 
 
-def model_shape(model: str, max_rank: int, dtype: str = "auto") -> ModelShape:
+def model_shape(model: str, max_rank: int, dtype: str = "auto", max_expert_rank: int = DEFAULT_EXPERT_RANK) -> ModelShape:
     """The LoRA targets of ``model`` (a directory, a GGUF file or a hub id,
     through the hub's cache) as mola serve --dtype ``dtype`` would load it;
     ModelLoadError naming the problem."""
     path = resolve_model_path(model)
     if path.is_file():
-        return _gguf_shape(path, max_rank, resolve_dtype(dtype, is_gguf=True))
-    return _mlx_lm_shape(path, max_rank, resolve_dtype(dtype, is_gguf=False))
+        return _gguf_shape(path, max_rank, resolve_dtype(dtype, is_gguf=True), max_expert_rank)
+    return _mlx_lm_shape(path, max_rank, resolve_dtype(dtype, is_gguf=False), max_expert_rank)
 
 
-def _mlx_lm_shape(path: Path, max_rank: int, dtype: str) -> ModelShape:
+def _mlx_lm_shape(path: Path, max_rank: int, dtype: str, max_expert_rank: int) -> ModelShape:
     from mlx_lm.utils import load_model
 
     from ..models.gguf import DTYPES
 
     try:
         module, config = load_model(path, lazy=True)
-        geometry = geometry_of(module, max_rank, num_slots=2)
+        geometry = geometry_of(module, max_rank, num_slots=2, expert_slots=1, max_expert_rank=max_expert_rank)
     except Exception as e:  # unknown model types, missing or mismatched weights
         raise ModelLoadError(f"mlx-lm could not load the model at {path}: {e}") from None
     if dtype != "keep":  # dequantized to this dtype at load (mola serve --dtype)
@@ -63,7 +64,7 @@ def _mlx_lm_shape(path: Path, max_rank: int, dtype: str) -> ModelShape:
     return ModelShape(path=path, config=config, geometry=geometry)
 
 
-def _gguf_shape(path: Path, max_rank: int, dtype: str) -> ModelShape:
+def _gguf_shape(path: Path, max_rank: int, dtype: str, max_expert_rank: int) -> ModelShape:
     from ..models.codecs import codec_name
     from ..models.gguf import DTYPES, keep_dtype
     from ..models.metadata import model_config, open_gguf
@@ -76,7 +77,7 @@ def _gguf_shape(path: Path, max_rank: int, dtype: str) -> ModelShape:
     config = model_config(f, set(tensors), int(embed.shape[-1]))
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     skeleton = module.Model(module.ModelArgs.from_dict(config))  # parameters never evaluated
-    geometry = geometry_of(skeleton, max_rank, num_slots=2)
+    geometry = geometry_of(skeleton, max_rank, num_slots=2, expert_slots=1, max_expert_rank=max_expert_rank)
     codecs = {codec_name(t.tensor_type) for t in tensors.values() if len(t.shape) > 1}
     geometry = dataclasses.replace(geometry, dtype=keep_dtype(codecs) if dtype == "keep" else DTYPES[dtype])
     for target, g in geometry.targets.items():
