@@ -140,6 +140,22 @@ def make_mlx_lm_lora(
     keys, every linear of a block, the experts' SwitchLinears included), the
     factors are drawn at random (B non-zero) and the trainable parameters are
     saved as ``mlx_lm.lora`` saves them."""
+    return make_mlx_lm_loras([(path, seed)], model_path, rank=rank, keys=keys, num_layers=num_layers,
+                             scale=scale, std=std)[0]
+
+
+def make_mlx_lm_loras(
+    paths_and_seeds: list[tuple[str | Path, int]],
+    model_path: str | Path,
+    *,
+    rank: int = 8,
+    keys: tuple[str, ...] | None = None,
+    num_layers: int | None = None,
+    scale: float = 2.0,
+    std: float = 0.2,
+) -> list[Path]:
+    """make_mlx_lm_lora for several adapters of one model (loaded once), one
+    seed each."""
     from mlx.utils import tree_flatten, tree_map_with_path
     from mlx_lm import load
     from mlx_lm.tuner.utils import linear_to_lora_layers
@@ -152,19 +168,23 @@ def make_mlx_lm_lora(
     if keys is not None:
         params["keys"] = list(keys)
     linear_to_lora_layers(model, num_layers, params)
-    rng = np.random.default_rng(seed)
+    out = []
+    for path, seed in paths_and_seeds:
+        rng = np.random.default_rng(seed)
 
-    def draw(p: str, w: mx.array) -> mx.array:
-        fan_in = w.shape[-1] if p.endswith("lora_a") else w.shape[-2]
-        sd = 1.0 / np.sqrt(fan_in) if p.endswith("lora_a") else std
-        return mx.array(rng.normal(0.0, sd, w.shape).astype(np.float32)).astype(w.dtype)
+        def draw(p: str, w: mx.array) -> mx.array:
+            fan_in = w.shape[-1] if p.endswith("lora_a") else w.shape[-2]
+            sd = 1.0 / np.sqrt(fan_in) if p.endswith("lora_a") else std
+            return mx.array(rng.normal(0.0, sd, w.shape).astype(np.float32)).astype(w.dtype)
 
-    model.update(tree_map_with_path(draw, model.trainable_parameters()))
-    weights = dict(tree_flatten(model.trainable_parameters()))
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(path / "adapters.safetensors"), weights)
-    config = {"fine_tune_type": "lora", "num_layers": num_layers,
-              "lora_parameters": {**params, "keys": sorted({k.split(".", 3)[3].rsplit(".", 1)[0] for k in weights})}}
-    (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    return path
+        model.update(tree_map_with_path(draw, model.trainable_parameters()))
+        weights = dict(tree_flatten(model.trainable_parameters()))
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        mx.save_safetensors(str(path / "adapters.safetensors"), weights)
+        modules = sorted({k.split(".", 3)[3].rsplit(".", 1)[0] for k in weights})
+        config = {"fine_tune_type": "lora", "num_layers": num_layers,
+                  "lora_parameters": {**params, "keys": modules}}
+        (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        out.append(path)
+    return out
