@@ -133,8 +133,8 @@ def main() -> int:
         "expert adapter (factors as read)": adapters["a0"]["nbytes"],
         "of which experts": adapters["a0"]["expert_nbytes"],
         "attention-only adapter": adapters["a8"]["nbytes"],
-        "dense packs (17 slots)": packs["dense"], "expert packs (9 slots)": packs["experts"],
-        "one expert slot on the device": packs["experts"] / 9, "one dense slot on the device": packs["dense"] / 17,
+        "dense packs (17 slots)": packs["dense"], "expert packs (8 slots)": packs["experts"],
+        "one expert slot on the device": packs["experts"] / 8, "one dense slot on the device": packs["dense"] / 17,
     }
     for k, v in summary["bytes"].items():
         print(f"{k}: {v / 2**20:.2f} MiB")

@@ -12,7 +12,7 @@ from mola.lora.experts import MultiLoRASwitchGLU
 from mola.lora.layer import LoRARouting, ModuleRows
 
 E, D, H, K = 6, 16, 12, 2  # experts, hidden, expert width, experts per token
-SLOTS = 3  # expert slots 1..2 (slot 0 empty)
+SLOTS = 2  # adapter slots 1..2 carry expert LoRA
 
 
 def glu(seed=0):
@@ -59,7 +59,7 @@ def naive(base: SwitchGLU, x, idx, slot_of_row, row_scale, factors):
 def test_mixed_slots_equal_a_naive_loop(length, scaled):
     rng = np.random.default_rng(0)
     base = glu()
-    routing = LoRARouting(expert_slots=SLOTS - 1)
+    routing = LoRARouting(expert_slots=SLOTS)
     layer = MultiLoRASwitchGLU.from_base(base, routing, num_slots=SLOTS, max_rank=8)
     factors = {}
     # Slot 1: every projection at rank 8; slot 2: down_proj only at rank 3.
@@ -77,21 +77,21 @@ def test_mixed_slots_equal_a_naive_loop(length, scaled):
     x = mx.array(rng.normal(0, 1, (4, length, D)).astype(np.float32))
     idx = mx.array(rng.integers(0, E, (4, length, K)).astype(np.uint32))
     got = layer(x, idx)
-    want = naive(base, x, idx, [s if s < SLOTS else 0 for s in slots], scales or [1.0] * 4, factors)
+    want = naive(base, x, idx, [s if s <= SLOTS else 0 for s in slots], scales or [1.0] * 4, factors)
     np.testing.assert_allclose(np.array(got), want, rtol=1e-4, atol=1e-4)
 
 
 def test_unused_slots_run_the_base_alone_and_rewrites_clear_stale_rank():
     rng = np.random.default_rng(1)
     base = glu(1)
-    routing = LoRARouting(expert_slots=SLOTS - 1)
+    routing = LoRARouting(expert_slots=SLOTS)
     layer = MultiLoRASwitchGLU.from_base(base, routing, num_slots=SLOTS, max_rank=8)
     x = mx.array(rng.normal(0, 1, (2, 3, D)).astype(np.float32))
     idx = mx.array(rng.integers(0, E, (2, 3, K)).astype(np.uint32))
     plain = np.array(base(x, idx))
     f8, r8 = rows(rng, 8, D, H, 1.0)
     layer.up_proj.set_rows(1, r8)
-    routing.set([0, 2])  # neither row on slot 1
+    routing.set([0, 3])  # neither row on slot 1 (slot 3 carries no expert LoRA)
     np.testing.assert_array_equal(np.array(layer(x, idx)), plain)
     f2, r2 = rows(rng, 2, D, H, 1.0)
     layer.up_proj.set_rows(1, r2)  # a lower rank over the rank-8 rows

@@ -47,7 +47,7 @@ def check_slots_fit(geometry: SlotGeometry, free: int | None) -> None:
             f"at rank {geometry.max_rank}"
     parts = [dense]
     if geometry.expert_slots:
-        parts.append(f"{geometry.expert_slots + 1} expert slots (--max-expert-loras + 1) of "
+        parts.append(f"{geometry.expert_slots} expert slots (--max-expert-loras) of "
                      f"{gib(geometry.expert_slot_bytes)} at rank {geometry.max_expert_rank} over "
                      f"{geometry.num_experts} experts")
     raise SlotsDoNotFit(

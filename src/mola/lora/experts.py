@@ -8,7 +8,7 @@ expert projection (gate, up, down)
 
 on top of the base expert's output. All (slot, expert) pairs of a projection
 live in one pack, ``lora_a`` [E * S, r, in] (A^T) and ``lora_b`` [E * S, r, out]
-(scale * B), at index ``e * S + s``: one ``gather_mm`` per factor serves the
+(scale * B), at index ``e * S + (s - 1)``: one ``gather_mm`` per factor serves the
 whole batch with one combined index per (token, chosen expert), as mlx-lm's
 LoRASwitchLinear does with the expert index alone. Expert-major order keeps
 the combined index sorted whenever the tokens are sorted by it, which sorts
@@ -16,9 +16,11 @@ them by expert too: the base's ``sorted_indices`` path and the LoRA's are one
 sort (mlx-lm sorts once 64 or more (token, expert) pairs come, and so do we).
 
 Expert slots are fewer than dense ones (an expert slot weighs E times a dense
-one): slots 1..S-1 of the adapter slots can carry expert LoRA, the others map
-to the empty expert slot 0 and pay nothing here. A batch in which no row uses
-an expert slot that this layer has written runs the base SwitchGLU alone.
+one): slots 1..S of the adapter slots can carry expert LoRA. There is no
+empty expert slot (it would weigh as much as a full one): in a mixed batch a
+row on another slot reads pack index 0 with a scale of 0. A batch in which no
+row uses an expert slot that this layer has written runs the base SwitchGLU
+alone.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ class ExpertRoute:
     """Where each (token, chosen expert) pair of one SwitchGLU call reads its
     LoRA, in the order the projections see the pairs."""
 
-    idx: mx.array  # combined e * S + s, shaped as the projections' expert indices
-    scale: mx.array | None  # per-pair row_scale broadcastable to the LoRA product; None: all 1
+    idx: mx.array  # combined e * S + (s - 1), shaped as the projections' expert indices
+    scale: mx.array | None  # per-pair scale (row_scale, 0 off the expert slots); None: all 1
 
 
 class MultiLoRASwitchLinear(nn.Module):
@@ -78,14 +80,14 @@ class MultiLoRASwitchLinear(nn.Module):
     def set_rows(self, slot: int, rows) -> None:
         """Write expert rows (a [E, r, in], b [E, r, out], see
         :func:`mola.lora.layer.module_rows`) into ``slot``."""
-        assert 0 < slot < self.num_slots and rows.rank <= self.max_rank, (slot, rows.rank)
-        r, stale, S = rows.rank, self._ranks.get(slot, 0), self.num_slots
+        assert 0 < slot <= self.num_slots and rows.rank <= self.max_rank, (slot, rows.rank)
+        r, stale, S, i = rows.rank, self._ranks.get(slot, 0), self.num_slots, slot - 1
         self._view = None  # no other reference: the writes below update in place
-        self.lora_a[slot::S, :r] = rows.a
-        self.lora_b[slot::S, :r] = rows.b
+        self.lora_a[i::S, :r] = rows.a
+        self.lora_b[i::S, :r] = rows.b
         if stale > r:
-            self.lora_a[slot::S, r:stale] = 0.0
-            self.lora_b[slot::S, r:stale] = 0.0
+            self.lora_a[i::S, r:stale] = 0.0
+            self.lora_b[i::S, r:stale] = 0.0
         self._ranks[slot] = r
         self._rank = max(self._ranks.values())
 
@@ -94,15 +96,15 @@ class MultiLoRASwitchLinear(nn.Module):
             return
         self._view = None
         S = self.num_slots
-        self.lora_a[slot::S] = 0.0
-        self.lora_b[slot::S] = 0.0
+        self.lora_a[slot - 1::S] = 0.0
+        self.lora_b[slot - 1::S] = 0.0
         del self._ranks[slot]
         self._rank = max(self._ranks.values(), default=0)
 
     def factors(self, slot: int) -> tuple[mx.array, mx.array]:
         """(A [E, in, r], scale * B [E, r, out]) stored in ``slot``."""
         r, S = self._ranks.get(slot, 0), self.num_slots
-        return self.lora_a[slot::S, :r].swapaxes(1, 2), self.lora_b[slot::S, :r]
+        return self.lora_a[slot - 1::S, :r].swapaxes(1, 2), self.lora_b[slot - 1::S, :r]
 
     def _pack_view(self) -> tuple[mx.array, mx.array]:
         if self._view is None:
@@ -125,7 +127,8 @@ class MultiLoRASwitchLinear(nn.Module):
 
 class MultiLoRASwitchGLU(nn.Module):
     """mlx-lm's SwitchGLU with each expert projection wrapped, routed per row
-    through the shared LoRARouting (its ``expert_slot`` / ``expert_idx``)."""
+    through the shared LoRARouting (its ``expert_slot`` / ``expert_idx`` and
+    ``expert_scale``)."""
 
     @staticmethod
     def from_base(glu: SwitchGLU, routing, num_slots: int, max_rank: int) -> "MultiLoRASwitchGLU":
@@ -177,11 +180,11 @@ class MultiLoRASwitchGLU(nn.Module):
         return x.squeeze(-2)  # [B, L, k, D]
 
     def _route(self, indices: mx.array) -> ExpertRoute:
-        """The combined index e * S + s of every (token, expert) pair."""
+        """The combined index e * S + (s - 1) of every (token, expert) pair."""
         r = self._routing
         S = self.gate_proj.num_slots
         local = r.expert_slot if r.expert_slot is not None else r.expert_idx  # int, or [B, 1, 1]
-        scale = r.row_scale[..., None, None] if r.row_scale is not None else None  # [B, 1, 1, 1, 1]
+        scale = r.expert_scale[..., None, None] if r.expert_scale is not None else None  # [B, 1, 1, 1, 1]
         return ExpertRoute(indices * S + local, scale)  # [B, L, k]
 
 

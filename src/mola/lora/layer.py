@@ -47,12 +47,14 @@ class LoRARouting:
     order: mx.array | None = None  # [B] rows sorted by slot (sorted path only)
     inv_order: mx.array | None = None  # [B] inverse permutation of ``order``
     sorted_idx: mx.array | None = None  # [B] idx[order]
-    # Expert LoRA (mola.lora.experts): slots 1..expert_slots can carry it, the
-    # others read the empty expert slot 0.
+    # Expert LoRA (mola.lora.experts): slots 1..expert_slots can carry it, at
+    # index slot - 1 of the expert packs (which have no empty slot 0: a row
+    # on another slot reads index 0 with a scale of 0).
     expert_slots: int = 0
-    expert_slot: int | None = 0  # every row on this expert slot; None when rows differ
-    expert_idx: mx.array | None = None  # [B, 1, 1] uint32, row -> expert slot (rows differ)
-    expert_slots_used: frozenset[int] = frozenset()  # expert slots of this pass but 0
+    expert_slots_used: frozenset[int] = frozenset()  # slots of this pass that can carry expert LoRA
+    expert_slot: int | None = None  # pack index of every row, when all rows are on one expert slot
+    expert_idx: mx.array | None = None  # [B, 1, 1] uint32, row -> pack index (otherwise)
+    expert_scale: mx.array | None = None  # [B, 1, 1] row_scale, 0 for rows off the expert slots; None: all 1
     _key: tuple | None = None  # the arguments of the last set()
 
     def set(self, slots: list[int], scales: list[float] | None = None) -> None:
@@ -66,7 +68,7 @@ class LoRARouting:
         if scales is not None and any(s != 1.0 for s in scales):
             self.row_scale = mx.array(scales, dtype=mx.float32)[:, None, None]
         self.idx = self.order = self.inv_order = self.sorted_idx = None
-        self._set_experts(slots)
+        self._set_experts(slots, scales)
         if len(self.slots) == 1:
             self.single_slot = slots[0]
             return
@@ -81,13 +83,20 @@ class LoRARouting:
             self.inv_order = mx.array(inv, dtype=mx.uint32)
             self.sorted_idx = mx.array([slots[r] for r in order], dtype=mx.uint32)
 
-    def _set_experts(self, slots: list[int]) -> None:
-        local = [s if s <= self.expert_slots else 0 for s in slots]
-        self.expert_slots_used = frozenset(local) - {0}
-        self.expert_idx = None
-        self.expert_slot = local[0] if len(set(local)) == 1 else None
-        if self.expert_slot is None and self.expert_slots_used:
-            self.expert_idx = mx.array(local, dtype=mx.uint32)[:, None, None]
+    def _set_experts(self, slots: list[int], scales: list[float] | None) -> None:
+        on = [1 <= s <= self.expert_slots for s in slots]
+        self.expert_slots_used = frozenset(s for s, o in zip(slots, on) if o)
+        self.expert_slot = self.expert_idx = self.expert_scale = None
+        if not self.expert_slots_used:
+            return  # the experts run as the base has them
+        if all(on) and len(self.expert_slots_used) == 1:
+            self.expert_slot = slots[0] - 1
+        else:
+            self.expert_idx = mx.array([s - 1 if o else 0 for s, o in zip(slots, on)], dtype=mx.uint32)[:, None, None]
+        row = scales if scales is not None else [1.0] * len(slots)
+        factors = [sc if o else 0.0 for sc, o in zip(row, on)]
+        if any(f != 1.0 for f in factors):
+            self.expert_scale = mx.array(factors, dtype=mx.float32)[:, None, None]
 
     def clear(self) -> None:
         self._key = None

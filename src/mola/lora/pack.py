@@ -54,7 +54,7 @@ class AdapterPacks:
             raise ValueError(f"{type(model).__name__} has no linear layers to wrap")
         glus = []
         if expert_slots:
-            glus = [(path, MultiLoRASwitchGLU.from_base(glu, routing, expert_slots + 1, max_expert_rank))
+            glus = [(path, MultiLoRASwitchGLU.from_base(glu, routing, expert_slots, max_expert_rank))
                     for path, glu in expert_targets(model)]
         routing.expert_slots = expert_slots if glus else 0
         model.update_modules(tree_unflatten(wrapped + glus))
@@ -204,8 +204,8 @@ class SlotGeometry:
 
     @property
     def pack_bytes(self) -> int:
-        """Every pack of the model, the empty slot 0 included."""
-        experts = (self.expert_slots + 1) * self.expert_slot_bytes if self.expert_slots else 0
+        """Every pack of the model: dense ones with the empty slot 0, expert ones without."""
+        experts = self.expert_slots * self.expert_slot_bytes
         return self.num_slots * self.dense_slot_bytes + experts
 
 

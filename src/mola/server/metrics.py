@@ -58,8 +58,7 @@ class StateCollector:
                 value=geometry.expert_slots)
         packs = g("mola_lora_pack_bytes", "Device memory of the LoRA slot packs, by kind", labels=["kind"])
         packs.add_metric(["dense"], geometry.num_slots * geometry.dense_slot_bytes)
-        packs.add_metric(["experts"], (geometry.expert_slots + 1) * geometry.expert_slot_bytes
-                         if geometry.expert_slots else 0)
+        packs.add_metric(["experts"], geometry.expert_slots * geometry.expert_slot_bytes)
         yield packs
         sizes = g("mola_adapter_bytes", "Bytes of each adapter's factors as read, by kind (experts: LoRA on "
                   "the experts of a mixture of experts)", labels=["adapter", "kind"])
