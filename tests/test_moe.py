@@ -111,3 +111,32 @@ def test_quantized_moe_base_equals_its_dequantized_weights(tmp_path):
             compare(tokens, lps, *refs[(name, scale, i)], f"quantized {name} prompt {i}")
     finally:
         runner.stop()
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+def test_peft_twins_of_an_expert_adapter_serve_its_answers_in_one_batch(tmp_path, model_type):
+    """PEFT's per-expert linears (transformers 4) and fused target_parameters
+    (transformers 5, gpt-oss), written from an mlx-lm adapter, give its tokens
+    and log-probabilities, all three in one mixed batch."""
+    from mola.lora.formats import read_adapter
+    from mola.synthetic.peft import save_peft_expert_params_adapter, save_peft_per_expert_adapter
+
+    model, adapters = build(tmp_path, model_type)
+    source = read_adapter(adapters["full"])
+    twins = {"fused": save_peft_expert_params_adapter(tmp_path / "fused", source, model_type)}
+    if model_type != "gpt_oss":  # transformers never had gpt-oss experts as one linear each
+        twins["per_expert"] = save_peft_per_expert_adapter(tmp_path / "per-expert", source, model_type)
+    runner = EngineRunner(model, max_tokens=MAX_TOKENS, max_loras=3, max_lora_rank=8, expert_slots=3,
+                          max_expert_rank=8)  # the fused twin stacks gate and up's A: rank 2r
+    try:
+        runner.add("full", runner.read(adapters["full"]))
+        for name, path in twins.items():
+            runner.add(name, runner.read(path))
+        prompts = [runner.prompt(q) for q in QUESTIONS]
+        refs = references(model, adapters, prompts, [("full", 1.0)])
+        rows = [("full", 1.0)] + [(name, 1.0) for name in twins] + [(None, 1.0)]
+        for (name, _), i, tokens, lps in run_mixed(runner, prompts, rows):
+            if name is not None:
+                compare(tokens, lps, *refs[("full", 1.0, i)], f"{model_type} {name} prompt {i}")
+    finally:
+        runner.stop()

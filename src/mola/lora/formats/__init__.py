@@ -3,6 +3,7 @@ whose module paths are the mlx-lm model's own (``model.layers.3.self_attn.q_proj
 
     mlx_lm.py   mlx-lm directories: adapter_config.json + adapters.safetensors
     peft.py     Hugging Face PEFT directories: adapter_config.json + adapter_model.safetensors
+    peft_experts.py   PEFT LoRA on mixture-of-experts layers (per-expert linears, target_parameters)
     gguf.py     llama.cpp GGUF LoRA files (general.type = adapter)
 """
 
@@ -56,8 +57,9 @@ def read_adapter(
     ``model_type`` is the base's mlx-lm model type (``config.json``'s
     ``model_type``), which formats that name modules their own way need;
     ``model_config`` is the base's whole config (GGUF needs its head counts to
-    put llama's q/k rows back in the base's order; ``rows_as_stored`` leaves
-    them as stored, to describe an adapter without its base).
+    put llama's q/k rows back in the base's order, PEFT its expert count and
+    widths; ``rows_as_stored`` leaves GGUF rows as stored, to describe an
+    adapter without its base).
     """
     try:
         path = Path(path).expanduser()
@@ -72,5 +74,5 @@ def read_adapter(
         return gguf.read_gguf_adapter(file, dtype, model_type, model_config=model_config,
                                       rows_as_stored=rows_as_stored)
     if kind == "peft":
-        return peft.read_peft_adapter(path, dtype, model_type)
+        return peft.read_peft_adapter(path, dtype, model_type, model_config)
     return mlx_lm.read_mlx_lm_adapter(path, dtype)

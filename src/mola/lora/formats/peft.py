@@ -14,6 +14,10 @@ b = B.T. Which modules carry LoRA follows PEFT's own matching
 ``peft.utils.other.get_pattern_key``); tensors for modules the config does not
 target are ignored, as PEFT's non-strict ``load_state_dict`` ignores them.
 
+LoRA on the experts of a mixture of experts (one linear per expert, or 3-D
+expert parameters through ``target_parameters``) is gathered into mola's
+expert modules by peft_experts.py.
+
 Anything that would make the output differ from plain LoRA on the listed
 linears is refused rather than dropped: DoRA, biases, ``modules_to_save``,
 LoRA on embeddings or the output head, base-weight-modifying initialisations
@@ -31,6 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ...errors import InvalidAdapter
+from . import peft_experts
 from .common import CONFIG_FILE, read_config
 from ..weights import LoRAWeights, ModuleLoRA
 
@@ -55,7 +60,6 @@ UNSUPPORTED_FEATURES = {
     "lora_bias": "LoRA biases (lora_bias: true)",
     "layer_replication": "layer replication (layer_replication)",
     "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
-    "target_parameters": "LoRA on parameters (target_parameters)",
     "alora_invocation_tokens": "Activated LoRA (alora_invocation_tokens)",
     "arrow_config": "Arrow routing (arrow_config)",
     "use_bdlora": "block-diagonal LoRA (use_bdlora)",
@@ -208,6 +212,7 @@ def _check_config(config: dict, where: Path) -> None:
     for name in ("target_modules", "exclude_modules"):
         if isinstance(config.get(name), str):
             _check_regex(config[name], name, config_file)
+    peft_experts.check_target_parameters(config, config_file)
 
 
 def _check_regex(pattern: str, what: str, config_file: Path) -> None:
@@ -279,14 +284,6 @@ def module_scale(config: dict, key: str) -> tuple[int, float]:
     return r, scale
 
 
-def module_path(peft_key: str, model_type: str | None = None) -> str:
-    """The mlx-lm module path of a PEFT module name. For llama, qwen2, mistral
-    and most mlx-lm ports the names are the same as in transformers;
-    architectures whose mlx-lm port names modules otherwise would map here,
-    by ``model_type``."""
-    return peft_key
-
-
 # ---- reading ----------------------------------------------------------------------
 
 
@@ -341,11 +338,41 @@ def _pair_factors(tensors: dict[str, mx.array], weights_file: Path) -> dict[str,
     return pairs
 
 
+def _linear_lora(key: str, factors: dict, config: dict, scale_key: str, path: Path,
+                 weights_file: Path) -> ModuleLoRA:
+    """The ModuleLoRA of one linear's factors (lora_A [r, in], lora_B [out, r]);
+    ``scale_key`` is what rank_pattern / alpha_pattern match (the module, or
+    for a ParamWrapper the parameter)."""
+    lora_a, lora_b = factors["lora_A"], factors["lora_B"]
+    if lora_a.ndim != 2 or lora_b.ndim != 2:
+        raise InvalidAdapter(
+            f"{weights_file}: {key} has lora_A of shape {tuple(lora_a.shape)} and "
+            f"lora_B of shape {tuple(lora_b.shape)}; both must be matrices."
+        )
+    rank = lora_a.shape[0]
+    if lora_b.shape[1] != rank:
+        raise InvalidAdapter(
+            f"{weights_file}: rank mismatch in {key}: lora_A {tuple(lora_a.shape)} has "
+            f"rank {rank} but lora_B {tuple(lora_b.shape)} has rank {lora_b.shape[1]}."
+        )
+    r, scale = module_scale(config, scale_key)
+    if r != rank:
+        raise InvalidAdapter(
+            f"Adapter at {path}: rank mismatch in {key}: its factors have rank {rank} "
+            f"but {CONFIG_FILE} gives r={r} (after rank_pattern); the scale "
+            "lora_alpha / r would be wrong."
+        )
+    return ModuleLoRA(a=lora_a.T, b=lora_b.T, scale=scale)  # [in, r], [r, out]
+
+
 def read_peft_adapter(
-    path: Path, dtype: mx.Dtype | None = None, model_type: str | None = None
+    path: Path, dtype: mx.Dtype | None = None, model_type: str | None = None,
+    model_config: dict | None = None,
 ) -> LoRAWeights:
-    """Read (and evaluate) a PEFT LoRA adapter directory. Shapes are checked
-    against the model later, by :func:`mola.lora.weights.validate`."""
+    """Read (and evaluate) a PEFT LoRA adapter directory. ``model_type`` and
+    ``model_config`` (the base's) say where its experts go in the mlx-lm model
+    and how many it has. Shapes are checked against the model later, by
+    :func:`mola.lora.weights.validate`."""
     path = Path(path)
     config = read_config(path)
     _check_config(config, path)
@@ -358,8 +385,6 @@ def read_peft_adapter(
         raise InvalidAdapter(f"{weights_file} is not a safetensors file.")
 
     pairs = _pair_factors(tensors, weights_file)
-    modules: dict[str, ModuleLoRA] = {}
-    ignored = []
     for key, factors in sorted(pairs.items()):
         if key.rpartition(".")[2] in EMBEDDING_NAMES:
             raise InvalidAdapter(
@@ -369,32 +394,22 @@ def read_peft_adapter(
         missing = {"lora_A", "lora_B"} - set(factors)
         if missing:
             raise InvalidAdapter(f"{weights_file}: {key} has no {missing.pop()}.")
+    wrapped = peft_experts.take_param_wrappers(config, pairs, weights_file)
+    modules: dict[str, ModuleLoRA] = {}  # PEFT names (3-D ones by their parameter)
+    ignored = []
+    for key, factors in sorted(pairs.items()):
         if not targets_module(config, key):
             ignored.append(key)
             continue
-        lora_a, lora_b = factors["lora_A"], factors["lora_B"]
-        if lora_a.ndim != 2 or lora_b.ndim != 2:
-            raise InvalidAdapter(
-                f"{weights_file}: {key} has lora_A of shape {tuple(lora_a.shape)} and "
-                f"lora_B of shape {tuple(lora_b.shape)}; both must be matrices."
-            )
-        rank = lora_a.shape[0]
-        if lora_b.shape[1] != rank:
-            raise InvalidAdapter(
-                f"{weights_file}: rank mismatch in {key}: lora_A {tuple(lora_a.shape)} has "
-                f"rank {rank} but lora_B {tuple(lora_b.shape)} has rank {lora_b.shape[1]}."
-            )
-        r, scale = module_scale(config, key)
-        if r != rank:
-            raise InvalidAdapter(
-                f"Adapter at {path}: rank mismatch in {key}: its factors have rank {rank} "
-                f"but {CONFIG_FILE} gives r={r} (after rank_pattern); the scale "
-                "lora_alpha / r would be wrong."
-            )
-        a, b = lora_a.T, lora_b.T
-        if dtype is not None:
-            a, b = a.astype(dtype), b.astype(dtype)
-        modules[module_path(key, model_type)] = ModuleLoRA(a=a, b=b, scale=scale)
+        modules[key] = _linear_lora(key, factors, config, key, path, weights_file)
+    for key, factors in sorted(wrapped.items()):
+        module, _, param = key.rpartition(".")
+        if param == "weight":  # a 2-D ParamWrapper: a Linear's LoRA (ParamWrapper.get_delta_weight)
+            modules[module] = _linear_lora(module, factors, config, key, path, weights_file)
+        else:
+            r, scale = module_scale(config, key)
+            modules[key] = peft_experts.expert_param_lora(
+                key, factors, r, scale, model_type, model_config, weights_file)
     if ignored:
         shown = ", ".join(ignored[:5]) + (" ..." if len(ignored) > 5 else "")
         log.warning(
@@ -406,6 +421,10 @@ def read_peft_adapter(
                 f"Adapter at {path}: none of the modules in {WEIGHTS_FILE} is targeted by "
                 f"its {CONFIG_FILE} (target_modules / layers_to_transform): {shown}"
             )
+    modules = peft_experts.to_mlx_lm(modules, model_type, model_config, path)
+    if dtype is not None:
+        modules = {p: ModuleLoRA(a=m.a.astype(dtype), b=m.b.astype(dtype), scale=m.scale)
+                   for p, m in modules.items()}
     try:
         mx.eval([(m.a, m.b) for m in modules.values()])
     except Exception as e:
