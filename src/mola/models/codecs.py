@@ -38,17 +38,17 @@ class UnsupportedTensor(ModelLoadError):
 
 @dataclass(frozen=True)
 class Quantized:
-    """MLX's affine quantization of a [rows, cols] matrix: w = scales * q + biases per
-    group of GROUP_SIZE columns."""
+    """MLX's affine quantization of a [rows, cols] matrix (or of stacked experts'
+    [E, rows, cols]): w = scales * q + biases per group of GROUP_SIZE columns."""
 
-    weight: np.ndarray  # uint32 [rows, cols * bits / 32]
-    scales: np.ndarray  # float16 [rows, cols / 32]
-    biases: np.ndarray  # float16 [rows, cols / 32]
+    weight: np.ndarray  # uint32 [(E,) rows, cols * bits / 32]
+    scales: np.ndarray  # float16 [(E,) rows, cols / 32]
+    biases: np.ndarray  # float16 [(E,) rows, cols / 32]
     bits: int
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return self.weight.shape[0], self.weight.shape[1] * 32 // self.bits
+    def shape(self) -> tuple[int, ...]:
+        return (*self.weight.shape[:-1], self.weight.shape[-1] * 32 // self.bits)
 
 
 # A tensor as mola holds it: a float numpy array (bfloat16 as its uint16 bits, see
@@ -127,10 +127,12 @@ def read_tensor(tensor):
         return np.asarray(data)
     if kind == T.BF16:
         return BFloat16(np.ascontiguousarray(data).view(np.uint16))
-    if name in _REPACK and data.ndim == 2:
-        packed = _REPACK[name](data)
+    if name in _REPACK and data.ndim in (2, 3):  # a matrix, or stacked experts [E, rows, bytes]
+        packed = _REPACK[name](data.reshape(-1, data.shape[-1]))
         if np.isfinite(packed.biases).all():  # -8d / -128d past float16's range: dequantize
-            return packed
+            lead = data.shape[:-1]
+            return Quantized(*(a.reshape(*lead, -1) for a in (packed.weight, packed.scales, packed.biases)),
+                             packed.bits)
     try:
         return quants.dequantize(np.asarray(data), kind)
     except (NotImplementedError, KeyError, ValueError) as e:

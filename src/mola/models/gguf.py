@@ -5,9 +5,14 @@ as an mlx-lm config dict (metadata.py); tensors get mlx-lm's module names (``blk
 -> ``model.layers.3.self_attn.q_proj.weight``); the model is mlx-lm's own class for
 the architecture, quantized with ``nn.quantize`` where a tensor stays quantized (see
 codecs.py), as ``mlx_lm.utils.load_model`` does. For ``llama`` (Llama, Mistral,
-SmolLM) llama.cpp stores the rows of q and k in its own rope order
+SmolLM, Mixtral) llama.cpp stores the rows of q and k in its own rope order
 (``LlamaModel.permute``); they are put back in Hugging Face's order, so the model is
 the Hugging Face layout and adapters of either layout apply to it.
+
+Mixtures of experts (qwen3moe, qwen2moe, gpt-oss, llama with experts -> mlx-lm's
+qwen3_moe, qwen2_moe, gpt_oss, mixtral): the stacked experts ``blk.N.ffn_*_exps``
+(numpy [E, out, in]) are the weights of mlx-lm's SwitchLinear ([E, out, in]) as they
+are; which module each tensor is depends on the model type (gguf_names.py).
 
 What cannot be mapped exactly is refused with a message naming it: what metadata.py
 refuses, tensors that have no place in the mlx-lm model, codecs codecs.py refuses.
@@ -23,14 +28,15 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ModelLoadError
-from ..lora.formats.gguf import ARCHITECTURES, BLOCK_TENSORS, hf_row_order
+from ..lora.formats.gguf_names import ARCHITECTURES, block_tensors, hf_row_order
 from .codecs import GROUP_SIZE, KEPT, BFloat16, Quantized, UnsupportedTensor, codec_name, read_tensor
 from .metadata import GGUFFile, model_config, open_gguf
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
-# llama.cpp tensor -> mlx-lm parameter path (".weight"/".bias" appended)
+# llama.cpp tensor -> mlx-lm parameter path (".weight"/".bias" appended); the block
+# linears' names are gguf_names.py's (dense and mixture-of-experts blocks)
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 BLOCK_NORMS = {
     "attn_norm": "input_layernorm",
@@ -38,17 +44,30 @@ BLOCK_NORMS = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
+# gpt-oss (conversion/gpt_oss.py, gguf-py tensor_mapping.py): post_attention_layernorm is
+# ATTN_POST_NORM, and self_attn.sinks is written as attn_sinks.weight
+GPT_OSS_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks.weight": "self_attn.sinks",
+}
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _GLOBAL_NAME = re.compile(r"([a-z_]+)\.(weight|bias)")
 
 
-def hf_name(name: str) -> str | None:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (None if
-    mola knows no place for it)."""
+def hf_name(name: str, model_type: str | None = None) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` in a base
+    of mlx-lm type ``model_type`` (None: a dense block); None if mola knows no place for it."""
     m = _BLOCK_NAME.fullmatch(name)
     if m:
-        module = BLOCK_TENSORS.get(m.group(2)) or BLOCK_NORMS.get(m.group(2))
-        return module and f"model.layers.{int(m.group(1))}.{module}.{m.group(3)}"
+        layer, kind, leaf = int(m.group(1)), m.group(2), m.group(3)
+        if model_type == "gpt_oss":
+            if f"{kind}.{leaf}" in GPT_OSS_TENSORS:
+                return f"model.layers.{layer}.{GPT_OSS_TENSORS[f'{kind}.{leaf}']}"
+            module = block_tensors(model_type).get(kind) or GPT_OSS_TENSORS.get(kind)
+        else:
+            module = block_tensors(model_type).get(kind) or BLOCK_NORMS.get(kind)
+        return module and f"model.layers.{layer}.{module}.{leaf}"
     m = _GLOBAL_NAME.fullmatch(name)
     if m and m.group(1) in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
@@ -89,24 +108,26 @@ def read_weights(f: GGUFFile, dtype: str) -> tuple[dict, dict[str, mx.array], di
     """(config, weights by mlx-lm name, {module path: {"bits", "group_size"}} of the
     modules kept quantized). ``dtype``: "keep" or a key of DTYPES."""
     keep = dtype == "keep"
-    held, names, codecs = {}, {}, {}
-    for tensor in f.reader.tensors:
-        name = hf_name(tensor.name)
+    tensors = {t.name: t for t in f.reader.tensors}
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise ModelLoadError(f"{f.path} has no token_embd.weight.")
+    config = model_config(f, set(tensors), int(embed.shape[-1]))  # ne [n_embd, n_vocab]
+    held, codecs = {}, {}
+    for tensor in tensors.values():
+        name = hf_name(tensor.name, config["model_type"])
         if name is None:
             raise ModelLoadError(
                 f"{f.path} holds tensor '{tensor.name}', which has no place in mlx-lm's "
-                f"{f.arch.model_type} model; mola does not drop part of a model silently.")
+                f"{config['model_type']} model; mola does not drop part of a model silently.")
         try:
             held[name] = read_tensor(tensor)
         except UnsupportedTensor as e:
             raise UnsupportedTensor(f"{f.path}: {e.message}") from None
-        names[name] = tensor.name
+        if name.endswith(".shared_expert_gate.weight") and len(held[name].shape) == 1:
+            held[name] = _rows(held[name], lambda v: v.reshape(1, -1))  # llama.cpp's {n_embd}: [1, n_embd]
         if len(tensor.shape) > 1:
             codecs[codec_name(tensor.tensor_type)] = True
-    embed = held.get("model.embed_tokens.weight")
-    if embed is None:
-        raise ModelLoadError(f"{f.path} has no token_embd.weight.")
-    config = model_config(f, set(names.values()), int(embed.shape[0]))
     if ARCHITECTURES[f.arch.name].permutes_qk:
         _unpermute_qk(held, config)
     target = keep_dtype(codecs) if keep else DTYPES[dtype]
@@ -116,8 +137,8 @@ def read_weights(f: GGUFFile, dtype: str) -> tuple[dict, dict[str, mx.array], di
         arrays = _to_mx(value, target, keep)
         if "scales" in arrays:
             quantization[module] = {"group_size": GROUP_SIZE, "bits": value.bits}
-        if leaf == "bias":
-            arrays = {"bias": arrays["weight"]}
+        else:  # a float weight, bias or gpt-oss's sinks
+            arrays = {leaf: arrays["weight"]}
         weights.update({f"{module}.{k}": v for k, v in arrays.items()})
     return config, weights, quantization
 

@@ -1,7 +1,10 @@
 """A GGUF model file's metadata -> an mlx-lm config dict (what config.json would
 say), with what cannot be mapped exactly refused by name: other architectures,
-mixture-of-experts, per-layer head counts, partial rope, rope scaling other than
-linear, llama 3's ``rope_freqs`` factors."""
+per-layer head counts, partial rope, rope scaling mlx-lm's model does not apply,
+llama 3's ``rope_freqs`` factors, expert counts the tensors do not hold.
+
+Mixtures of experts (moe_config.py): qwen3moe -> qwen3_moe, qwen2moe -> qwen2_moe,
+gpt-oss -> gpt_oss, and llama with expert tensors (Mixtral) -> mixtral."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import numpy as np
 
 from ..errors import ModelLoadError
 from ..lora.formats.gguf import is_gguf_file
+from ..lora.formats.gguf_names import MOE_MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -26,7 +30,12 @@ BASE_ARCHITECTURES = {
     "llama": BaseArchitecture("llama", "llama", "LlamaForCausalLM", 10000.0),
     "qwen2": BaseArchitecture("qwen2", "qwen2", "Qwen2ForCausalLM", 10000.0),
     "qwen3": BaseArchitecture("qwen3", "qwen3", "Qwen3ForCausalLM", 10000.0),
+    "qwen2moe": BaseArchitecture("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM", 10000.0),
+    "qwen3moe": BaseArchitecture("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", 10000.0),
+    "gpt-oss": BaseArchitecture("gpt-oss", "gpt_oss", "GptOssForCausalLM", 10000.0),
 }
+# llama.cpp converts MixtralForCausalLM as "llama" with expert tensors (conversion/llama.py).
+MIXTRAL = BaseArchitecture("llama", "mixtral", "MixtralForCausalLM", 10000.0)
 
 def find_gguf(path: Path) -> Path | None:
     """The GGUF model file ``path`` names: the file itself, or the one ``.gguf`` of
@@ -74,8 +83,17 @@ def open_gguf(path: Path) -> GGUFFile:
     if name not in BASE_ARCHITECTURES:
         raise ModelLoadError(
             f"{path} is a GGUF model of architecture '{name}', which mola cannot map onto an "
-            f"mlx-lm model (supported: {', '.join(BASE_ARCHITECTURES)}).")
-    return GGUFFile(path, reader, metadata, BASE_ARCHITECTURES[name])
+            f"mlx-lm model (supported: {', '.join(BASE_ARCHITECTURES)}; llama with experts as "
+            "Mixtral).")
+    arch = BASE_ARCHITECTURES[name]
+    if name == "llama" and (metadata.get("llama.expert_count") or has_expert_tensors(reader)):
+        arch = MIXTRAL
+    return GGUFFile(path, reader, metadata, arch)
+
+
+def has_expert_tensors(reader) -> bool:
+    """Whether the file holds a router or expert tensors (blk.N.ffn_gate_inp / ffn_*_exps)."""
+    return any(".ffn_gate_inp." in t.name or "_exps." in t.name for t in reader.tensors)
 
 
 def _int(f: GGUFFile, key: str, default=None) -> int:
@@ -97,11 +115,17 @@ def _float(value) -> float:
 
 def model_config(f: GGUFFile, tensor_names: set[str], vocab_size: int) -> dict:
     """The mlx-lm config dict (config.json) the file's metadata describes."""
+    from .moe_config import moe_config
+
     arch = f.arch
-    if f.get(".expert_count", 0):
+    is_moe = arch.model_type in MOE_MODEL_TYPES
+    if not is_moe and (f.get(".expert_count", 0) or has_expert_tensors(f.reader)):
+        what = (f"{arch.name}.expert_count = {f.get('.expert_count')}" if f.get(".expert_count")
+                else "it holds expert tensors (blk.N.ffn_gate_inp / ffn_*_exps)")
         raise ModelLoadError(
-            f"{f.path} is a mixture-of-experts model ({arch.name}.expert_count = "
-            f"{f.get('.expert_count')}); mola serves dense {arch.name} GGUF models only.")
+            f"{f.path} is a mixture-of-experts model ({what}), but llama.cpp's {arch.name} is a "
+            "dense architecture; mola maps llama.cpp's mixtures of experts for llama (Mixtral), "
+            "qwen2moe, qwen3moe and gpt-oss.")
     hidden, n_head = _int(f, ".embedding_length"), _int(f, ".attention.head_count")
     head_dim = _int(f, ".attention.key_length", hidden // n_head)
     if _int(f, ".attention.value_length", head_dim) != head_dim:
@@ -111,15 +135,16 @@ def model_config(f: GGUFFile, tensor_names: set[str], vocab_size: int) -> dict:
         raise ModelLoadError(
             f"{f.path}: rope covers {f.get('.rope.dimension_count')} of {head_dim} head "
             f"dimensions; mlx-lm's {arch.model_type} model ropes the whole head.")
-    if arch.model_type == "qwen2" and head_dim != hidden // n_head:
+    if arch.model_type in ("qwen2", "qwen2_moe", "mixtral") and head_dim != hidden // n_head:
         raise ModelLoadError(f"{f.path}: head size {head_dim} is not hidden / heads; mlx-lm's "
-                             "qwen2 model cannot hold it.")
+                             f"{arch.model_type} model cannot hold it.")
     config = {
         "model_type": arch.model_type,
         "architectures": [arch.hf_class],
         "hidden_size": hidden,
         "num_hidden_layers": _int(f, ".block_count"),
-        "intermediate_size": _int(f, ".feed_forward_length"),
+        # a mixture of experts without it: its experts' width (llama.cpp's default the other way)
+        "intermediate_size": _int(f, ".feed_forward_length", f.get(".expert_feed_forward_length")),
         "num_attention_heads": n_head,
         "num_key_value_heads": _int(f, ".attention.head_count_kv", n_head),
         "head_dim": head_dim,
@@ -135,6 +160,8 @@ def model_config(f: GGUFFile, tensor_names: set[str], vocab_size: int) -> dict:
     rope_scaling = _rope_scaling(f, tensor_names)
     if rope_scaling:
         config["rope_scaling"] = rope_scaling
+    if is_moe:
+        config.update(moe_config(f, config))
     for key in ("bos_token_id", "eos_token_id"):
         value = f.get(f"tokenizer.ggml.{key}")
         if value is not None:
@@ -149,12 +176,21 @@ def _rope_scaling(f: GGUFFile, tensor_names: set[str]) -> dict | None:
             "mola does not apply; serve the model's mlx-lm conversion instead.")
     kind = f.get(".rope.scaling.type", "none")
     factor = _float(f.get(".rope.scaling.factor", 1.0) or 1.0)
+    model_type = f.arch.model_type
     if kind == "none" or (kind == "linear" and factor == 1.0):
         return None
+    if model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):  # their nn.RoPE takes no scale
+        raise ModelLoadError(f"{f.path} uses rope scaling '{kind}' (factor {factor:g}), which "
+                             f"mlx-lm's {model_type} model does not apply.")
     if kind == "linear":
         return {"type": "linear", "factor": factor}
+    if kind == "yarn" and model_type == "gpt_oss":
+        from .moe_config import yarn_scaling
+
+        return yarn_scaling(f, factor)
     raise ModelLoadError(f"{f.path} uses rope scaling '{kind}' (factor {factor:g}), which mola "
-                         "does not map onto mlx-lm; only linear scaling is applied.")
+                         "does not map onto mlx-lm; only linear scaling (and yarn for gpt-oss) "
+                         "is applied.")
 
 
 def gguf_config(path: Path) -> dict:

@@ -3,21 +3,27 @@ mlx-lm model directory (what llama.cpp's convert_hf_to_gguf.py writes for it), o
 model whose matrices are random valid blocks of a codec gguf-py cannot quantize
 (K-quants, IQ4_*), to check how mola reads every codec.
 
-The twin has llama.cpp's tensor names, q/k rows in llama.cpp's rope order for
-``llama`` (``LlamaModel.permute``), 1-D tensors in F32, and the tokenizer of the
-directory (byte-level BPE: vocabulary, merges, token types, special ids, chat
-template) in the ``tokenizer.ggml.*`` metadata.
+The twin has llama.cpp's tensor names, given by gguf-py's own TensorNameMap (not by
+mola's tables, so the loader is checked against llama.cpp's naming) from the Hugging
+Face name of each weight, q/k rows in llama.cpp's rope order for ``llama``
+(``LlamaModel.permute``), vectors, biases and routers in F32 (as the converter forces
+them), and the tokenizer of the directory (byte-level BPE: vocabulary, merges, token
+types, special ids, chat template) in the ``tokenizer.ggml.*`` metadata. A mixture of
+experts' stacked SwitchLinear weights [E, out, in] are what the converter writes after
+stacking the Hugging Face experts (ffn_*_exps, numpy [E, out, in]), with its metadata
+(expert counts and widths, gpt-oss's sliding window, yarn rope).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from ..lora.formats.gguf import ARCHITECTURES, MODULE_TENSORS, llama_cpp_row_order
+from ..lora.formats.gguf_names import ARCHITECTURES, llama_cpp_row_order
 
 # Byte offsets of the float16 fields of a block (the scales), for random valid blocks.
 SCALE_FIELDS = {
@@ -26,18 +32,39 @@ SCALE_FIELDS = {
     "IQ4_NL": (0,), "IQ4_XS": (0,), "IQ1_S": (0,), "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,),
     "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ1_M": (),  # IQ1_M's scale lives in its sub-block scales' high bits
 }
-_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-          "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", **MODULE_TENSORS}
+# mlx-lm name -> the Hugging Face name convert_hf_to_gguf.py maps after stacking the
+# experts (conversion/llama.py: Mixtral's stack is feed_forward.experts.w1/w2/w3;
+# conversion/qwen.py: mlp.experts.{gate,up,down}_proj; gpt-oss's sinks get ".weight")
+_HF_NAMES = {
+    "mixtral": [(re.compile(r"model\.layers\.(\d+)\.block_sparse_moe\.switch_mlp\.(\w+)_proj\.weight"),
+                 lambda m: f"layers.{m[1]}.feed_forward.experts.{dict(gate='w1', down='w2', up='w3')[m[2]]}.weight")],
+    "qwen3_moe": [(re.compile(r"(.*)\.mlp\.switch_mlp\.(.*)"), lambda m: f"{m[1]}.mlp.experts.{m[2]}")],
+    "qwen2_moe": [(re.compile(r"(.*)\.mlp\.switch_mlp\.(.*)"), lambda m: f"{m[1]}.mlp.experts.{m[2]}")],
+    "gpt_oss": [(re.compile(r"(.*\.self_attn\.sinks)"), lambda m: f"{m[1]}.weight")],
+}
 
 
-def gguf_name(name: str) -> str:
-    """``model.layers.3.self_attn.q_proj.weight`` -> ``blk.3.attn_q.weight``."""
-    module, _, leaf = name.rpartition(".")
-    if module in _NAMES:
-        return f"{_NAMES[module]}.{leaf}"
-    parts = module.split(".")  # model.layers.N.<rest>
-    return f"blk.{parts[2]}.{_NAMES['.'.join(parts[3:])]}.{leaf}"
+def gguf_name(name: str, model_type: str = "llama", n_layers: int = 64) -> str:
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``blk.3.attn_q.weight``, by gguf-py's
+    TensorNameMap for the architecture llama.cpp converts ``model_type`` as."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    for pattern, to_hf in _HF_NAMES.get(model_type, ()):
+        m = pattern.fullmatch(name)
+        if m:
+            name = to_hf(m)
+    arch = next(a for a in ARCHITECTURES.values() if model_type in a.model_types).name
+    enum = next(k for k, v in MODEL_ARCH_NAMES.items() if v == arch)
+    out = get_tensor_name_map(enum, n_layers).get_name(name, try_suffixes=(".weight", ".bias"))
+    if out is None:
+        raise ValueError(f"gguf-py has no {arch} tensor name for {name}")
+    return out
+
+
+def _f32(gname: str, data: np.ndarray) -> bool:
+    """Whether the converter stores this tensor in F32 whatever the codec: vectors,
+    biases, routers (convert_hf_to_gguf.py forces FFN_GATE_INP / _SHEXP to F32)."""
+    return data.ndim == 1 or gname.endswith(".bias") or ".ffn_gate_inp" in gname
 
 
 def random_blocks(codec: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -117,10 +144,12 @@ def save_gguf_model(path: str | Path, model_dir: str | Path, codec: str = "F32",
     weights = mx.load(str(model_dir / "model.safetensors"))
     for name in sorted(weights):
         data = np.array(weights[name].astype(mx.float32))
-        gname = gguf_name(name)
+        gname = gguf_name(name, config["model_type"], config["num_hidden_layers"])
         if arch.permutes_qk and gname.split(".")[2:3] in (["attn_q"], ["attn_k"]):
             data = llama_cpp_row_order(data, n_head if ".attn_q." in gname else n_kv)
-        if data.ndim == 1:
+        if ".ffn_gate_inp_shexp." in gname:
+            data = data.reshape(-1)  # llama.cpp declares it {n_embd}
+        if _f32(gname, data):
             encoded, kind = data, GGMLQuantizationType.F32
         else:
             encoded, kind = _encode(data, (codecs or {}).get(gname, codec), rng)
@@ -149,3 +178,33 @@ def _hyperparameters(writer, config: dict) -> None:
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
     writer.add_vocab_size(config["vocab_size"])
+    _moe_hyperparameters(writer, config)
+
+
+def _moe_hyperparameters(writer, config: dict) -> None:
+    """What convert_hf_to_gguf.py's set_gguf_parameters writes for a mixture of experts
+    (conversion/base.py TextModel: expert_count from num_local_experts / num_experts,
+    expert_used_count from num_experts_per_tok, yarn rope_scaling; qwen.py: expert and
+    shared-expert widths; gpt_oss.py: sliding_window, expert width = intermediate_size)."""
+    from gguf import RopeScalingType
+
+    n_expert = config.get("num_local_experts") or config.get("num_experts")
+    if n_expert:
+        writer.add_expert_count(n_expert)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+    if config.get("moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+    if config["model_type"] == "gpt_oss":
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_expert_feed_forward_length(config["intermediate_size"])
+    rope = config.get("rope_scaling") or {}
+    if (rope.get("rope_type") or rope.get("type")) == "yarn":
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key, add in (("beta_fast", writer.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", writer.add_rope_scaling_yarn_beta_slow)):
+            if key in rope:
+                add(rope[key])

@@ -1,9 +1,19 @@
 """llama.cpp GGUF LoRA adapters (what llama.cpp's convert_lora_to_gguf.py writes):
 
     general.type = "adapter", adapter.type = "lora", adapter.lora.alpha (float32),
-    general.architecture = "llama" | "qwen2" | "qwen3"
+    general.architecture = "llama" | "qwen2" | "qwen3" | "qwen2moe" | "qwen3moe" | "gpt-oss"
     blk.3.attn_q.weight.lora_a   ne = [in, r]    (numpy, as GGUFReader gives it: [r, in])
     blk.3.attn_q.weight.lora_b   ne = [r, out]   (numpy: [out, r])
+    blk.3.ffn_up_exps.weight.lora_a   ne = [in, r, E]    (numpy: [E, r, in])
+    blk.3.ffn_up_exps.weight.lora_b   ne = [r, out, E]   (numpy: [E, out, r])
+
+The experts' factors are stacked per expert, as convert_lora_to_gguf.py stacks them
+(torch.stack of each expert's lora_A and lora_B, through the base converter's own
+expert merge) and llama.cpp applies them (llama-graph.cpp build_lora_mm_id:
+ggml_mul_mat_id on lora_a then lora_b with the routed expert ids; llama-adapter.cpp
+checks a->ne[0] == in, b->ne[1] == out, a->ne[1] == b->ne[0]). Which mlx-lm module a
+tensor is depends on the base (gguf_names.py): ``ffn_gate_inp`` is qwen's ``mlp.gate``,
+Mixtral's ``block_sparse_moe.gate``, gpt-oss's ``mlp.router``.
 
 llama.cpp applies delta(x) = s * mul_mat(b, mul_mat(a, x)), i.e. in numpy terms
 x @ a.T @ b.T, with s = alpha / r when alpha != 0 and 1 otherwise (src/llama-adapter.h,
@@ -21,8 +31,6 @@ which an adapter file does not store. qwen2 and qwen3 are not permuted.
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,6 +38,21 @@ import numpy as np
 
 from ...errors import InvalidAdapter
 from ..weights import LoRAWeights, ModuleLoRA
+from .gguf_names import (  # noqa: F401  (re-exported: the names' home before MoE)
+    ARCHITECTURES,
+    BLOCK_TENSORS,
+    EXPERT_TENSORS,
+    MODULE_TENSORS,
+    MOE_MODEL_TYPES,
+    Architecture,
+    architecture_for,
+    block_tensors,
+    hf_row_order,
+    is_moe_tensor,
+    llama_cpp_row_order,
+    module_path,
+    tensor_base_name,
+)
 
 GGUF_MAGIC = b"GGUF"
 
@@ -39,40 +62,6 @@ KEY_ADAPTER_TYPE = "adapter.type"
 KEY_LORA_ALPHA = "adapter.lora.alpha"
 KEY_ALORA_TOKENS = "adapter.alora.invocation_tokens"
 
-# llama.cpp's per-block tensor -> the mlx-lm module under model.layers.N
-BLOCK_TENSORS = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-MODULE_TENSORS = {module: tensor for tensor, module in BLOCK_TENSORS.items()}
-
-_TENSOR_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.weight")
-_MODULE_PATH = re.compile(r"model\.layers\.(\d+)\.(self_attn\.[a-z_]+|mlp\.[a-z_]+)")
-
-
-@dataclass(frozen=True)
-class Architecture:
-    name: str  # general.architecture
-    model_types: frozenset[str]  # mlx-lm model types of bases it fits
-    permutes_qk: bool  # llama.cpp reorders q/k rows (and so LoRA B rows) for its rope
-
-
-ARCHITECTURES = {
-    "llama": Architecture("llama", frozenset({"llama", "mistral"}), True),
-    "qwen2": Architecture("qwen2", frozenset({"qwen2"}), False),
-    "qwen3": Architecture("qwen3", frozenset({"qwen3"}), False),
-}
-
-
-def architecture_for(model_type: str | None) -> Architecture | None:
-    """The GGUF LoRA architecture of a base of mlx-lm type ``model_type``, if mola knows one."""
-    return next((arch for arch in ARCHITECTURES.values() if model_type in arch.model_types), None)
-
 
 def is_gguf_file(path: Path) -> bool:
     try:
@@ -80,41 +69,6 @@ def is_gguf_file(path: Path) -> bool:
             return f.read(4) == GGUF_MAGIC
     except OSError:
         return False
-
-
-# ---- names and the q/k row order, shared with the writer (gguf_writer.py) -----
-
-
-def module_path(tensor_base: str) -> str | None:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj`` (None if unmappable)."""
-    m = _TENSOR_NAME.fullmatch(tensor_base)
-    if not m or m.group(2) not in BLOCK_TENSORS:
-        return None
-    return f"model.layers.{int(m.group(1))}.{BLOCK_TENSORS[m.group(2)]}"
-
-
-def tensor_base_name(path: str) -> str | None:
-    """``model.layers.3.self_attn.q_proj`` -> ``blk.3.attn_q.weight`` (None if unmappable)."""
-    m = _MODULE_PATH.fullmatch(path)
-    if not m or m.group(2) not in MODULE_TENSORS:
-        return None
-    return f"blk.{int(m.group(1))}.{MODULE_TENSORS[m.group(2)]}.weight"
-
-
-def llama_cpp_row_order(rows: np.ndarray, n_heads: int) -> np.ndarray:
-    """Reorder the rows of a q/k projection (or its LoRA B, [out, r]) from Hugging
-    Face's order to llama.cpp's: within each head of d rows, row s * d/2 + t moves
-    to 2 * t + s (the two rotated halves become interleaved pairs)."""
-    out = rows.shape[0]
-    d = out // n_heads
-    return rows.reshape(n_heads, 2, d // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
-def hf_row_order(rows: np.ndarray, n_heads: int) -> np.ndarray:
-    """The inverse of :func:`llama_cpp_row_order`."""
-    out = rows.shape[0]
-    d = out // n_heads
-    return rows.reshape(n_heads, d // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
 # ---- reading -------------------------------------------------------------------
@@ -164,8 +118,8 @@ def _head_counts(reader, arch: str, model_config: dict | None) -> tuple[int | No
     return n_head, n_kv_head
 
 
-def _tensor_array(tensor, where: str) -> tuple[np.ndarray, bool]:
-    """The tensor as a 2-D numpy array in GGUFReader's (reversed) order, and
+def _tensor_array(tensor, where: str, ndim: int = 2) -> tuple[np.ndarray, bool]:
+    """The tensor as an ``ndim``-D numpy array in GGUFReader's (reversed) order, and
     whether it was stored as bfloat16."""
     from gguf import GGMLQuantizationType, quants
 
@@ -186,49 +140,28 @@ def _tensor_array(tensor, where: str) -> tuple[np.ndarray, bool]:
                 "LoRA weights (F32, F16, BF16 and llama.cpp's quantized float types are supported)."
             )
     ne = [int(n) for n in tensor.shape]
-    while len(ne) > 2 and ne[-1] == 1:
+    while len(ne) > ndim and ne[-1] == 1:
         ne.pop()
     if len(ne) == 1:  # a vector is a matrix with ne[1] == 1, as in ggml
         ne.append(1)
-    if len(ne) != 2:
+    if len(ne) != ndim:
+        what = ("stacked per expert: lora_a ne [in, rank, experts], lora_b ne [rank, out, experts]"
+                if ndim == 3 else "matrices")
         raise InvalidAdapter(
             f"{where}: tensor '{tensor.name}' has {len(ne)} dimensions (ne {ne}); "
-            "LoRA factors must be matrices."
+            f"its LoRA factors must be {what}."
         )
-    return data.reshape(ne[1], ne[0]), kind == GGMLQuantizationType.BF16
+    return data.reshape(ne[::-1]), kind == GGMLQuantizationType.BF16
 
 
-def read_gguf_adapter(
-    path: Path,
-    dtype: mx.Dtype | None = None,
-    model_type: str | None = None,
-    *,
-    model_config: dict | None = None,
-    rows_as_stored: bool = False,
-) -> LoRAWeights:
-    """Read (and evaluate) a llama.cpp GGUF LoRA file.
-
-    ``model_type`` is the base's mlx-lm model type; ``model_config`` its
-    config.json (it supplies ``model_type`` when that is not given, and the head
-    counts needed to put llama's q/k LoRA rows back in Hugging Face's order).
-    Shapes are checked against the model later, by :func:`mola.lora.weights.validate`.
-    ``rows_as_stored`` leaves llama's q/k rows in llama.cpp's order (shapes and
-    scales are the same), to describe an adapter without its base.
-    """
-    from gguf import GGUFReader
-
-    path = Path(path)
-    where = str(path)
-    try:
-        reader = GGUFReader(str(path))
-    except Exception as e:  # truncated or corrupt: numpy/struct/value errors
-        raise InvalidAdapter(f"{path} is not a readable GGUF file: {e}") from None
+def _check_header(reader, path: Path) -> tuple[Architecture, float]:
+    """The adapter's architecture and adapter.lora.alpha, or InvalidAdapter naming
+    what makes it something other than a plain llama.cpp LoRA."""
     if getattr(reader, "byte_order", "I") != "I":
         raise InvalidAdapter(
             f"{path} is a GGUF file of the other byte order (big-endian); mola reads "
             "little-endian GGUF adapters only."
         )
-
     general_type = _field_value(reader, KEY_GENERAL_TYPE)
     if general_type != "adapter":
         found = "no general.type" if general_type is None else f"general.type '{general_type}'"
@@ -247,7 +180,6 @@ def read_gguf_adapter(
             f"{path} is an activated LoRA (it has {KEY_ALORA_TOKENS}): it applies only after "
             "its invocation tokens, which mola does not implement; it is not served as a plain LoRA."
         )
-
     arch_name = _field_value(reader, KEY_ARCHITECTURE)
     arch = ARCHITECTURES.get(arch_name) if isinstance(arch_name, str) else None
     if arch is None:
@@ -255,15 +187,6 @@ def read_gguf_adapter(
             f"{path} is a GGUF LoRA for architecture '{arch_name}', which mola cannot map "
             f"onto mlx-lm modules (supported: {', '.join(ARCHITECTURES)})."
         )
-    if model_type is None and model_config:
-        model_type = model_config.get("model_type")
-    if model_type is not None and model_type not in arch.model_types:
-        raise InvalidAdapter(
-            f"{path} is a LoRA for a '{arch.name}' model (general.architecture), but the base "
-            f"model's type is '{model_type}' (a '{arch.name}' adapter fits "
-            f"{', '.join(sorted(arch.model_types))} bases)."
-        )
-
     alpha = _field_value(reader, KEY_LORA_ALPHA)
     if alpha is None:
         alpha = 0.0  # llama.cpp reads a missing alpha as 0, i.e. scale 1
@@ -271,29 +194,64 @@ def read_gguf_adapter(
         raise InvalidAdapter(f"{path}: {KEY_LORA_ALPHA} must be a number, got {alpha!r}.")
     if not math.isfinite(alpha):
         raise InvalidAdapter(f"{path}: {KEY_LORA_ALPHA} is {alpha}.")
+    return arch, float(alpha)
 
-    pairs: dict[str, dict[str, object]] = {}
-    unmappable, norms = [], []
+
+def _layout(path: Path, arch: Architecture, model_type: str | None, kinds: set[str]) -> str:
+    """The mlx-lm model type whose block layout the adapter's tensors map onto:
+    the base's, or (without a base) the one the architecture and the tensors
+    name (llama with expert tensors: mixtral)."""
+    moe_kinds = sorted(k for k in kinds if is_moe_tensor(k))
+    moe_types = sorted(arch.model_types & MOE_MODEL_TYPES)
+    if model_type is None:
+        dense_types = sorted(arch.model_types - MOE_MODEL_TYPES)
+        return moe_types[0] if moe_types and (moe_kinds or not dense_types) else dense_types[0]
+    if model_type not in arch.model_types:
+        raise InvalidAdapter(
+            f"{path} is a LoRA for a '{arch.name}' model (general.architecture), but the base "
+            f"model's type is '{model_type}' (a '{arch.name}' adapter fits "
+            f"{', '.join(sorted(arch.model_types))} bases)."
+        )
+    if moe_kinds and model_type not in MOE_MODEL_TYPES:
+        raise InvalidAdapter(
+            f"{path} holds mixture-of-experts LoRA tensors ({', '.join(moe_kinds[:4])}), but the "
+            f"base model ('{model_type}') is dense: it is a LoRA for a "
+            f"{' / '.join(moe_types) or 'mixture-of-experts'} base."
+        )
+    return model_type
+
+
+def _pairs(reader, path: Path, arch: Architecture, model_type: str | None):
+    """(layout, {tensor base name: {"lora_a": tensor, "lora_b": tensor}})."""
+    factors, norms, others = [], [], []
     for tensor in reader.tensors:
-        name = tensor.name
-        base, dot, leaf = name.rpartition(".")
+        base, dot, leaf = tensor.name.rpartition(".")
         if dot and leaf in ("lora_a", "lora_b"):
-            if module_path(base) is None:
-                unmappable.append(name)
-            else:
-                pairs.setdefault(base, {})[leaf] = tensor
-        elif name.endswith("_norm.weight"):
-            norms.append(name)
+            factors.append((base, leaf, tensor))
+        elif tensor.name.endswith("_norm.weight"):
+            norms.append(tensor.name)
         else:
-            raise InvalidAdapter(
-                f"{path} holds tensor '{name}', which is not a LoRA factor "
-                "(expected names ending in .lora_a / .lora_b)."
-            )
+            others.append(tensor.name)
+    kinds = {base.split(".")[2] for base, _, _ in factors if base.count(".") == 3}
+    layout = _layout(path, arch, model_type, kinds)
+    if others:
+        raise InvalidAdapter(
+            f"{path} holds tensor '{others[0]}', which is not a LoRA factor "
+            "(expected names ending in .lora_a / .lora_b)."
+        )
+    pairs: dict[str, dict[str, object]] = {}
+    unmappable = []
+    for base, leaf, tensor in factors:
+        if module_path(base, layout) is None:
+            unmappable.append(tensor.name)
+        else:
+            pairs.setdefault(base, {})[leaf] = tensor
     if unmappable:
         shown = ", ".join(unmappable[:5]) + (" ..." if len(unmappable) > 5 else "")
+        served = ",".join(block_tensors(layout))
         raise InvalidAdapter(
-            f"{path} holds LoRA tensors mola cannot map onto the model's linears "
-            f"(only blk.N.{{{','.join(BLOCK_TENSORS)}}} are served): {shown}"
+            f"{path} holds LoRA tensors mola cannot map onto the linears of a '{layout}' model "
+            f"(its blocks take blk.N.{{{served}}}): {shown}"
         )
     if norms:
         shown = ", ".join(norms[:5]) + (" ..." if len(norms) > 5 else "")
@@ -301,8 +259,74 @@ def read_gguf_adapter(
             f"{path} holds norm weights ({shown}); llama.cpp ignores them, but mola does not "
             "drop part of an adapter silently."
         )
+    return layout, pairs
 
-    modules: dict[str, ModuleLoRA] = {}
+
+def _expert_factors(path: Path, base: str, factors: dict, num_experts: int | None):
+    """An expert tensor's stacked factors: (a [E, in, r], b [E, r, out], a_bf16, b_bf16)."""
+    a_np, a_bf16 = _tensor_array(factors["lora_a"], str(path), ndim=3)  # [E, r, in]
+    b_np, b_bf16 = _tensor_array(factors["lora_b"], str(path), ndim=3)  # [E, out, r]
+    ne_a, ne_b = list(a_np.shape[::-1]), list(b_np.shape[::-1])
+    if a_np.shape[0] != b_np.shape[0] or a_np.shape[1] != b_np.shape[2]:
+        raise InvalidAdapter(
+            f"{path}: '{base}' has lora_a ne {ne_a} but lora_b ne {ne_b}; llama.cpp expects "
+            "lora_a ne = [in, rank, experts] and lora_b ne = [rank, out, experts] with the same "
+            "rank and expert count."
+        )
+    if num_experts is not None and a_np.shape[0] != num_experts:
+        raise InvalidAdapter(
+            f"{path}: '{base}' holds LoRA factors for {a_np.shape[0]} experts (lora_a ne {ne_a}), "
+            f"but the base model has {num_experts} experts per layer."
+        )
+    return a_np.transpose(0, 2, 1), b_np.transpose(0, 2, 1), a_bf16, b_bf16
+
+
+def _dense_factors(path: Path, base: str, factors: dict):
+    """A linear's factors: (a [in, r], b [r, out], a_bf16, b_bf16), b in the file's row order."""
+    a_np, a_bf16 = _tensor_array(factors["lora_a"], str(path))  # [r, in]
+    b_np, b_bf16 = _tensor_array(factors["lora_b"], str(path))  # [out, r]
+    if a_np.shape[0] != b_np.shape[1]:
+        raise InvalidAdapter(
+            f"{path}: '{base}' has lora_a of rank {a_np.shape[0]} (ne {list(a_np.shape[::-1])}) "
+            f"but lora_b of rank {b_np.shape[1]} (ne {list(b_np.shape[::-1])}); llama.cpp "
+            "expects lora_a ne = [in, rank] and lora_b ne = [rank, out]."
+        )
+    return a_np.T, b_np.T, a_bf16, b_bf16
+
+
+def read_gguf_adapter(
+    path: Path,
+    dtype: mx.Dtype | None = None,
+    model_type: str | None = None,
+    *,
+    model_config: dict | None = None,
+    rows_as_stored: bool = False,
+) -> LoRAWeights:
+    """Read (and evaluate) a llama.cpp GGUF LoRA file.
+
+    ``model_type`` is the base's mlx-lm model type; ``model_config`` its
+    config.json (it supplies ``model_type`` when that is not given, the head
+    counts needed to put llama's q/k LoRA rows back in Hugging Face's order, and
+    the expert count an expert LoRA must have). Experts' factors are read as
+    a [E, in, r] and b [E, r, out] (see weights.ModuleLoRA).
+    Shapes are checked against the model later, by :func:`mola.lora.weights.validate`.
+    ``rows_as_stored`` leaves llama's q/k rows in llama.cpp's order (shapes and
+    scales are the same), to describe an adapter without its base.
+    """
+    from gguf import GGUFReader
+
+    path = Path(path)
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # truncated or corrupt: numpy/struct/value errors
+        raise InvalidAdapter(f"{path} is not a readable GGUF file: {e}") from None
+    arch, alpha = _check_header(reader, path)
+    config = model_config or {}
+    if model_type is None:
+        model_type = config.get("model_type")
+    layout, pairs = _pairs(reader, path, arch, model_type)
+    num_experts = config.get("num_experts") or config.get("num_local_experts")
+
     n_head = n_kv_head = None
     reorder = arch.permutes_qk and not rows_as_stored
     if reorder and any(b.split(".")[2] in ("attn_q", "attn_k") for b in pairs):
@@ -314,43 +338,40 @@ def read_gguf_adapter(
                 "needs the base's num_attention_heads / num_key_value_heads, which the adapter "
                 "does not store (read it with the base model's config)."
             )
+    modules: dict[str, ModuleLoRA] = {}
     for base, factors in sorted(pairs.items(), key=lambda kv: _natural(kv[0])):
         if set(factors) != {"lora_a", "lora_b"}:
             missing = ({"lora_a", "lora_b"} - set(factors)).pop()
             raise InvalidAdapter(f"{path}: the LoRA tensor pair for '{base}' has no {missing}.")
-        a_np, a_bf16 = _tensor_array(factors["lora_a"], where)  # [r, in]
-        b_np, b_bf16 = _tensor_array(factors["lora_b"], where)  # [out, r]
-        if a_np.shape[0] != b_np.shape[1]:
-            raise InvalidAdapter(
-                f"{path}: '{base}' has lora_a of rank {a_np.shape[0]} (ne {list(a_np.shape[::-1])}) "
-                f"but lora_b of rank {b_np.shape[1]} (ne {list(b_np.shape[::-1])}); llama.cpp "
-                "expects lora_a ne = [in, rank] and lora_b ne = [rank, out]."
-            )
         kind = base.split(".")[2]
+        if kind in EXPERT_TENSORS:
+            a_np, b_np, a_bf16, b_bf16 = _expert_factors(path, base, factors, num_experts)
+        else:
+            a_np, b_np, a_bf16, b_bf16 = _dense_factors(path, base, factors)
         if reorder and kind in ("attn_q", "attn_k"):
             heads = n_head if kind == "attn_q" else n_kv_head
-            if heads <= 0 or b_np.shape[0] % (2 * heads):
+            if heads <= 0 or b_np.shape[1] % (2 * heads):
                 raise InvalidAdapter(
-                    f"{path}: '{base}' lora_b has {b_np.shape[0]} rows, which do not split into "
+                    f"{path}: '{base}' lora_b has {b_np.shape[1]} rows, which do not split into "
                     f"{heads} heads of even size; is this the right base model?"
                 )
-            b_np = hf_row_order(b_np, heads)
-        rank = b_np.shape[1]
-        scale = float(alpha) / rank if alpha else 1.0
-        a = mx.array(np.ascontiguousarray(a_np.T))
-        b = mx.array(np.ascontiguousarray(b_np.T))
+            b_np = hf_row_order(b_np.T, heads).T
+        rank = a_np.shape[-1]
+        scale = alpha / rank if alpha else 1.0
+        a = mx.array(np.ascontiguousarray(a_np))  # [in, r] or [E, in, r]
+        b = mx.array(np.ascontiguousarray(b_np))  # [r, out] or [E, r, out]
         if a_bf16:
             a = a.astype(mx.bfloat16)
         if b_bf16:
             b = b.astype(mx.bfloat16)
         if dtype is not None:
             a, b = a.astype(dtype), b.astype(dtype)
-        modules[module_path(base)] = ModuleLoRA(a=a, b=b, scale=scale)
+        modules[module_path(base, layout)] = ModuleLoRA(a=a, b=b, scale=scale)
     try:
         mx.eval([(m.a, m.b) for m in modules.values()])
     except Exception as e:
         raise InvalidAdapter(f"{path} could not be read: {e}") from None
-    return LoRAWeights(source=where, format="gguf", modules=modules)
+    return LoRAWeights(source=str(path), format="gguf", modules=modules)
 
 
 def _natural(name: str):

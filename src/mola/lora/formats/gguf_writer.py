@@ -7,8 +7,12 @@ adapter.type = "lora", adapter.lora.alpha (float32), general.quantization_versio
 tensors ``blk.N.<tensor>.weight.lora_a`` (numpy [r, in], ggml ne [in, r]) and
 ``.lora_b`` (numpy [out, r]); for llama, attn_q / attn_k lora_b rows in llama.cpp's
 rope order (``LlamaModel.permute`` with num_attention_heads for q and
-num_key_value_heads for k). The one deviation: a rank-1 factor stays a matrix
-(the converter squeezes it to a vector, which llama.cpp then refuses to load).
+num_key_value_heads for k). The experts of a mixture of experts (ModuleLoRA a
+[E, in, r], b [E, r, out]) are stacked per expert as the converter stacks them:
+``blk.N.ffn_up_exps.weight.lora_a`` numpy [E, r, in] (ne [in, r, E]) and ``.lora_b``
+numpy [E, out, r]; their routers and shared experts are plain linears (names in
+gguf_names.py). The one deviation: a rank-1 factor stays a matrix (the converter
+squeezes it to a vector, which llama.cpp then refuses to load).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..weights import LoRAWeights
-from .gguf import ARCHITECTURES, KEY_ADAPTER_TYPE, KEY_LORA_ALPHA, llama_cpp_row_order, tensor_base_name
+from .gguf import KEY_ADAPTER_TYPE, KEY_LORA_ALPHA
+from .gguf_names import ARCHITECTURES, llama_cpp_row_order, tensor_base_name
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
 
@@ -97,12 +102,12 @@ def save_gguf_adapter(
 
     tensors = []
     for module in sorted(weights.modules, key=lambda p: [int(s) if s.isdigit() else s for s in p.split(".")]):
-        base = tensor_base_name(module)
+        base = tensor_base_name(module, moe=True)
         if base is None:
             raise ValueError(f"{module} has no llama.cpp tensor name")
         m = weights.modules[module]
-        a = np.array(m.a.astype(mx.float32)).T  # [r, in]
-        b = np.array(m.b.astype(mx.float32)).T  # [out, r]
+        a = np.array(m.a.astype(mx.float32)).swapaxes(-1, -2)  # [r, in] or [E, r, in]
+        b = np.array(m.b.astype(mx.float32)).swapaxes(-1, -2)  # [out, r] or [E, out, r]
         if factors[module] != 1.0:
             b = b * np.float32(factors[module])
         kind = base.split(".")[2]
