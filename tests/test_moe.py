@@ -140,3 +140,32 @@ def test_peft_twins_of_an_expert_adapter_serve_its_answers_in_one_batch(tmp_path
                 compare(tokens, lps, *refs[("full", 1.0, i)], f"{model_type} {name} prompt {i}")
     finally:
         runner.stop()
+
+
+@pytest.mark.parametrize("model_type, arch", [("qwen3_moe", "qwen3moe"), ("mixtral", "llama")])
+def test_gguf_moe_base_with_gguf_expert_lora_equals_merged_weights(tmp_path, model_type, arch):
+    """A GGUF MoE base (llama.cpp's layout) serving a GGUF expert LoRA and its
+    mlx-lm twin in one batch: each equals mlx-lm on the mlx-lm directory with
+    the LoRA merged."""
+    import json
+
+    from mola.lora.formats import read_adapter
+    from mola.lora.formats.gguf_writer import save_gguf_adapter
+    from mola.synthetic.gguf_model import save_gguf_model
+
+    model, adapters = build(tmp_path, model_type)
+    config = json.loads((model / "config.json").read_text())
+    base = save_gguf_model(tmp_path / "base.gguf", model)
+    lora = save_gguf_adapter(tmp_path / "full.gguf", read_adapter(adapters["full"]), architecture=arch,
+                             n_head=config["num_attention_heads"], n_kv_head=config["num_key_value_heads"])
+    runner = EngineRunner(base, max_tokens=MAX_TOKENS, max_loras=3, max_lora_rank=8, expert_slots=2,
+                          max_expert_rank=8)
+    try:
+        runner.add("gguf", runner.read(lora))
+        runner.add("mlx", runner.read(adapters["full"]))
+        prompts = [runner.prompt(q) for q in QUESTIONS]
+        refs = references(model, adapters, prompts, [("full", 1.0), (None, 1.0)])
+        for (name, _), i, tokens, lps in run_mixed(runner, prompts, [("gguf", 1.0), ("mlx", 1.0), (None, 1.0)]):
+            compare(tokens, lps, *refs[("full" if name else None, 1.0, i)], f"{model_type} {name} prompt {i}")
+    finally:
+        runner.stop()
