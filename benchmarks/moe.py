@@ -2,7 +2,8 @@
 requests for different adapters share one batch, measured side by side in
 one run on one mola server.
 
-    python benchmarks/moe.py [--concurrency 8 32] [--repeats 2] [--max-tokens 32] [--requests 2]
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \
+        python benchmarks/moe.py [--concurrency 8 32] [--repeats 2] [--max-tokens 32] [--requests 2] [--steps 30]
 
 The model is random, in Qwen3-30B-A3B's proportions scaled to this machine:
 128 experts, 8 of them per token, expert width / hidden width = 768 / 2048,
@@ -16,6 +17,11 @@ expert adapter e0), mixed8 (round robin over e0..e7), one_attn and
 mixed8_attn (the attention-only adapters). It prints the median tok/s over
 repeats, the ratios of benchmarks/README.md's MoE targets, and the bytes of
 one slot, and writes the summary to benchmarks/results/moe.json.
+
+Then, in this process, the time of one decode step (B rows of one token,
+the same adapters in slots, the workloads interleaved, --steps of each): the
+same ratios without HTTP, tokenizing or scheduling, which a shared machine's
+noise moves less.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -89,6 +96,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--requests", type=int, default=2, help="requests per concurrency slot and setting")
+    ap.add_argument("--steps", type=int, default=30, help="in-process decode steps per workload and batch size")
     args = ap.parse_args()
     CACHE.mkdir(parents=True, exist_ok=True)
     (HERE / "results").mkdir(exist_ok=True)
@@ -138,8 +146,51 @@ def main() -> int:
     }
     for k, v in summary["bytes"].items():
         print(f"{k}: {v / 2**20:.2f} MiB")
+    summary["step_ms"] = step_times(model, expert_adapters + attention_adapters, args.concurrency, args.steps)
     (HERE / "results" / "moe.json").write_text(json.dumps(summary, indent=2))
     return 0
+
+
+def step_times(model: Path, adapters: list[Path], batches: list[int], steps: int) -> dict:
+    """Median decode step time (ms) of each workload at each batch size, in
+    process, interleaved; and the ratios of tok/s (the inverse of time)."""
+    import time
+
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from mola.blas import find_openblas
+    from mola.lora.pack import AdapterPacks
+    from mola.lora.recipe import read_checked
+
+    lib = find_openblas()
+    if lib and lib not in os.environ.get("LD_PRELOAD", ""):
+        print(f"warning: the in-process steps run on MLX's reference BLAS; run with LD_PRELOAD={lib}")
+    net, _ = load(str(model))
+    packs = AdapterPacks.install(net, max_loras=16, max_rank=RANK, expert_slots=8, max_expert_rank=RANK)
+    for slot, path in enumerate(adapters, start=1):  # experts e0..e7 in 1..8, attention-only in 9..16
+        packs.fill_from(slot, read_checked(str(path), packs.geometry, None))
+    mx.eval(packs.arrays())
+    out = {}
+    for b in batches:
+        x = mx.array([[7]] * b)
+        cases = {"base": [0] * b, "one": [1] * b, "mixed8": [1 + i % 8 for i in range(b)],
+                 "one_attn": [9] * b, "mixed8_attn": [9 + i % 8 for i in range(b)]}
+        times: dict[str, list[float]] = {w: [] for w in cases}
+        for i in range(steps + 3):
+            for w, slots in cases.items():
+                packs.routing.set(slots)
+                t = time.perf_counter()
+                mx.eval(net(x))
+                if i >= 3:  # warm-up steps not counted
+                    times[w].append(time.perf_counter() - t)
+        ms = {w: statistics.median(v) * 1e3 for w, v in times.items()}
+        ratios = {"mixed8 / one": ms["one"] / ms["mixed8"], "one / base": ms["base"] / ms["one"],
+                  "mixed8_attn / one_attn": ms["one_attn"] / ms["mixed8_attn"]}
+        out[b] = {"ms": ms, "ratios": ratios}
+        print(f"in-process B={b}: " + ", ".join(f"{w} {v:.1f} ms" for w, v in ms.items()))
+        print(f"in-process B={b}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    return out
 
 
 if __name__ == "__main__":
