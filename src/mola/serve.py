@@ -130,7 +130,7 @@ def serve(config: ServeConfig) -> int:
         return 1
     g = engine.geometry
     experts = (f", {g.expert_slots} of them also on the {g.num_experts} experts at rank <= {g.max_expert_rank} "
-               f"({g.expert_slot_bytes / 2**20:.0f} MiB each)" if g.expert_slots else "")
+               f"({g.expert_slot_bytes / 2**20:.1f} MiB each)" if g.expert_slots else "")
     print(
         f"[mola] model loaded in {time.perf_counter() - t0:.1f} s; "
         f"{config.max_loras} adapter slots of rank <= {config.max_lora_rank}{experts}",
