@@ -97,11 +97,18 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--requests", type=int, default=2, help="requests per concurrency slot and setting")
     ap.add_argument("--steps", type=int, default=30, help="in-process decode steps per workload and batch size")
+    ap.add_argument("--steps-only", action="store_true", help="only the in-process step times")
     args = ap.parse_args()
     CACHE.mkdir(parents=True, exist_ok=True)
     (HERE / "results").mkdir(exist_ok=True)
     model = moe_model()
     expert_adapters, attention_adapters = moe_adapters(model)
+    if args.steps_only:  # into the last run's summary, if any
+        out = HERE / "results" / "moe.json"
+        summary = json.loads(out.read_text()) if out.is_file() else {}
+        summary["step_ms"] = step_times(model, expert_adapters + attention_adapters, args.concurrency, args.steps)
+        out.write_text(json.dumps(summary, indent=2))
+        return 0
     eos = eos_id(model)
     server = start_mola(model, expert_adapters + attention_adapters, max_loras=16, max_rank=RANK,
                         max_num_seqs=max(args.concurrency), log=HERE / "results" / "moe-mola.log",
@@ -173,7 +180,10 @@ def step_times(model: Path, adapters: list[Path], batches: list[int], steps: int
     mx.eval(packs.arrays())
     out = {}
     for b in batches:
-        x = mx.array([[7]] * b)
+        # A different token in each row: identical rows would pick the same
+        # experts, and a workload whose adapters make rows differ would pay
+        # for more distinct experts in the base itself.
+        x = mx.array([[11 + 37 * i] for i in range(b)])
         cases = {"base": [0] * b, "one": [1] * b, "mixed8": [1 + i % 8 for i in range(b)],
                  "one_attn": [9] * b, "mixed8_attn": [9 + i % 8 for i in range(b)]}
         times: dict[str, list[float]] = {w: [] for w in cases}
