@@ -392,14 +392,17 @@ class EngineRunner:
 
 def detokenize(tokenizer, tokens, stop_at_eos=True) -> str:
     """Text of ``tokens`` as mlx-lm's streaming detokenizer makes it, EOS
-    tokens left out (and, with stop_at_eos, everything after the first)."""
+    tokens left out (and, with stop_at_eos, everything after the first), and
+    the other special tokens too (the server's skip_special_tokens)."""
     detok = tokenizer.detokenizer
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     for t in tokens:
         if t in tokenizer.eos_token_ids:
             if stop_at_eos:
                 break
             continue
-        detok.add_token(t)
+        if t not in special:
+            detok.add_token(t)
     detok.finalize()
     return detok.text
 
@@ -432,3 +435,36 @@ def with_chat_template(model_dir, out_dir, template: str):
     shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
     (Path(out_dir) / "chat_template.jinja").write_text(template)
     return Path(out_dir)
+
+
+def with_added_tokens(model_dir, out_dir, tokens: list[str], special: bool = False,
+                      eos: tuple[str, ...] = (), template: str | None = None, seed: int = 0):
+    """A copy of a tiny model directory whose tokenizer has ``tokens`` added
+    (special or not, as a real model declares them), the embedding and output
+    rows grown with random ones, ``eos`` among its end-of-sequence ids, and
+    (if given) another chat ``template``."""
+    import shutil
+
+    import numpy as np
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+
+    out_dir = Path(out_dir)
+    shutil.copytree(model_dir, out_dir, dirs_exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(out_dir))
+    tok.add_tokens([AddedToken(t, special=special, normalized=False) for t in tokens], special_tokens=special)
+    tok.save_pretrained(str(out_dir))
+    config = json.loads((out_dir / "config.json").read_text())
+    weights = dict(mx.load(str(out_dir / "model.safetensors")))
+    rng = np.random.default_rng(seed)
+    for key in ("model.embed_tokens.weight", "lm_head.weight"):
+        w = weights[key]
+        extra = rng.normal(0, float(np.std(np.array(w))), (len(tok) - w.shape[0], w.shape[1]))
+        weights[key] = mx.concatenate([w, mx.array(extra, dtype=w.dtype)])
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights)
+    ids = config["eos_token_id"] if isinstance(config["eos_token_id"], list) else [config["eos_token_id"]]
+    config.update(vocab_size=len(tok), eos_token_id=ids + [tok.convert_tokens_to_ids(t) for t in eos])
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    if template is not None:
+        (out_dir / "chat_template.jinja").write_text(template)
+    return out_dir

@@ -123,18 +123,48 @@ def test_a_conversation_across_models_and_scales(server, tmp_path):
     assert "Where do rivers go?" in history and "/model a" in history
 
 
+def test_context_use_is_shown(server, tmp_path):
+    """/context (and /help) show how much of the model's context the conversation
+    fills: its prompt for the next answer, counted by the server's /tokenize, here
+    against the tokenizer's own chat template."""
+    child = spawn("--url", server.url, "tiny", "--max-tokens", MAX_TOKENS, "--temperature", 0,
+                  "--history", tmp_path / "history", tmp_path=tmp_path)
+    chat = Conversation(child, server.url, "tiny")
+    child.expect_exact("tiny> ")
+    tok = server.state.tokenizer
+
+    def used() -> str:
+        return f"[{len(tok.apply_chat_template(chat.messages, add_generation_prompt=True))} / 2048 tokens]"
+
+    chat.command("/context", "[0 / 2048 tokens]")  # nothing said yet
+    chat.ask("Where do rivers go?")
+    chat.command("/context", used())
+    chat.command("/system Answer briefly.", "system prompt set")
+    chat.messages.insert(0, {"role": "system", "content": "Answer briefly."})
+    chat.command("/help", "/context  ")
+    chat.command("/help", used())
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 0 and "Traceback" not in child.before
+
+
 def generated_tokens(url: str, model: str) -> float:
     text = httpx.get(url + "/metrics").text
     m = re.search(rf'^mola_generation_tokens_total{{model="{model}"}} (\S+)$', text, re.M)
     return float(m.group(1)) if m else 0.0
 
 
-def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(server, tmp_path):
+def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(server, tmp_path, monkeypatch):
     """A long answer (the first of a few prompts that runs 1000 tokens or more
     at temperature 0: seconds of streaming even on a quiet machine, where 300
     tokens could end before Ctrl-C arrived) is cut by
     Ctrl-C: the stream closes, the server frees the row long before the end,
-    what came stays in the conversation marked interrupted."""
+    what came stays in the conversation marked interrupted. (The tiny model's
+    random weights write <|endoftext|>, an end-of-generation token, within a few
+    hundred tokens: here only <|im_end|> ends an answer.)"""
+    tok = server.state.tokenizer
+    monkeypatch.setattr(tok, "eos_token_ids", {tok.convert_tokens_to_ids("<|im_end|>")})
     for prompt in ("hello", "Write a poem about the sea.", "Tell me everything.", "Go on and on."):
         full = reference(server.url, [{"role": "user", "content": prompt}], "tiny", max_tokens=1500)
         total = full["usage"]["completion_tokens"]

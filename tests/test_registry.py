@@ -69,11 +69,12 @@ def reference_text(server, model_dir, adapter_dirs, max_tokens=MAX_TOKENS, ignor
     prompt = tok.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True)
     tokens = greedy_tokens(model, prompt, max_tokens)
     eos = set(tok.eos_token_ids)
+    special = eos | {i for i, t in tok.added_tokens_decoder.items() if t.special}  # skip_special_tokens
     detok = tok.detokenizer
     for t in tokens:
         if t in eos and not ignore_eos:
             break
-        if t not in eos:
+        if t not in special:
             detok.add_token(t)
     detok.finalize()
     return detok.text
@@ -333,7 +334,8 @@ def test_default_scale_of_an_adapter(server, client, pool, tiny_model):
     for t in greedy_tokens(model, prompt, MAX_TOKENS):
         if t in tok.eos_token_ids:
             break
-        detok.add_token(t)
+        if not (t in tok.added_tokens_decoder and tok.added_tokens_decoder[t].special):
+            detok.add_token(t)
     detok.finalize()
     r = client.post("/v1/chat/completions", json=body("half"))
     assert r.json()["choices"][0]["message"]["content"] == detok.text

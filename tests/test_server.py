@@ -41,15 +41,17 @@ def sdk(server):
 
 def reference(model, tok, question, max_tokens, ignore_eos=False):
     """(text, n_tokens, finish) of plain mlx-lm greedy decoding, detokenized
-    the way mlx-lm streams text, cut at the first EOS (unless ignored)."""
+    the way mlx-lm streams text, cut at the first EOS (unless ignored), special
+    tokens left out (skip_special_tokens)."""
     eos = set(tok.eos_token_ids)
+    special = eos | {i for i, t in tok.added_tokens_decoder.items() if t.special}
     prompt = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
     tokens = greedy_tokens(model, prompt, max_tokens)
     if not ignore_eos and any(t in eos for t in tokens):
         tokens = tokens[: next(i for i, t in enumerate(tokens) if t in eos) + 1]
     detok = tok.detokenizer
     for t in tokens:
-        if t not in eos:
+        if t not in special:
             detok.add_token(t)
     detok.finalize()
     return detok.text, len(tokens), "stop" if tokens[-1] in eos and not ignore_eos else "length"

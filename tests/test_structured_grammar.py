@@ -16,7 +16,7 @@ from mlx_lm.utils import load_tokenizer
 
 from mola.errors import InvalidRequest
 from mola.server.tools import ToolCallParser
-from mola.structured import StructuredOutputs
+from mola.structured import JsonCalls, StructuredOutputs
 
 from helpers import MISTRAL_TEMPLATE, MISTRAL_V3_TEMPLATE, PYTHONIC_TEMPLATE, with_chat_template
 
@@ -206,9 +206,11 @@ def test_what_cannot_be_constrained_is_refused(tokenizers, kwargs, words):
     assert words in e.value.message
 
 
-def test_a_family_without_a_grammar_is_refused_by_name(tokenizers):
+def test_a_family_without_a_grammar_forces_bare_json_but_offers_no_call_beside_a_format(tokenizers):
+    s = StructuredOutputs(tokenizers["pythonic"], 512)
+    assert s.for_request(tools=TOOLS, tool_choice="required").grammar.json_calls == JsonCalls(None)
     with pytest.raises(InvalidRequest) as e:
-        StructuredOutputs(tokenizers["pythonic"], 512).for_request(tools=TOOLS, tool_choice="required")
+        s.for_request(tools=TOOLS, tool_choice="auto", response_format=fmt(ADDRESS))
     assert "pythonic" in e.value.message and e.value.param == "tool_choice"
 
 

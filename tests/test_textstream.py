@@ -48,3 +48,14 @@ def test_partial_stop_string_is_held_then_released(tokenizer):
     emitted = "".join(ts.add([t]) for t in tokens)
     assert not emitted.endswith("de")  # held back: might become "de!"
     assert emitted + ts.finish() == "abc de" and not ts.stopped
+
+
+def test_skipped_tokens_add_no_text(tokenizer):
+    """skip_special_tokens: the ids in ``skip`` (here <|im_start|> and <|im_end|>) leave no text."""
+    text = "<|im_start|>Hello <|im_end|>world<|im_end|>"
+    skip = frozenset(tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]))
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    assert skip <= set(tokens)
+    shown, hidden = TextStream(tokenizer), TextStream(tokenizer, skip=skip)
+    assert "".join(shown.add([t]) for t in tokens) + shown.finish() == text
+    assert "".join(hidden.add([t]) for t in tokens) + hidden.finish() == "Hello world"

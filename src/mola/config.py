@@ -17,6 +17,9 @@ from .lora.resolvers import ResolverSpec, parse_resolver
 from .models import DTYPE_CHOICES
 
 DEMO_CHOICES = ("chat", "echo")  # what `mola serve` with no model serves (mola.demo)
+# How a thinking model's reasoning is split from its answer (mola/server/reasoning.py);
+# auto: from the chat template.
+REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "gpt_oss", "none")
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,9 @@ class ServeConfig:
     # max_tokens when a request sets none and the model declares no context
     # limit (otherwise the default is whatever room the context has left).
     default_max_tokens: int = 2048
+    # Split a thinking model's reasoning from its answer: "auto" (from the chat
+    # template), "qwen3", "deepseek_r1", "gpt_oss" or "none" (all of it is content).
+    reasoning_parser: str = "auto"
     log_level: str = "info"
     cache_dir: Path | None = None  # where the demo is fetched and built (default ~/.cache/mola)
     # Access: with api_key, every /v1 route needs "Authorization: Bearer KEY";
@@ -178,6 +184,9 @@ class ServeConfig:
                              f"model {self.model!r}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}; choose one of "
+                             f"{', '.join(REASONING_PARSERS)}")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ValueError(f"unknown log level {self.log_level!r}")
         object.__setattr__(self, "adapter_resolvers", tuple(

@@ -60,6 +60,21 @@ class ChatClient:
             raise
         return True
 
+    def context_use(self, model: str, messages: list[dict]) -> tuple[int, int | None]:
+        """(tokens, the model's context length or None): the conversation with
+        the generation prompt, as vLLM's /tokenize counts it (0 before anything is said)."""
+        if not messages:  # no template renders an empty conversation
+            return 0, self._get(f"/v1/models/{quote(model, safe='/')}").get("max_model_len")
+        body = {"model": model, "messages": messages, "add_generation_prompt": True}
+        try:
+            r = self.http.post("/tokenize", json=body)
+        except httpx.HTTPError as e:
+            raise ServerError(f"cannot reach {self.url}: {e}") from None
+        if r.status_code != 200:
+            raise ServerError(_message(r), r.status_code)
+        counted = r.json()
+        return counted["count"], counted.get("max_model_len")
+
     def stream(self, body: dict) -> Iterator[str]:
         """The answer's text as it decodes. Leaving the loop early (Ctrl-C)
         closes the connection, which makes the server free the row."""

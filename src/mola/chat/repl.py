@@ -24,7 +24,8 @@ HELP = """\
 /system TEXT       set the system prompt (/system alone removes it)
 /reset             forget the conversation (the system prompt, model and strength stay)
 /save FILE         write the conversation to FILE as JSON
-/help              this list
+/context           how much of the model's context the conversation fills (its prompt tokens)
+/help              this list, and /context
 /quit              leave (as Ctrl-D does); Ctrl-C stops an answer"""
 
 
@@ -59,6 +60,7 @@ class Repl:
         self.commands: dict[str, Callable[[str], bool]] = {
             "/model": self.model, "/adapter": self.adapter, "/adapters": self.adapters,
             "/system": self.system, "/reset": self.reset, "/save": self.save, "/help": self.help,
+            "/context": self.context,
             "/quit": lambda arg: False, "/exit": lambda arg: False,
         }
 
@@ -175,9 +177,20 @@ class Repl:
         self.say(f"saved {len(self.session.turns)} messages to {path}")
         return True
 
+    def context(self, arg: str) -> bool:
+        """``[123 / 2048 tokens]``: the conversation as the next question's prompt
+        (without it), counted by the server's /tokenize."""
+        try:
+            count, limit = self.client.context_use(self.session.model, self.session.messages())
+        except ServerError as e:
+            self.error(f"cannot count the context: {e.message}")
+            return True
+        self.say(f"[{count} / {limit} tokens]" if limit else f"[{count} tokens]")
+        return True
+
     def help(self, arg: str) -> bool:
         self.say(HELP)
-        return True
+        return self.context(arg)
 
 
 def run_chat(client: ChatClient, session: Session, history: Path | None = None) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import DEMO_CHOICES, AdapterSpec, parse_adapter_arg, parse_bytes
+from ..config import DEMO_CHOICES, REASONING_PARSERS, AdapterSpec, parse_adapter_arg, parse_bytes
 from ..models import DTYPE_CHOICES
 
 
@@ -49,6 +49,10 @@ def _model_flags(serve: argparse.ArgumentParser) -> None:
                        "fetched) or echo (a tiny base that echoes the message, built in seconds)")
     serve.add_argument("--served-model-name", help="the id clients use for the base model "
                        "(default: the model directory's name, or the GGUF file's name without .gguf)")
+    serve.add_argument("--reasoning-parser", choices=REASONING_PARSERS,
+                       help="split a thinking model's reasoning from its answer (reasoning_content, "
+                       "Responses reasoning items): auto picks from the chat template (default), "
+                       "none leaves it in the content")
     serve.add_argument("--dtype", choices=DTYPE_CHOICES,
                        help="weights at load: keep (quantized layers stay quantized), float16, "
                        "bfloat16 or float32 (dequantized); auto (default): GGUF files float32 on a "

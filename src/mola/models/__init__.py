@@ -7,6 +7,7 @@ mlx-lm models with mlx-lm tokenizers.
     gguf.py       a GGUF file -> mlx-lm weights and model
     codecs.py     GGUF tensor types -> MLX arrays (kept quantized or dequantized)
     tokenizer.py  the tokenizer in a GGUF's metadata -> Hugging Face files -> mlx-lm
+    eog.py        where a generation ends (every source, llama.cpp's rule), the special tokens
     convert.py    `mola convert`: a GGUF file -> an mlx-lm model directory
     fetch.py      the real test/demo model (SmolLM2-135M-Instruct), fetched once
 """

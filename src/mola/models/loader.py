@@ -11,6 +11,7 @@ import mlx.core as mx
 
 from ..errors import ModelLoadError
 from . import DTYPE_CHOICES
+from .eog import end_of_generation_ids
 from .gguf import DTYPES
 from .metadata import find_gguf
 from .model import LoadedModel
@@ -81,7 +82,10 @@ def load_base_model(model: str, revision: str | None = None, group=None, dtype: 
              f" (shard {group.rank() + 1} of {group.size()})" if group else "")
     t0 = time.perf_counter()
     loaded = _load_gguf(path, dtype, group) if is_gguf else _load_mlx_lm(path, dtype, group)
-    log.info("model loaded in %.1f s", time.perf_counter() - t0)
+    # Where the model ends: one rule for every source (models/eog.py).
+    loaded.tokenizer.eos_token_ids = end_of_generation_ids(loaded.tokenizer, path)
+    log.info("model loaded in %.1f s; generation ends at tokens %s", time.perf_counter() - t0,
+             sorted(loaded.tokenizer.eos_token_ids))
     return loaded
 
 

@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import ModelLoadError
+from .eog import gguf_eog_ids
 
 # GPT-2's split, which tokenizers' ByteLevel(use_regex=True) applies.
 _DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
@@ -33,7 +34,6 @@ _TOKENIZER_KEYS = {  # tokenizer.ggml.<key> -> the builder's name
     "eos_token_id": "eos_token_id", "unknown_token_id": "unk_token_id",
     "padding_token_id": "pad_token_id", "add_space_prefix": "add_prefix_space",
 }
-_STOP_KEYS = ("eos_token_id", "eot_token_id", "eom_token_id")
 
 
 def tokenizer_dict(metadata: dict) -> dict:
@@ -90,7 +90,7 @@ def _post_processor(backend, bos: str | None, add_bos: bool) -> None:
 
 def tokenizer_files(metadata: dict, architecture: str, out: Path, context_length: int | None) -> list[int]:
     """Write tokenizer.json and tokenizer_config.json (with the chat template) into
-    ``out``; return the ids that end a generation (eos, eot, eom)."""
+    ``out``; return the ids that end a generation, by llama.cpp's rule (models/eog.py)."""
     d = tokenizer_dict(metadata)
     tokens = d["tokens"]
 
@@ -122,8 +122,7 @@ def tokenizer_files(metadata: dict, architecture: str, out: Path, context_length
         config["chat_template"] = template
     (out / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None},
                                                           indent=2, ensure_ascii=False))
-    stops = [int(metadata[f"tokenizer.ggml.{k}"]) for k in _STOP_KEYS if f"tokenizer.ggml.{k}" in metadata]
-    return sorted(set(stops))
+    return sorted(gguf_eog_ids(metadata))
 
 
 def load_tokenizer(metadata: dict, architecture: str, context_length: int | None = None):

@@ -22,10 +22,12 @@ from ..lora.registry import AdapterRegistry
 from ..lora.resolvers import make_resolvers
 from ..lora.sources import AdapterSources
 from ..structured import StructuredOutputs
+from .anthropic.errors import AnthropicErrorsMiddleware
 from .errors import error_response, install_error_handlers
 from .middleware import AuthMiddleware, BodyLimitMiddleware, HTTPMetricsMiddleware, RequestIdMiddleware
+from .reasoning import reasoning_format
 from .responses_api.store import ResponseStore
-from .routes import adapters, chat, completions, models, responses, vllm
+from .routes import adapters, chat, completions, messages, models, responses, tokenize, vllm
 from .state import ServerState
 
 log = logging.getLogger("mola.server")
@@ -70,7 +72,10 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel) 
         vocab_size=loaded.vocab_size,
         responses=ResponseStore(config.max_stored_responses),
         structured=StructuredOutputs(loaded.tokenizer, loaded.vocab_size),
+        reasoning=reasoning_format(config.reasoning_parser, loaded.tokenizer),
     )
+    if state.reasoning is not None:
+        log.info("reasoning parser: %s", state.reasoning.name)
     try:
         for spec in config.adapters:
             try:
@@ -107,9 +112,11 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(chat.router)
     app.include_router(completions.router)
     app.include_router(responses.router)
+    app.include_router(messages.router)
     app.include_router(models.router)
     app.include_router(adapters.router)
     app.include_router(vllm.router)
+    app.include_router(tokenize.router)
     state.metrics.watch(state)
 
     @app.get("/health")
@@ -126,10 +133,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics(request: Request):
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    config = state.config  # the last added runs first: request id, auth, metrics, body limit
+    # The last added runs first: request id, Anthropic's error envelope (on /v1/messages), auth,
+    # metrics, body limit.
+    config = state.config
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=state.metrics)
     app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_key=config.admin_key,
                        protect_metrics=config.protect_metrics)
+    app.add_middleware(AnthropicErrorsMiddleware)
     app.add_middleware(RequestIdMiddleware)
     return app

@@ -1,6 +1,6 @@
 """From a validated request to text: sampling parameters, and one
 :class:`Generation` per choice turning engine outputs into deltas (text,
-tool calls, log-probabilities). Prompts are made in prompts.py."""
+reasoning, tool calls, log-probabilities). Prompts are made in prompts.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ from ..structured import CompiledGrammar
 from .protocol import _Sampling
 from .state import ServerState
 from .textstream import TextStream
-from .tools import ToolCallParser
+from .reasoning import Reasoning
+from .tools import JsonCallParser, ToolCallParser
 
 
 class GenerationFailed(MolaError):
@@ -57,7 +58,9 @@ def sampling_params(state: ServerState, body: _Sampling, num_prompt_tokens: int,
         top_p=1.0 if body.top_p is None else body.top_p,
         # Choice i of a seeded request draws with seed + i: reproducible, distinct.
         seed=None if body.seed is None else body.seed + choice,
-        stop_token_ids=frozenset() if body.ignore_eos else frozenset(state.tokenizer.eos_token_ids),
+        # EOS (the model's end-of-generation set, models/eog.py) unless ignored; the request's own ids always.
+        stop_token_ids=(frozenset() if body.ignore_eos else frozenset(state.tokenizer.eos_token_ids))
+        | body.stop_token_set(state.vocab_size),
         frequency_penalty=body.frequency_penalty or 0.0,
         presence_penalty=body.presence_penalty or 0.0,
         logit_bias=body.bias_pairs(state.vocab_size),
@@ -78,6 +81,7 @@ class Delta:
     logprobs: list | None = None  # per token: (logprob, [(id, logprob)])
     tool_calls: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
+    reasoning: str = ""  # the thinking, split off the text (--reasoning-parser)
 
 
 class Generation:
@@ -85,7 +89,9 @@ class Generation:
     model id back when done, however it ends (``close`` is idempotent)."""
 
     def __init__(self, state: ServerState, seq: Sequence, lease: Lease, stop: list[str],
-                 index: int = 0, tools: list[dict] | None = None, model: str = ""):
+                 index: int = 0, tools: list[dict] | None = None, model: str = "",
+                 skip_special_tokens: bool = True, reasoning: Reasoning | None = None,
+                 json_calls=None):
         self.state = state
         self.seq = seq
         self.lease = lease
@@ -95,8 +101,23 @@ class Generation:
         self._start = time.perf_counter()
         self._last: float | None = None  # when the last token arrived
         state.active_sequences += 1
-        self.text = TextStream(state.tokenizer, stop)
-        self.tools = ToolCallParser(state.tokenizer, tools) if tools else None
+        # Never in the text: the token that ends the output; with skip_special_tokens, any special one.
+        # The reasoning parser reads its markers (special or not) and keeps them out of the text.
+        special = state.special_token_ids - (reasoning.format.marker_ids if reasoning else frozenset())
+        skip = seq.params.stop_token_ids | (special if skip_special_tokens else frozenset())
+        self.text = TextStream(state.tokenizer, stop, skip=skip)
+        # Reasoning first (harmony's parser reads its calls too), then tool calls in the answer:
+        # forced calls in bare JSON (json_calls), or in the family's syntax.
+        self.reasoning = reasoning.parser(tools=bool(tools)) if reasoning else None
+        if json_calls is not None:
+            self.tools = JsonCallParser(json_calls)
+        elif tools and getattr(state.tokenizer, "has_tool_calling", False) and not (
+                reasoning and reasoning.format.parses_tools):
+            self.tools = ToolCallParser(state.tokenizer, tools)
+        else:
+            self.tools = None
+        self.reasoning_text = ""
+        self.num_reasoning_tokens = 0  # tokens generated before the thinking ended
         self.content = ""
         self.tool_calls: list[dict] = []
         self.tokens: list[int] = []
@@ -118,7 +139,6 @@ class Generation:
         return len(self.tokens)
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        eos = self.state.tokenizer.eos_token_ids
         try:
             async for out in self.state.engine.generate(self.seq):
                 if out.finish_reason == "timeout":
@@ -128,7 +148,7 @@ class Generation:
                     )
                 if out.finish_reason in ("error", "abort"):
                     raise GenerationFailed(f"Generation failed: {out.error or out.finish_reason}")
-                tokens, logprobs, text = self._add(out.tokens, out.logprobs, eos)
+                tokens, logprobs, text = self._add(out.tokens, out.logprobs)
                 self._observe(len(tokens))
                 self.tokens += tokens
                 if logprobs:
@@ -142,21 +162,31 @@ class Generation:
         finally:
             self.close()
 
-    def _add(self, tokens: list[int], logprobs: list | None, eos) -> tuple[list[int], list | None, str]:
+    def _add(self, tokens: list[int], logprobs: list | None) -> tuple[list[int], list | None, str]:
         """Text of new tokens, one at a time (a speculative step brings
         several): a stop string ends them at the token that completes it, as
         if they had come one per step."""
         text = self.text.add([]) if not tokens else ""
         for j, t in enumerate(tokens):
-            text += self.text.add([t] if t not in eos else [])
+            text += self.text.add([t])
             if self.text.stopped:
                 return tokens[: j + 1], logprobs[: j + 1] if logprobs else logprobs, text
         return tokens, logprobs, text
 
     def _delta(self, text, tokens, logprobs, finish) -> Delta:
-        calls = []
+        calls, reasoning = [], ""
+        if self.reasoning is not None:
+            was_reasoning = self.reasoning.in_reasoning
+            split = self.reasoning.feed(text)
+            if finish is not None:
+                split += self.reasoning.finish()
+            if was_reasoning or self.reasoning.in_reasoning:
+                self.num_reasoning_tokens += len(tokens)
+            reasoning, text, calls = split.reasoning, split.content, split.calls
+            self.reasoning_text += reasoning
         if self.tools is not None:
-            text, calls = self.tools.feed(text)
+            text, found = self.tools.feed(text)
+            calls = calls + found
             if finish is not None:
                 more_text, more_calls = self.tools.finish()
                 text, calls = text + more_text, calls + more_calls
@@ -165,7 +195,7 @@ class Generation:
         if finish == "stop" and self.tool_calls:
             finish = "tool_calls"
         self.finish_reason = finish
-        return Delta(self.index, text, list(tokens), logprobs, calls, finish)
+        return Delta(self.index, text, list(tokens), logprobs, calls, finish, reasoning)
 
     def _observe(self, n: int) -> None:
         if not n:
@@ -251,9 +281,11 @@ def check_constrainable(body: _Sampling, grammar: CompiledGrammar | None) -> Non
 
 async def start_generations(state: ServerState, body: _Sampling, prompts: list[list[int]],
                             tools: list[dict] | None = None,
-                            grammar: CompiledGrammar | None = None) -> list[Generation]:
+                            grammar: CompiledGrammar | None = None,
+                            reasoning: Reasoning | None = None) -> list[Generation]:
     """One Generation per (prompt, choice), each with its own lease (and,
-    under ``grammar``, its own matcher)."""
+    under ``grammar``, its own matcher; with ``reasoning``, its own parser
+    of the thinking)."""
     check_constrainable(body, grammar)
     admit(state, len(prompts) * body.n)
     stack = [a.ref() for a in body.adapters] if body.adapters else None
@@ -269,12 +301,23 @@ async def start_generations(state: ServerState, body: _Sampling, prompts: list[l
                                lora_scale=lease.row_scale, adapter_key=lease.key, deadline=deadline,
                                constraint=grammar.new_constraint() if grammar else None)
                 gens.append(Generation(state, seq, lease, body.stop_strings(),
-                                       index=i * body.n + j, tools=tools, model=body.model))
+                                       index=i * body.n + j, tools=tools, model=body.model,
+                                       skip_special_tokens=body.skip_special_tokens, reasoning=reasoning,
+                                       json_calls=grammar.grammar.json_calls if grammar else None))
     except BaseException:
         for g in gens:
             g.close()
         raise
     return gens
+
+
+async def start_reasoning(state: ServerState, prompt: list[int]) -> Reasoning | None:
+    """The request's reasoning (None when the server splits none off): whether
+    its output starts in the thinking, read from the prompt's end on the
+    tokenizer's lane."""
+    if state.reasoning is None:
+        return None
+    return await state.prompts.structured(state.reasoning.start, tokenizer=state.tokenizer, prompt=prompt)
 
 
 async def _acquire(state: ServerState, body: _Sampling, stack, deadline: float | None) -> Lease:

@@ -3,7 +3,8 @@ request, HTTP metrics and the request body limit. Pure ASGI (no
 BaseHTTPMiddleware), so streaming responses pass through untouched.
 
 Access: with an API key, every /v1 route needs ``Authorization: Bearer KEY``
-(401 in OpenAI's envelope otherwise); with an admin key, the routes that load
+or ``x-api-key: KEY`` (Anthropic's header) (401 in OpenAI's envelope
+otherwise, Anthropic's on /v1/messages); with an admin key, the routes that load
 and unload adapters need that key. /health and /metrics stay open unless
 metrics are protected (then they need the API key). Keys are compared in
 constant time and never logged.
@@ -19,6 +20,8 @@ import uuid
 
 log = logging.getLogger("mola.access")
 
+# vLLM's routes that need the API key like every /v1 route.
+API_ROUTES_OUTSIDE_V1 = {"/tokenize", "/detokenize"}
 ADMIN_ROUTES = {
     ("POST", "/v1/adapters"),
     ("POST", "/v1/load_lora_adapter"),
@@ -30,18 +33,22 @@ def is_admin_route(method: str, path: str) -> bool:
     return (method, path) in ADMIN_ROUTES or (method == "DELETE" and path.startswith("/v1/adapters/"))
 
 
-def _bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
+def _given_keys(headers: list[tuple[bytes, bytes]]) -> list[str]:
+    """The keys a request presents: ``Authorization: Bearer KEY`` and ``x-api-key: KEY``."""
+    keys = []
     for name, value in headers:
-        if name.lower() == b"authorization":
+        name = name.lower()
+        if name == b"authorization":
             text = value.decode("latin-1").strip()
             if text[:7].lower() == "bearer ":
-                return text[7:].strip()
-            return None
-    return None
+                keys.append(text[7:].strip())
+        elif name == b"x-api-key":
+            keys.append(value.decode("latin-1").strip())
+    return keys
 
 
-def _matches(given: str | None, key: str) -> bool:
-    return given is not None and hmac.compare_digest(given.encode(), key.encode())
+def _matches(given: list[str], key: str) -> bool:
+    return any([hmac.compare_digest(k.encode(), key.encode()) for k in given])
 
 
 async def _send_error(send, status: int, message: str, type_: str, code: str, headers=()) -> None:
@@ -63,18 +70,20 @@ class AuthMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, method = scope["path"], scope["method"]
-        given = _bearer(scope.get("headers", []))
+        given = _given_keys(scope.get("headers", []))
         if self.admin_key and is_admin_route(method, path):
             needed = self.admin_key
-        elif path.startswith("/v1") or (self.protect_metrics and path in ("/metrics", "/health")):
+        elif path.startswith("/v1") or path in API_ROUTES_OUTSIDE_V1 or (
+                self.protect_metrics and path in ("/metrics", "/health")):
             needed = self.api_key
         else:
             needed = None
         if needed is not None and not _matches(given, needed):
             which = "an admin key" if needed is self.admin_key and needed != self.api_key else "an API key"
-            reason = "is missing" if given is None else "is not valid"
+            reason = "is missing" if not given else "is not valid"
             return await _send_error(
-                send, 401, f"This route needs {which} (Authorization: Bearer ...); the one given {reason}.",
+                send, 401, f"This route needs {which} (Authorization: Bearer ... or x-api-key: ...); "
+                f"the one given {reason}.",
                 "authentication_error", "invalid_api_key", [(b"www-authenticate", b"Bearer")],
             )
         return await self.app(scope, receive, send)

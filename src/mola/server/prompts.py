@@ -28,10 +28,11 @@ import copy
 import functools
 import json
 import logging
+import re
 from typing import Callable
 
 from ..errors import ContextLengthExceeded, InvalidRequest
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TemplateOptions
 from .tools import check_tool_support, messages_for_template
 
 log = logging.getLogger("mola.server")
@@ -39,6 +40,11 @@ log = logging.getLogger("mola.server")
 LONG_PROMPT_CHARS = 1 << 15  # longer prompts take the long lane
 PROBE_CHARS_PER_TOKEN = 8  # first prefix: this many characters per token of the limit
 WHITESPACE = " \t\n\r"
+# apply_chat_template's own arguments, which chat_template_kwargs may not set.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 def max_token_chars(tokenizer) -> int:
@@ -84,10 +90,10 @@ def encode_within(encode: Callable[[str], list[int]], text: str, limit: int | No
     return list(encode(text))
 
 
-def render_chat(tokenizer, body: ChatCompletionRequest, limit: int | None, max_chars: int) -> list[int]:
-    """The tokenizer's own chat template over the request's messages (and tools)."""
-    messages = []
-    for i, m in enumerate(body.messages):
+def message_dicts(messages: list[ChatMessage]) -> list[dict]:
+    """Validated chat messages as the chat template takes them."""
+    out = []
+    for i, m in enumerate(messages):
         message = {"role": m.role, "content": m.text(i)}
         if m.tool_calls:
             message["tool_calls"] = m.tool_calls
@@ -95,31 +101,91 @@ def render_chat(tokenizer, body: ChatCompletionRequest, limit: int | None, max_c
             message["tool_call_id"] = m.tool_call_id
         if m.name:
             message["name"] = m.name
-        messages.append(message)
-    return render_messages(tokenizer, messages, body.tools, body.uses_tools(), "messages", limit, max_chars)
+        reasoning = (m.model_extra or {}).get("reasoning_content") or (m.model_extra or {}).get("reasoning")
+        if m.role == "assistant" and isinstance(reasoning, str) and reasoning:
+            message["reasoning_content"] = reasoning  # what Qwen3's template reads
+            message["thinking"] = reasoning  # and gpt-oss's
+        out.append(message)
+    return out
+
+
+def render_chat(tokenizer, body: ChatCompletionRequest, limit: int | None, max_chars: int,
+                reads_calls: bool = False) -> list[int]:
+    """The tokenizer's own chat template over the request's messages (and
+    tools). ``reads_calls``: the server reads this model's free tool calls
+    itself (its reasoning parser does: harmony), without mlx-lm's parser."""
+    return render_messages(tokenizer, message_dicts(body.messages), body.tools,
+                           body.parses_tool_calls() and not reads_calls, "messages", limit, max_chars,
+                           options=body.template_options())
+
+
+def _reads(template: str, name: str) -> bool:
+    return re.search(rf"\b{re.escape(name)}\b", template) is not None
+
+
+def template_variables(tokenizer, options: TemplateOptions | None) -> dict:
+    """A request's chat_template_kwargs and reasoning_effort as template
+    variables. What the template cannot take, or does not read, is a 400
+    naming it (a reasoning_effort of "none" turns a template's
+    enable_thinking off, and is a no-op where the template has no thinking)."""
+    if options is None:
+        return {}
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None
+    out = {}
+    for key, value in (options.kwargs or {}).items():
+        where = f"chat_template_kwargs.{key}"
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise InvalidRequest(f"chat_template_kwargs cannot set {key!r}: the server sets it.", param=where)
+        if template is not None and not _reads(template, key):
+            raise InvalidRequest(f"This model's chat template does not read {key!r}, so "
+                                 f"chat_template_kwargs.{key} would have no effect.", param=where)
+        out[key] = value
+    effort = options.reasoning_effort
+    if effort is None or "reasoning_effort" in out:
+        return out
+    if template is None or _reads(template, "reasoning_effort"):
+        out["reasoning_effort"] = effort
+    elif effort == "none" and _reads(template, "enable_thinking"):
+        out.setdefault("enable_thinking", False)
+    elif effort != "none" or any(m in template for m in ("<think>", "<|channel|>")):
+        raise InvalidRequest(
+            f"{options.effort_param} {effort!r} cannot be honoured: this model's chat template reads no "
+            "reasoning effort" + (" (its thinking is turned off with 'none', or chat_template_kwargs "
+                                  "{\"enable_thinking\": false})" if _reads(template, "enable_thinking") else "")
+            + ".", param=options.effort_param)
+    return out
 
 
 def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None, uses_tools: bool,
-                    param: str, limit: int | None, max_chars: int) -> list[int]:
+                    param: str, limit: int | None, max_chars: int, add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, add_special_tokens: bool = False,
+                    options: TemplateOptions | None = None) -> list[int]:
     """Chat ``messages`` (and ``tools``, chat's shape) through the tokenizer's
     own chat template, tokenized as mlx-lm and transformers do it: the
     rendered text, encoded without adding special tokens, never more of it
-    than the context can hold. ``param`` names the request field they came from."""
+    than the context can hold. ``param`` names the request field they came from.
+    (/tokenize may ask for no generation prompt, the last message left open, or
+    special tokens added, as vLLM's takes them.) ``uses_tools``: tool calls are
+    read from free text (tool_choice auto), which needs the family's parser;
+    ``options``: the request's template variables (template_variables)."""
     if not getattr(tokenizer, "has_chat_template", False):
         raise InvalidRequest(
             "This model has no chat template; use /v1/completions with a plain prompt.", param=param)
-    kwargs = {}
+    kwargs = template_variables(tokenizer, options)
     if tools:
         if uses_tools:
             check_tool_support(tokenizer)
         kwargs["tools"] = tools
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
     try:
         text = tokenizer.apply_chat_template(
-            messages_for_template(messages), add_generation_prompt=True, tokenize=False, **kwargs
+            messages_for_template(messages, tokenizer.chat_template), add_generation_prompt=add_generation_prompt,
+            tokenize=False, **kwargs
         )
     except Exception as e:  # jinja2 errors raised by templates (role order, ...)
         raise InvalidRequest(f"The chat template rejected the messages: {e}", param=param)
-    tokens = encode_within(lambda s: tokenizer.encode(s, add_special_tokens=False), text, limit,
+    tokens = encode_within(lambda s: tokenizer.encode(s, add_special_tokens=add_special_tokens), text, limit,
                            max_chars, param)
     if not tokens:
         raise InvalidRequest(f"'{param}' renders to an empty prompt.", param=param)
@@ -188,19 +254,25 @@ class PromptLanes:
         tokenizer, thread = self.lane(body)
         return await asyncio.get_running_loop().run_in_executor(thread, fn, tokenizer, body, *args)
 
-    async def chat(self, body: ChatCompletionRequest) -> list[int]:
-        return await self._run(body, render_chat, self.limit, self.max_chars)
+    async def chat(self, body: ChatCompletionRequest, reads_calls: bool = False) -> list[int]:
+        return await self._run(body, render_chat, self.limit, self.max_chars, reads_calls)
 
     async def completion(self, body: CompletionRequest) -> list[list[int]]:
         return await self._run(body, encode_prompts, self.vocab_size, self.limit, self.max_chars)
 
     async def messages(self, messages: list[dict], tools: list[dict] | None, uses_tools: bool,
-                       param: str) -> list[int]:
+                       param: str, options: TemplateOptions | None = None) -> list[int]:
         """Chat-shaped ``messages`` (what /v1/responses builds from its input items)."""
         chars = len(json.dumps(messages)) + (len(json.dumps(tools)) if tools else 0)
         tokenizer, thread = self.long if chars > LONG_PROMPT_CHARS else self.short
+        render = functools.partial(render_messages, options=options)
         return await asyncio.get_running_loop().run_in_executor(
-            thread, render_messages, tokenizer, messages, tools, uses_tools, param, self.limit, self.max_chars)
+            thread, render, tokenizer, messages, tools, uses_tools, param, self.limit, self.max_chars)
+
+    async def call(self, chars: int, fn, *args):
+        """``fn(tokenizer, *args)`` on the lane for a text of ``chars`` characters."""
+        tokenizer, thread = self.long if chars > LONG_PROMPT_CHARS else self.short
+        return await asyncio.get_running_loop().run_in_executor(thread, fn, tokenizer, *args)
 
     async def structured(self, fn, **kwargs):
         """``fn(**kwargs)`` on the short lane, whose thread alone uses the

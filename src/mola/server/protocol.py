@@ -8,7 +8,11 @@ mola's own extensions, beside the standard fields:
 - ``lora_scale``: multiplies the adapter that ``model`` names, for this request;
 - ``adapters``: ``[{"name" or "path", "scale"}]`` applied together (stacked) to this
   request; an adapter named by path is checked against the adapter directories;
-- ``ignore_eos`` (vLLM's): keep generating past EOS, up to max_tokens.
+- ``ignore_eos`` (vLLM's): keep generating past EOS, up to max_tokens;
+- ``stop_token_ids`` (vLLM's): more token ids that end the output as EOS does
+  (also with ``ignore_eos``); the token that ends it is not in the text;
+- ``skip_special_tokens`` (vLLM's, default true): special tokens (control tokens,
+  EOS) are left out of the text; false renders them.
 
 ``response_format`` and ``tool_choice`` are checked and turned into grammars
 by :mod:`mola.structured`.
@@ -16,6 +20,8 @@ by :mod:`mola.structured`.
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -25,6 +31,32 @@ from ..lora.registry import AdapterRef
 
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 256
+MAX_TEMPLATE_KWARGS_CHARS = 8192  # chat_template_kwargs, as JSON
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's values
+ReasoningEffort = Literal[REASONING_EFFORTS]
+
+
+@dataclass(frozen=True)
+class TemplateOptions:
+    """What a request adds to its chat template's variables: its
+    ``chat_template_kwargs`` and ``reasoning_effort`` (``effort_param``: the
+    field that carried it), checked against the template in prompts.py."""
+
+    kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    effort_param: str = "reasoning_effort"
+
+
+def check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    if v is not None and len(json.dumps(v)) > MAX_TEMPLATE_KWARGS_CHARS:
+        raise ValueError(f"chat_template_kwargs takes at most {MAX_TEMPLATE_KWARGS_CHARS} characters of JSON")
+    return v
+
+
+def forces_tool_call(tool_choice: Any) -> bool:
+    """tool_choice "required" or a named function: the output is held to a call."""
+    return tool_choice == "required" or isinstance(tool_choice, dict)
 
 
 class _Body(BaseModel):
@@ -103,6 +135,8 @@ class _Sampling(_Body):
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # accepted and ignored
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    skip_special_tokens: bool = True
     lora_scale: float | None = Field(default=None, ge=-10.0, le=10.0)
     adapters: list[AdapterWeight] | None = Field(default=None, min_length=1, max_length=8)
 
@@ -125,6 +159,24 @@ class _Sampling(_Body):
             if not -100 <= value <= 100:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
         return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v):
+        for token in v or ():
+            if token < 0:
+                raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {token}")
+        return v
+
+    def stop_token_set(self, vocab_size: int) -> frozenset[int]:
+        """The request's own stop token ids, checked against the vocabulary."""
+        for token in self.stop_token_ids or ():
+            if token >= vocab_size:
+                raise InvalidRequest(
+                    f"stop_token_ids names token {token}, outside the vocabulary (size {vocab_size}).",
+                    param="stop_token_ids",
+                )
+        return frozenset(self.stop_token_ids or ())
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -163,9 +215,25 @@ class ChatCompletionRequest(_Sampling):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
+    # Variables for the chat template (vLLM's; e.g. {"enable_thinking": false}), and
+    # OpenAI's reasoning_effort, handed to templates that read it.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: ReasoningEffort | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        return check_template_kwargs(v)
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_options(self) -> TemplateOptions:
+        return TemplateOptions(self.chat_template_kwargs, self.reasoning_effort)
+
+    def parses_tool_calls(self) -> bool:
+        """Tool calls must be read from free text (tool_choice auto)."""
+        return self.uses_tools() and not forces_tool_call(self.tool_choice)
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs and not self.logprobs:
@@ -215,6 +283,77 @@ class CompletionRequest(_Sampling):
             raise InvalidRequest("'suffix' is not supported by this server.", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidRequest("'best_of' other than n is not supported by this server.", param="best_of")
+
+
+MAX_TOKENIZE_CHARS = 1 << 22  # characters /tokenize takes (as well as the request body limit)
+MAX_DETOKENIZE_TOKENS = 1 << 20
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize, as vLLM takes it: a ``prompt`` (as /v1/completions
+    tokenizes it) or chat ``messages`` (through the chat template, as
+    /v1/chat/completions renders them), one of the two."""
+
+    model: str | None = None  # None: the base model (adapters share its tokenizer)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (vLLM's defaults)
+    tools: list[dict[str, Any]] | None = None
+    return_token_strs: bool = False
+    chat_template: str | None = None  # refused: the model's own template only
+    chat_template_kwargs: dict[str, Any] | None = None  # as chat takes them
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        return check_template_kwargs(v)
+
+    def template_options(self) -> TemplateOptions:
+        return TemplateOptions(self.chat_template_kwargs)
+
+    def chars(self) -> int:
+        """About how much text the tokenizer is given."""
+        if self.prompt is not None:
+            return len(self.prompt)
+        total = sum(len(m.content) if isinstance(m.content, str) else
+                    sum(len(str(part.get("text") or "")) for part in m.content or ()) for m in self.messages)
+        return total + (len(str(self.tools)) if self.tools else 0)
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidRequest("Give 'prompt' or 'messages', one of the two.",
+                                 param="messages" if self.messages is not None else "prompt")
+        if self.prompt is not None:
+            for field in ("tools", "continue_final_message", "chat_template_kwargs"):
+                if getattr(self, field):
+                    raise InvalidRequest(f"'{field}' goes with 'messages', not 'prompt'.", param=field)
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidRequest("'continue_final_message' and 'add_generation_prompt' cannot both be true.",
+                                 param="continue_final_message")
+        if self.chat_template is not None:
+            raise InvalidRequest("'chat_template' is not supported: the model's own chat template is used.",
+                                 param="chat_template")
+        if self.chars() > MAX_TOKENIZE_CHARS:
+            raise InvalidRequest(f"At most {MAX_TOKENIZE_CHARS} characters can be tokenized at once; "
+                                 f"this request has {self.chars()}.",
+                                 param="prompt" if self.prompt is not None else "messages")
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize, as vLLM takes it: token ids in, their text out."""
+
+    model: str | None = None
+    tokens: list[int] = Field(max_length=MAX_DETOKENIZE_TOKENS)
+
+    @field_validator("tokens")
+    @classmethod
+    def _ids(cls, v):
+        for token in v:
+            if token < 0:
+                raise ValueError(f"tokens must be token ids (integers >= 0), got {token}")
+        return v
 
 
 # Names are checked against the adapter id grammar by the routes

@@ -16,21 +16,32 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """``cached_tokens``: prompt tokens served from the prompt cache."""
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          reasoning_tokens: int | None = None) -> dict:
+    """``cached_tokens``: prompt tokens served from the prompt cache;
+    ``reasoning_tokens``: completion tokens spent thinking (None: the model's
+    reasoning is not split off, and the detail is left out)."""
+    out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 # ---- chat ---------------------------------------------------------------------
 
 
-def chat_message(content: str | None, tool_calls: list[dict] | None) -> dict:
+def chat_message(content: str | None, tool_calls: list[dict] | None, reasoning: str | None = None,
+                 with_reasoning: bool = False) -> dict:
+    """``with_reasoning``: the server splits reasoning off (``reasoning_content``,
+    vLLM's and DeepSeek's field, null when the model did not think)."""
     message = {"role": "assistant", "content": content, "refusal": None}
+    if with_reasoning:
+        message["reasoning_content"] = reasoning or None
     if tool_calls:
         message["tool_calls"] = tool_calls
     return message

@@ -10,9 +10,11 @@ from ..config import ServeConfig
 from ..engine.client import AsyncEngine
 from ..lora.loader import AdapterLoader
 from ..lora.registry import AdapterRegistry
+from ..models.eog import special_token_ids
 from ..structured import StructuredOutputs
 from .metrics import Metrics
 from .prompts import PromptLanes
+from .reasoning import ReasoningFormat
 from .responses_api.store import ResponseStore
 
 
@@ -28,6 +30,7 @@ class ServerState:
     max_model_len: int | None  # context limit, when known
     vocab_size: int  # rows of the model's output layer
     structured: StructuredOutputs  # response_format / tool_choice -> grammars
+    reasoning: ReasoningFormat | None = None  # how the model's thinking is split off (--reasoning-parser)
     metrics: Metrics = field(default_factory=Metrics)
     responses: ResponseStore = field(default_factory=ResponseStore)  # for previous_response_id
     created: int = field(default_factory=lambda: int(time.time()))
@@ -36,9 +39,12 @@ class ServerState:
     # Templating and tokenizing, off the event loop, on two lanes (short and
     # long prompts), each with its own tokenizer.
     prompts: PromptLanes = field(init=False)
+    # What skip_special_tokens leaves out of the text (models/eog.py).
+    special_token_ids: frozenset[int] = field(init=False)
 
     def __post_init__(self):
         self.prompts = PromptLanes(self.tokenizer, self.vocab_size, self.max_model_len)
+        self.special_token_ids = special_token_ids(self.tokenizer)
 
     def queued(self) -> int:
         """Sequences waiting beyond what the decode batch holds."""

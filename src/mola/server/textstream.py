@@ -3,27 +3,31 @@
 Stop strings are matched on the decoded text, so they are found across token
 boundaries; the matched string and everything after it is never emitted. Text
 that could still turn out to be the start of a stop string is held back until
-it is decided.
+it is decided. Tokens in ``skip`` (special tokens under skip_special_tokens, and
+the token that ends the output) add no text.
 """
 
 from __future__ import annotations
 
 
 class TextStream:
-    def __init__(self, tokenizer, stop: list[str] | None = None):
+    def __init__(self, tokenizer, stop: list[str] | None = None, skip: frozenset[int] = frozenset()):
         self._detok = tokenizer.detokenizer  # mlx-lm's streaming detokenizer
+        self._skip = skip  # token ids that add no text (special tokens, the one that ends the output)
         self._stop = [s for s in (stop or []) if s]
         self._longest = max((len(s) for s in self._stop), default=0)
         self._pending = ""  # decoded, not yet emitted (may start a stop string)
         self.text = ""  # everything emitted so far
         self.stopped = False  # a stop string was found
+        self.stop_string: str | None = None  # which one (the earliest in the text)
 
     def add(self, tokens: list[int]) -> str:
         """Feed new tokens; returns the text that is safe to emit now."""
         if self.stopped:
             return ""
         for t in tokens:
-            self._detok.add_token(t)
+            if t not in self._skip:
+                self._detok.add_token(t)
         self._pending += self._detok.last_segment
         return self._release(final=False)
 
@@ -42,6 +46,7 @@ class TextStream:
             return out
         cut = self._find_stop()
         if cut is not None:
+            self.stop_string = min((s for s in self._stop if self._pending.find(s) == cut), key=len)
             out = self._pending[:cut]
             self._pending = ""
             self.stopped = True

@@ -2,6 +2,6 @@
 (llguidance), one matcher per sequence. See compiler.StructuredOutputs."""
 
 from .compiler import CompiledGrammar, StructuredOutputs
-from .grammar import Grammar, grammar_for
+from .grammar import Grammar, JsonCalls, Thinking, grammar_for, until
 
-__all__ = ["CompiledGrammar", "Grammar", "StructuredOutputs", "grammar_for"]
+__all__ = ["CompiledGrammar", "Grammar", "JsonCalls", "StructuredOutputs", "Thinking", "grammar_for", "until"]

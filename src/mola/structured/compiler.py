@@ -11,19 +11,20 @@ matcher is a copy of the cached one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import llguidance
 import llguidance.hf
 
 from ..engine.constraint import Constraint
 from ..errors import InvalidRequest
-from .grammar import Grammar, grammar_for
+from .grammar import Grammar, Thinking, grammar_for
 
 CACHE_SIZE = 64  # compiled grammars kept
 
@@ -80,12 +81,17 @@ class StructuredOutputs:
 
     def for_request(self, *, response_format: Any = None, tools: list[dict] | None = None,
                     tool_choice: Any = None, parallel_tool_calls: bool | None = None,
-                    format_param: str = "response_format") -> CompiledGrammar | None:
+                    format_param: str = "response_format",
+                    thinking: Callable[[Callable[[str], str]], Thinking | None] | None = None,
+                    ) -> CompiledGrammar | None:
         """The compiled grammar a request's output must follow (None: free).
-        Raises InvalidRequest naming what cannot be constrained."""
+        ``thinking(literal)``: what a thinking model writes before its answer
+        (mola.server.reasoning), which the grammar leaves free. Raises
+        InvalidRequest naming what cannot be constrained."""
         grammar = grammar_for(self.tokenizer, self.literal, response_format=response_format,
                               tools=tools, tool_choice=tool_choice,
-                              parallel_tool_calls=parallel_tool_calls, format_param=format_param)
+                              parallel_tool_calls=parallel_tool_calls, format_param=format_param,
+                              thinking=thinking(self.literal) if thinking else None)
         return None if grammar is None else self.compile(grammar)
 
     def compile(self, grammar: Grammar) -> CompiledGrammar:
@@ -93,7 +99,9 @@ class StructuredOutputs:
             hit = self._cache.get(grammar.lark)
             if hit is not None:
                 self._cache.move_to_end(grammar.lark)
-                return hit
+                # One text can stand for two requests (a json_schema format and a named
+                # call's arguments): the matcher is shared, what it means is the caller's.
+                return hit if hit.grammar == grammar else dataclasses.replace(hit, grammar=grammar)
         start = time.perf_counter()
         matcher = llguidance.LLMatcher(self.ll_tokenizer, llguidance.LLMatcher.grammar_from_lark(grammar.lark),
                                        log_level=0)

@@ -7,6 +7,13 @@ Both chat's shapes (``{"type": "json_schema", "json_schema": {...}}``,
 ``{"type": "function", "function": {...}}``) and the Responses API's flat
 ones (``{"type": "json_schema", "name", "schema", "strict"}``,
 ``{"type": "function", "name", ...}``) are read.
+
+A model whose template has no tool syntax mola has a grammar for still gets
+forced calls, as bare JSON (what vLLM's guided decoding does): a named
+function's ``arguments`` object, or under "required" a list of
+``{"name", "arguments"}`` (:class:`JsonCalls` says how to read them back).
+A thinking model's grammar lets the thinking run free up to its end marker
+and constrains only the answer after it (:class:`Thinking`).
 """
 
 from __future__ import annotations
@@ -35,6 +42,39 @@ class Grammar:
     lark: str
     kind: str  # "json_object", "json_schema", "tool_calls", or "json_schema|tool_calls"
     param: str  # the request field it came from (named in compile errors)
+    json_calls: JsonCalls | None = None  # forced calls written as bare JSON (no family syntax)
+
+
+@dataclass(frozen=True)
+class JsonCalls:
+    """Forced calls in bare JSON: the output is the arguments of ``name``, or
+    (name None) a JSON list of ``{"name", "arguments"}``."""
+
+    name: str | None
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """What a thinking model writes before its constrained answer.
+
+    ``rules`` define the Lark rule ``thinking`` (free text and the marker that
+    ends it); ``content`` is the Lark that opens a content answer after it
+    (harmony's final-channel header; empty for <think> tags); ``tool_family``
+    names the syntax the format writes tool calls in, when it has its own
+    (harmony), else the template's family applies."""
+
+    rules: str
+    content: str = ""
+    tool_family: str | None = None
+
+
+def until(name: str, marker: str, literal: Literal) -> str:
+    """Lark rule ``name``: any text, up to and including the first ``marker``
+    (a special token ends a free terminal; a text marker is a lazy suffix)."""
+    lark = literal(marker)
+    if lark.startswith("<["):
+        return f"{name}: /(?s:.*)/ {lark}\n"
+    return f"{name}[suffix={json.dumps(marker, ensure_ascii=False)}]: /(?s:.*)/\n"
 
 
 def _json(schema: dict) -> str:
@@ -142,8 +182,29 @@ def _mistral(functions: dict, names: list[str], many: bool, literal: Literal, te
     return f"start: {tc} {_json(array)}\n"
 
 
-# mlx-lm tool parser (module name) -> the grammar of its calls.
-FAMILIES = {"json_tools": _json_tools, "mistral": _mistral}
+def _harmony(functions: dict, names: list[str], many: bool, literal: Literal, template: str) -> str:
+    """gpt-oss (harmony), as its template renders a call after "<|start|>assistant":
+    " to=functions.NAME<|channel|>commentary json<|message|>{...}"; the call
+    token that follows ends the generation, so one call per turn."""
+    channel, message = literal("<|channel|>"), literal("<|message|>")
+    alts = " | ".join(f"fn{i}" for i in range(len(names)))
+    rules = "".join(f"fn{i}: {json.dumps(' to=functions.' + n)} {channel} \"commentary json\" {message} "
+                    f"{_json(functions[n][0])}\n" for i, n in enumerate(names))
+    return f"start: {alts}\n{rules}"
+
+
+def _json_calls(functions: dict, names: list[str], many: bool) -> tuple[str, JsonCalls]:
+    """Bare JSON, for templates without a tool syntax mola knows: a list of
+    one or more {"name", "arguments"} (exactly one unless ``many``)."""
+    calls = [_call_object(n, functions[n][0]) for n in names]
+    items = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    array = {"type": "array", "items": items, "minItems": 1, **({} if many else {"maxItems": 1})}
+    return f"start: {_json(array)}\n", JsonCalls(None)
+
+
+# mlx-lm tool parser (module name) -> the grammar of its calls; "harmony" is
+# gpt-oss's, which mola's reasoning parser reads (mlx-lm has no parser for it).
+FAMILIES = {"json_tools": _json_tools, "mistral": _mistral, "harmony": _harmony}
 
 
 def tool_family(tokenizer) -> str | None:
@@ -151,17 +212,22 @@ def tool_family(tokenizer) -> str | None:
     return parser.__module__.rsplit(".", 1)[-1] if parser is not None else None
 
 
-def _calls_rule(tokenizer, tools, names, parallel, literal) -> str:
-    family = tool_family(tokenizer)
+def _calls_rule(tokenizer, tools, names, parallel, literal, family: str | None = None,
+                named: bool = False) -> tuple[str, JsonCalls | None]:
+    """Lark rule ``calls`` for forced calls to ``names`` (``named``: one
+    function was named), in the family's syntax where mola has a grammar for
+    it, else as bare JSON."""
+    family = family or tool_family(tokenizer)
     build = FAMILIES.get(family)
     if build is None:
-        raise InvalidRequest(
-            f"This model's tool-call format ({family or 'none'}: mlx-lm's parser for its chat "
-            f"template) has no grammar in mola, so tool calls cannot be forced; supported formats: "
-            f"{', '.join(FAMILIES)}. Use tool_choice 'auto'.", param="tool_choice")
-    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
-    lark = build(tools, names, parallel is not False, literal, template)
-    return lark.replace("start:", "calls:", 1)
+        if named:
+            lark, json_calls = f"start: {_json(tools[names[0]][0])}\n", JsonCalls(names[0])
+        else:
+            lark, json_calls = _json_calls(tools, names, parallel is not False)
+    else:
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+        lark, json_calls = build(tools, names, parallel is not False, literal, template), None
+    return lark.replace("start:", "calls:", 1), json_calls
 
 
 # ---- the whole request -----------------------------------------------------------------------
@@ -170,9 +236,12 @@ def _calls_rule(tokenizer, tools, names, parallel, literal) -> str:
 def grammar_for(tokenizer, literal: Literal, *, response_format: Any = None,
                 tools: list[dict] | None = None, tool_choice: Any = None,
                 parallel_tool_calls: bool | None = None,
-                format_param: str = "response_format") -> Grammar | None:
+                format_param: str = "response_format",
+                thinking: Thinking | None = None) -> Grammar | None:
     """The grammar a request's output must follow, or None when it is free.
-    Raises InvalidRequest naming what cannot be constrained."""
+    With ``thinking``, the grammar lets the thinking run free first and
+    constrains what follows it. Raises InvalidRequest naming what cannot be
+    constrained."""
     fmt = format_schema(response_format, format_param)
     use_tools = bool(tools) and tool_choice != "none"
     forced = tool_choice not in (None, "auto", "none")
@@ -182,13 +251,31 @@ def grammar_for(tokenizer, literal: Literal, *, response_format: Any = None,
         return None  # free text (tool calls under "auto" are free too)
     functions = _functions(tools) if use_tools else {}
     names = choice_names(tool_choice, functions) if forced else None
+    family = thinking.tool_family if thinking else None
     if names is not None:  # calls are forced: the format applies to no content
-        calls = _calls_rule(tokenizer, functions, names, parallel_tool_calls, literal)
-        return Grammar("start: calls\n" + calls, "tool_calls", "tool_choice")
+        calls, json_calls = _calls_rule(tokenizer, functions, names, parallel_tool_calls, literal, family,
+                                        named=isinstance(tool_choice, dict))
+        return _after(thinking, Grammar("start: calls\n" + calls, "tool_calls", "tool_choice", json_calls))
     if fmt is None:
         return None
     kind, schema = fmt
+    content = f"{thinking.content} {_json(schema)}" if thinking and thinking.content else _json(schema)
     if functions:  # tool_choice auto: a call, or content in the format
-        calls = _calls_rule(tokenizer, functions, list(functions), parallel_tool_calls, literal)
-        return Grammar(f"start: {_json(schema)} | calls\n" + calls, f"{kind}|tool_calls", format_param)
-    return Grammar(f"start: {_json(schema)}\n", kind, format_param)
+        if (family or tool_family(tokenizer)) not in FAMILIES:
+            raise InvalidRequest(
+                f"This model's tool-call format ({tool_family(tokenizer) or 'none'}: mlx-lm's parser for "
+                f"its chat template) has no grammar in mola, so a call cannot be offered beside "
+                f"{format_param}; supported formats: {', '.join(FAMILIES)}. Force the call (tool_choice "
+                "'required' or a function) or leave out the tools.", param="tool_choice")
+        calls, _ = _calls_rule(tokenizer, functions, list(functions), parallel_tool_calls, literal, family)
+        return _after(thinking, Grammar(f"start: {content} | calls\n" + calls, f"{kind}|tool_calls",
+                                        format_param))
+    return _after(thinking, Grammar(f"start: {content}\n", kind, format_param))
+
+
+def _after(thinking: Thinking | None, grammar: Grammar) -> Grammar:
+    """``grammar`` behind free thinking: start is thinking, then the answer."""
+    if thinking is None:
+        return grammar
+    lark = "start: thinking answer\n" + thinking.rules + grammar.lark.replace("start:", "answer:", 1)
+    return Grammar(lark, grammar.kind, grammar.param, grammar.json_calls)

@@ -90,6 +90,8 @@ class TinyModelSpec:
     num_experts_per_tok: int = 2
     moe_intermediate_size: int = 32
     shared_expert_intermediate_size: int = 48  # qwen2_moe's shared expert
+    # More special tokens for the vocabulary, after SPECIAL_TOKENS (e.g. "<|eot_id|>").
+    extra_special_tokens: tuple[str, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -143,7 +145,7 @@ def corpus_lines(vocab_size: int) -> list[str]:
     return lines
 
 
-def train_tokenizer(vocab_size: int):
+def train_tokenizer(vocab_size: int, extra_special_tokens: tuple[str, ...] = ()):
     """A byte-level BPE tokenizer (GPT-2 style) trained on local text,
     wrapped for transformers, with the ChatML template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -154,7 +156,7 @@ def train_tokenizer(vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + list(extra_special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -198,7 +200,7 @@ def make_tiny_model(path: str | Path, spec: TinyModelSpec = TinyModelSpec()) -> 
     """Write a random-weight model directory that ``mlx_lm.load`` accepts."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(spec.vocab_size)
+    tokenizer = train_tokenizer(spec.vocab_size, spec.extra_special_tokens)
     spec = TinyModelSpec(**{**asdict(spec), "vocab_size": len(tokenizer)})
     model = random_model(spec)
     config = spec.config()

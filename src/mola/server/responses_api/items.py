@@ -6,6 +6,7 @@ Canonical items, the only shapes stored and rendered:
     {"type": "message", "role": "user"|"assistant"|"system"|"developer", "content": str}
     {"type": "function_call", "call_id": str, "name": str, "arguments": str}
     {"type": "function_call_output", "call_id": str, "output": str}
+    {"type": "reasoning", "content": str}
 
 A response's own output items are valid input items, so a client that sends
 them back and a ``previous_response_id`` that replays them give the same
@@ -44,11 +45,18 @@ def normalize_item(item: dict, where: str) -> dict:
     if kind == "function_call_output":
         return {"type": "function_call_output", "call_id": _string(item, "call_id", where),
                 "output": _text(item.get("output"), f"{where}.output")}
+    if kind == "reasoning":  # the text of its reasoning_text parts (else its summary's)
+        parts = item.get("content") or item.get("summary") or []
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                  for p in parts):
+            raise InvalidRequest("A reasoning item's 'content' must be a list of reasoning_text parts.",
+                                 param=f"{where}.content")
+        return {"type": "reasoning", "content": "".join(p["text"] for p in parts)}
     if kind == "item_reference":
         raise InvalidRequest("Item references are not supported; send the item itself, or use "
                              "'previous_response_id'.", param=f"{where}.type")
     raise InvalidRequest(f"Input items of type {kind!r} are not supported: mola takes message, "
-                         "function_call and function_call_output items.", param=f"{where}.type")
+                         "function_call, function_call_output and reasoning items.", param=f"{where}.type")
 
 
 def _string(item: dict, key: str, where: str) -> str:
@@ -82,19 +90,30 @@ def _text(content, where: str) -> str:
 def to_messages(items: list[dict] | tuple[dict, ...], instructions: str | None) -> list[dict]:
     """Chat messages for canonical ``items``, behind ``instructions`` as a
     system message. Consecutive function calls join the assistant turn before
-    them, as chat's ``tool_calls``; their outputs are tool messages."""
+    them, as chat's ``tool_calls``; their outputs are tool messages. Reasoning
+    goes with the assistant turn after it (``reasoning_content``, ``thinking``:
+    the variables Qwen3's and gpt-oss's templates read)."""
     messages = [] if instructions is None else [{"role": "system", "content": instructions}]
+    thought = ""  # reasoning that goes with the next assistant turn
     for item in items:
         kind = item["type"]
-        if kind == "message":
+        if kind == "reasoning":
+            thought += item["content"]
+        elif kind == "message":
             messages.append({"role": item["role"], "content": item["content"]})
+            if item["role"] == "assistant" and thought:
+                messages[-1].update(reasoning_content=thought, thinking=thought)  # Qwen3's, gpt-oss's
+                thought = ""
         elif kind == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if messages and messages[-1]["role"] == "assistant":
+            if messages and messages[-1]["role"] == "assistant" and not thought:
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                if thought:
+                    messages[-1].update(reasoning_content=thought, thinking=thought)
+                    thought = ""
         else:
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
     return messages

@@ -1,6 +1,6 @@
 """The Response object and its output items as plain dicts, shaped by
 OpenAI's schemas (``Response``, ``OutputMessage``, ``FunctionToolCall``,
-``ResponseUsage`` in components/schemas of OpenAI's openapi.yaml)."""
+``ReasoningItem``, ``ResponseUsage`` in components/schemas of OpenAI's openapi.yaml)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def request_fields(body: ResponsesRequest) -> dict:
         "tools": [_tool(t) for t in body.tools or []],
         "parallel_tool_calls": body.parallel_tool_calls is not False,
         "text": {"format": {"type": "text"}},
-        "reasoning": None,
+        "reasoning": _reasoning(body.reasoning),
         "truncation": "disabled",
         "background": False,
         "store": body.stores(),
@@ -41,6 +41,12 @@ def request_fields(body: ResponsesRequest) -> dict:
     if body.user is not None:
         fields["user"] = body.user
     return fields
+
+
+def _reasoning(reasoning: dict | None) -> dict | None:
+    if not reasoning or all(v is None for v in reasoning.values()):
+        return None
+    return {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")}
 
 
 def _tool(tool: dict) -> dict:
@@ -69,19 +75,30 @@ def response(fields: dict, id: str, created_at: int, status: str, output: list[d
     return body
 
 
-def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
-    """``cached_tokens``: input tokens served from the prompt cache."""
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0) -> dict:
+    """``cached_tokens``: input tokens served from the prompt cache;
+    ``reasoning_tokens``: output tokens spent thinking."""
     return {
         "input_tokens": input_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,
     }
 
 
 def text_part(text: str) -> dict:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
+def reasoning_item(id: str, status: str, content: list[dict]) -> dict:
+    """The model's thinking, whole (no summary, nothing encrypted)."""
+    return {"type": "reasoning", "id": id, "status": status, "summary": [], "content": content,
+            "encrypted_content": None}
 
 
 def message_item(id: str, status: str, content: list[dict]) -> dict:

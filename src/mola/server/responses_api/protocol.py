@@ -6,7 +6,8 @@ and everything that needs constrained decoding passes through one hook,
 
 Beside OpenAI's fields, mola's own apply as in chat: ``lora_scale``,
 ``adapters`` (a stack), and chat's sampling extensions (``seed``, ``stop``,
-``frequency_penalty``, ``presence_penalty``, ``logit_bias``, ``ignore_eos``).
+``frequency_penalty``, ``presence_penalty``, ``logit_bias``, ``ignore_eos``,
+``stop_token_ids``, ``skip_special_tokens``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator
 
 from ...errors import InvalidRequest
-from ..protocol import _Sampling
+from ..protocol import REASONING_EFFORTS, TemplateOptions, _Sampling, check_template_kwargs, forces_tool_call
 
 # `include` values that ask for items mola never produces (built-in tool
-# calls, reasoning, input images): accepted, they add nothing.
+# calls, encrypted reasoning, input images): accepted, they add nothing.
 VACUOUS_INCLUDES = frozenset({
     "file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
     "message.input_image.image_url", "computer_call_output.output.image_url",
@@ -52,12 +53,18 @@ class ResponsesRequest(_Sampling):
     include: list[str] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     background: bool | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # effort goes to the chat template (as chat's reasoning_effort)
+    chat_template_kwargs: dict[str, Any] | None = None  # as in chat
     truncation: str | None = None
     prompt: Any = None
     conversation: Any = None
     context_management: Any = None
     moderation: Any = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v):
+        return check_template_kwargs(v)
 
     @field_validator("metadata")
     @classmethod
@@ -83,6 +90,10 @@ class ResponsesRequest(_Sampling):
     def uses_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
 
+    def parses_tool_calls(self) -> bool:
+        """Tool calls must be read from free text (tool_choice auto)."""
+        return self.uses_tools() and not forces_tool_call(self.tool_choice)
+
     def check_supported(self) -> None:
         """A 400 naming the first field that mola cannot honour."""
         for name, why in REFUSED.items():
@@ -94,16 +105,34 @@ class ResponsesRequest(_Sampling):
         if self.truncation not in (None, "disabled"):
             raise InvalidRequest(f"truncation {self.truncation!r} is not supported; an input longer "
                                  "than the context is a 400 ('disabled').", param="truncation")
-        for key, value in (self.reasoning or {}).items():
-            if value is not None and not (key == "effort" and value == "none"):
-                raise InvalidRequest(f"reasoning.{key} {value!r} cannot be honoured: this server's "
-                                     "models do not reason on request.", param=f"reasoning.{key}")
+        self._check_reasoning()
         self._check_include()
         verbosity = (self.text or {}).get("verbosity")
         if verbosity not in (None, "medium"):
             raise InvalidRequest(f"text.verbosity {verbosity!r} cannot be honoured by this server.",
                                  param="text.verbosity")
         self._check_tools()
+
+    def _check_reasoning(self) -> None:
+        """effort is handed to the chat template (which may refuse it); the
+        reasoning comes back whole, so a summary can be "auto" (the server's
+        choice: none) but not "concise" or "detailed"."""
+        for key, value in (self.reasoning or {}).items():
+            if value is None:
+                continue
+            if key == "effort":
+                if value not in REASONING_EFFORTS:
+                    raise InvalidRequest(f"Invalid reasoning.effort {value!r}; use one of "
+                                         f"{', '.join(REASONING_EFFORTS)}.", param="reasoning.effort")
+            elif key in ("summary", "generate_summary") and value == "auto":
+                pass
+            else:
+                raise InvalidRequest(f"reasoning.{key} {value!r} cannot be honoured: this server returns "
+                                     "the model's reasoning as it is, not summarised.", param=f"reasoning.{key}")
+
+    def template_options(self) -> TemplateOptions:
+        effort = (self.reasoning or {}).get("effort")
+        return TemplateOptions(self.chat_template_kwargs, effort, "reasoning.effort")
 
     def _check_include(self) -> None:
         if self.top_logprobs:

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions, streaming and not, n choices, tools (forced
-calls too), response_format, logprobs."""
+calls too), response_format, logprobs, and a thinking model's reasoning
+(``reasoning_content``)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from fastapi.responses import JSONResponse
 from ...errors import MolaError
 from .. import responses as r
 from ..errors import error_payload
-from ..generation import Generation, merge, run_until_disconnect, start_generations
+from ..generation import Generation, merge, run_until_disconnect, start_generations, start_reasoning
 from ..protocol import ChatCompletionRequest
 from ..state import ServerState
 from ..streaming import event_stream, sse, sse_done
@@ -25,21 +26,25 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state: ServerState = request.app.state.mola
     body.check_supported()
     # Templating and tokenizing a long prompt takes a while: off the event loop.
-    prompt = await state.prompts.chat(body)
+    prompt = await state.prompts.chat(body, reads_calls=bool(state.reasoning and state.reasoning.parses_tools))
     tools = body.tools if body.uses_tools() else None
+    reasoning = await start_reasoning(state, prompt)
     grammar = await state.prompts.structured(
         state.structured.for_request, response_format=body.response_format, tools=body.tools,
-        tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls)
-    gens = await start_generations(state, body, [prompt], tools, grammar)
+        tool_choice=body.tool_choice, parallel_tool_calls=body.parallel_tool_calls,
+        thinking=reasoning.grammar if reasoning else None)
+    gens = await start_generations(state, body, [prompt], tools, grammar, reasoning)
     if body.stream:
         return event_stream(_stream(state, gens, body, request), lambda: [g.close() for g in gens])
     result = await run_until_disconnect(_complete(state, gens, body), request)
     return JSONResponse(result) if result is not None else None
 
 
-def _usage(gens: list[Generation]) -> dict:
+def _usage(state: ServerState, gens: list[Generation]) -> dict:
     """One prompt for every choice: counted once, with the first choice's cached tokens."""
-    return r.usage(gens[0].num_prompt_tokens, sum(g.num_tokens for g in gens), gens[0].num_cached_tokens)
+    thinking = sum(g.num_reasoning_tokens for g in gens) if state.reasoning else None
+    return r.usage(gens[0].num_prompt_tokens, sum(g.num_tokens for g in gens), gens[0].num_cached_tokens,
+                   thinking)
 
 
 async def _complete(state: ServerState, gens: list[Generation], body: ChatCompletionRequest) -> dict:
@@ -51,9 +56,9 @@ async def _complete(state: ServerState, gens: list[Generation], body: ChatComple
     for g in gens:
         content = g.content if (g.content.strip() or not g.tool_calls) else None
         logprobs = r.chat_logprobs(token_text, g.tokens, g.logprobs) if token_text else None
-        choices.append(r.chat_choice(g.index, r.chat_message(content, g.tool_calls),
-                                     g.finish_reason, logprobs))
-    return r.chat_completion(r.new_id("chatcmpl"), body.served_model(), r.now(), choices, _usage(gens))
+        message = r.chat_message(content, g.tool_calls, g.reasoning_text, state.reasoning is not None)
+        choices.append(r.chat_choice(g.index, message, g.finish_reason, logprobs))
+    return r.chat_completion(r.new_id("chatcmpl"), body.served_model(), r.now(), choices, _usage(state, gens))
 
 
 async def _stream(state: ServerState, gens: list[Generation], body: ChatCompletionRequest,
@@ -75,6 +80,8 @@ async def _stream(state: ServerState, gens: list[Generation], body: ChatCompleti
                     return  # leaving closes the generations, which frees their rows
                 logprobs = r.chat_logprobs(token_text, d.tokens, d.logprobs) if token_text else None
                 delta = {}
+                if d.reasoning:
+                    delta["reasoning_content"] = d.reasoning
                 if d.text:
                     delta["content"] = d.text
                 if d.tool_calls:
@@ -86,7 +93,7 @@ async def _stream(state: ServerState, gens: list[Generation], body: ChatCompleti
                 if delta or logprobs or d.finish_reason:
                     yield chunk([r.chunk_choice(d.index, delta, d.finish_reason, logprobs)])
         if include_usage:
-            yield chunk([], _usage(gens))
+            yield chunk([], _usage(state, gens))
     except MolaError as e:
         yield sse(error_payload(e))
     yield sse_done()

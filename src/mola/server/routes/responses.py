@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ...errors import MolaError
-from ..generation import Generation, run_until_disconnect, start_generations
+from ..generation import Generation, run_until_disconnect, start_generations, start_reasoning
 from ..responses_api.events import ResponseBuilder
 from ..responses_api.items import normalize_input, normalize_item, to_messages
 from ..responses_api.objects import request_fields
@@ -38,11 +38,16 @@ async def create_response(body: ResponsesRequest, request: Request):
         items = [*state.responses.get(body.previous_response_id).items, *items]
     tools = body.chat_tools()
     messages = to_messages(items, body.instructions)
-    prompt = await state.prompts.messages(messages, tools, body.uses_tools(), "input")
+    reads_calls = bool(state.reasoning and state.reasoning.parses_tools)  # harmony's parser reads them
+    prompt = await state.prompts.messages(messages, tools, body.parses_tool_calls() and not reads_calls, "input",
+                                          options=body.template_options())
+    reasoning = await start_reasoning(state, prompt)
     grammar = await state.prompts.structured(
         state.structured.for_request, response_format=response_format, tools=tools, tool_choice=tool_choice,
-        parallel_tool_calls=body.parallel_tool_calls, format_param="text.format")
-    gen, = await start_generations(state, body, [prompt], tools if body.uses_tools() else None, grammar)
+        parallel_tool_calls=body.parallel_tool_calls, format_param="text.format",
+        thinking=reasoning.grammar if reasoning else None)
+    gen, = await start_generations(state, body, [prompt], tools if body.uses_tools() else None, grammar,
+                                   reasoning)
     builder = ResponseBuilder(request_fields(body))
     if body.stream:
         return event_stream(_stream(state, gen, builder, body, items, request), gen.close)
@@ -60,8 +65,9 @@ async def _complete(state: ServerState, gen: Generation, builder: ResponseBuilde
                     body: ResponsesRequest, items: list[dict]) -> dict:
     async with contextlib.aclosing(gen.deltas()) as deltas:
         async for d in deltas:
-            builder.add(d.text, d.tool_calls)
-    builder.finish(gen.finish_reason, gen.num_prompt_tokens, gen.num_tokens, gen.num_cached_tokens)
+            builder.add(d.text, d.tool_calls, d.reasoning)
+    builder.finish(gen.finish_reason, gen.num_prompt_tokens, gen.num_tokens, gen.num_cached_tokens,
+                   gen.num_reasoning_tokens)
     _remember(state, body, builder, items)
     return builder.response
 
@@ -75,15 +81,16 @@ async def _stream(state: ServerState, gen: Generation, builder: ResponseBuilder,
             async for d in deltas:
                 if await request.is_disconnected():
                     return  # leaving closes the generation, which frees its row
-                for event in builder.add(d.text, d.tool_calls):
+                for event in builder.add(d.text, d.tool_calls, d.reasoning):
                     yield sse_event(event)
         events = builder.finish(gen.finish_reason, gen.num_prompt_tokens, gen.num_tokens,
-                                gen.num_cached_tokens)
+                                gen.num_cached_tokens, gen.num_reasoning_tokens)
         _remember(state, body, builder, items)
         for event in events:
             yield sse_event(event)
     except MolaError as e:
-        for event in builder.fail(e, gen.num_prompt_tokens, gen.num_tokens, gen.num_cached_tokens):
+        for event in builder.fail(e, gen.num_prompt_tokens, gen.num_tokens, gen.num_cached_tokens,
+                                  gen.num_reasoning_tokens):
             yield sse_event(event)
 
 
