@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from helpers import greedy_tokens, merged_model, num_unfinished, runner_stats, sse_events, validate_schema
+from mola.blas import blas_in_use
 
 QUESTION = "What is the capital of France?"
 MAX_TOKENS = 12
@@ -385,7 +386,7 @@ def test_server_keeps_serving_after_bad_input(client, expected):
     client.post("/v1/adapters", json={"name": 5, "path": []})
     r = client.post("/v1/chat/completions", json=chat_body("c"))
     assert r.json()["choices"][0]["message"]["content"] == expected["c"][QUESTION][0]
-    assert client.get("/health").json() == {"status": "ok"}
+    assert client.get("/health").json() == {"status": "ok", "blas": blas_in_use()}
 
 
 def test_client_disconnect_frees_the_row(server):

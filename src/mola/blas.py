@@ -44,17 +44,42 @@ def runs_on_cpu() -> bool:
         return False
 
 
+def blas_in_use(on_cpu: bool | None = None) -> str:
+    """What MLX's CPU matmuls run on: "openblas" (preloaded), "reference"
+    (the BLAS bundled in MLX's Linux wheel, ~30x slower), "accelerate"
+    (macOS), or "gpu" when MLX computes on a GPU."""
+    if not (runs_on_cpu() if on_cpu is None else on_cpu):
+        return "gpu"
+    if sys.platform == "darwin":
+        return "accelerate"
+    if os.environ.get(MARKER) or "openblas" in os.environ.get("LD_PRELOAD", ""):
+        return "openblas"
+    return "reference"
+
+
+SLOW_BLAS = ("[mola] warning: CPU matmuls run on the reference BLAS bundled with MLX's Linux wheel, "
+             "about 30x slower than OpenBLAS. {how}")
+
+
 def maybe_reexec_with_openblas(argv: list[str], enabled: bool = True) -> None:
     """Re-execute ``python -m mola argv`` with OpenBLAS preloaded when that
-    helps and has not happened yet; returns if it does not apply."""
+    helps and has not happened yet; returns if it does not apply, saying so
+    when the CPU's matmuls stay on the slow reference BLAS."""
     if os.environ.get(MARKER):
         print(f"[mola] CPU matmuls use OpenBLAS ({os.environ[MARKER]}); "
               "--no-openblas turns this off", file=sys.stderr, flush=True)
         return
-    if not enabled or os.environ.get(ENV_SWITCH) == "0" or sys.platform != "linux":
+    if sys.platform != "linux" or blas_in_use() != "reference":
         return
     lib = find_openblas()
-    if lib is None or lib in os.environ.get("LD_PRELOAD", "") or not runs_on_cpu():
+    if not enabled or os.environ.get(ENV_SWITCH) == "0":
+        how = f"{lib} is there: drop --no-openblas / {ENV_SWITCH}=0 to use it." if lib else ""
+        print(SLOW_BLAS.format(how=how).rstrip(), file=sys.stderr, flush=True)
+        return
+    if lib is None:
+        how = ("Install OpenBLAS (Debian/Ubuntu: apt-get install libopenblas0-pthread) and mola "
+               "preloads it at start.")
+        print(SLOW_BLAS.format(how=how), file=sys.stderr, flush=True)
         return
     env = dict(os.environ)
     env["LD_PRELOAD"] = ":".join(p for p in (lib, env.get("LD_PRELOAD")) if p)

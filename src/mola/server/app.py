@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ..blas import blas_in_use
 from ..config import ServeConfig
 from ..engine.client import AsyncEngine
 from ..engine.engine import Engine, LoadedModel
@@ -119,6 +120,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(tokenize.router)
     state.metrics.watch(state)
 
+    blas = blas_in_use()  # what the engine's CPU matmuls run on (fixed for the process)
+
     @app.get("/health")
     async def health(request: Request):
         if not state.engine.is_alive:
@@ -127,7 +130,7 @@ def create_app(state: ServerState) -> FastAPI:
         if state.draining:
             return error_response(503, "The server is shutting down.", "service_unavailable",
                                   code="shutting_down")
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "blas": blas})
 
     @app.get("/metrics")
     async def metrics(request: Request):

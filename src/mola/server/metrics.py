@@ -19,6 +19,8 @@ import sys
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..blas import blas_in_use
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -37,6 +39,7 @@ class StateCollector:
 
     def __init__(self, state):
         self.state = state
+        self.blas = blas_in_use()  # fixed for the process
 
     def collect(self):
         import mlx.core as mx
@@ -49,6 +52,10 @@ class StateCollector:
         yield g("mola_waiting_requests", "Sequences queued or being prefilled",
                 value=snap.num_waiting + snap.num_prefilling)
         yield g("mola_engine_alive", "1 while the engine thread runs", value=float(s.engine.is_alive))
+        blas = g("mola_blas", "What CPU matmuls run on (1 for the one in use): openblas, reference (MLX's "
+                 "bundled BLAS, ~30x slower), accelerate, or gpu", labels=["blas"])
+        blas.add_metric([self.blas], 1)
+        yield blas
         yield g("mola_adapters_known", "Adapters that can be requested", value=len(reg.adapters()))
         yield g("mola_adapters_resident", "Adapters (and stacks) in slots", value=reg.num_resident)
         yield g("mola_adapter_slots", "Adapter slots (--max-loras)", value=reg.max_loras)
