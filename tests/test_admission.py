@@ -293,3 +293,64 @@ def test_the_queue_orders_by_oldest_request_and_times_starvation():
     assert q.ordered() == [b, a] and q.next_starving_at(11.2) == 11.5
     with pytest.raises(ValueError, match="max_wait"):
         AdmissionQueue(max_wait=0)
+
+
+class _Control:
+    """What admit() drives, in plain Python: slots 1..n (1..experts carry
+    expert LoRA), records by name, rows read for every waiting record."""
+
+    def __init__(self, residents, experts: int, needs: set[str], free: list[int]):
+        self.resident, self.experts, self.needs, self.free = list(residents), experts, needs, free
+        self.installed, self.yielding = [], []
+
+    def has_rows(self, record):
+        return True
+
+    def prefetch(self, record):
+        raise AssertionError("every record is read")
+
+    def slot_for(self, record):
+        ok = [s for s in self.free if record.name not in self.needs or s <= self.experts]
+        if ok:
+            self.free.remove(ok[0])
+        return ok[0] if ok else None
+
+    def can_serve(self, resident, record):
+        return record.name not in self.needs or resident.slot <= self.experts
+
+    def install(self, record, slot):
+        self.installed.append((record.name, slot))
+
+    def residents(self):
+        return list(self.resident)
+
+    def set_yielding(self, record, yielding):
+        record.state = S.YIELDING if yielding else S.RESIDENT
+        (self.yielding.append if yielding else self.yielding.remove)(record.name)
+
+
+def test_a_starving_expert_adapter_makes_an_expert_slot_yield_not_a_dense_one():
+    from mola.lora.admission import AdmissionQueue, admit
+    from mola.lora.records import AdapterRecord
+
+    def record(name, slot=None, last_used=0.0, in_flight=0):
+        r = AdapterRecord(name=name, path=f"/{name}", source="rest", version=1)
+        if slot is not None:
+            r.state, r.slot, r.last_used, r.in_flight = S.RESIDENT, slot, last_used, in_flight
+        return r
+
+    # Slot 1 carries experts; slot 2 does not and is the least recently used, which
+    # a dense waiter would make yield.
+    expert_res, dense_res = record("e", 1, last_used=5.0, in_flight=2), record("d", 2, last_used=1.0, in_flight=1)
+    waiting = record("needs-experts")
+    control = _Control([expert_res, dense_res], experts=1, needs={"needs-experts"}, free=[])
+    queue = AdmissionQueue(max_wait=1.0)
+    queue.join(waiting, now=0.0)
+    admit(queue, control, now=0.5, max_yielding=1)
+    assert control.yielding == []  # not starving yet
+    admit(queue, control, now=2.0, max_yielding=1)
+    assert control.yielding == ["e"]  # the one whose slot can carry it, though d is older
+    control.free.append(1)  # e drained; its slot is free
+    admit(queue, control, now=2.5, max_yielding=1)
+    assert control.installed == [("needs-experts", 1)]
+    assert control.yielding == []  # no adapter is left without a slot: the yield is taken back

@@ -36,3 +36,23 @@ def test_freed_and_out_of_use_slots():
     table.put_out_of_use(2)  # its clearing failed: may hold old weights
     assert table.reserve() == (1, None)
     assert table.reserve() is None and table.use_of(2) is SlotUse.OUT_OF_USE
+
+
+def test_expert_adapters_take_expert_slots_and_others_take_the_rest_first():
+    table = SlotTable(4, expert_slots=2)  # slots 1 and 2 carry expert packs
+    assert table.reserve(needs_experts=False) == (3, None)  # a dense adapter leaves them alone
+    assert table.reserve(needs_experts=True) == (1, None)
+    assert table.reserve(needs_experts=False) == (4, None)
+    assert table.reserve(needs_experts=False) == (2, None)  # only when nothing else is free
+    dense_old, expert, dense3, dense4 = (resident("d-old", 2, 1.0), resident("e", 1, 5.0),
+                                         resident("d3", 3, 3.0), resident("d4", 4, 4.0))
+    for r in (dense_old, expert, dense3, dense4):
+        table.hold(r.slot, r)
+    # An expert adapter evicts only from expert slots: the oldest there, not d3/d4.
+    assert table.reserve(needs_experts=True) == (2, dense_old)
+    table.hold(2, resident("e2", 2, 6.0))
+    # A dense adapter evicts from the other slots first, even a newer one.
+    assert table.reserve(needs_experts=False) == (3, dense3)
+    expert.in_flight = 1
+    table._slots[2].holder.in_flight = 1
+    assert table.reserve(needs_experts=True) is None  # both expert slots busy: it waits
