@@ -188,6 +188,36 @@ def greedy_tokens(model, prompt: list[int], max_tokens: int) -> list[int]:
     return out
 
 
+# ---- structured outputs -------------------------------------------------------
+
+
+def grammar_walks(compiled, tokenizer, rng, num=30, max_tokens=300) -> list[str]:
+    """Texts of random walks through the grammar: each step draws a token
+    the mask allows (EOS, when allowed, with probability 1/2)."""
+    import numpy as np
+
+    eos = set(tokenizer.eos_token_ids)
+    texts = []
+    for _ in range(num):
+        m = compiled.matcher.deep_copy()
+        tokens = []
+        for _ in range(max_tokens):
+            allowed = np.nonzero(np.frombuffer(m.compute_logit_bias(), dtype=np.uint8))[0]
+            ends = [t for t in allowed if t in eos]
+            others = [t for t in allowed if t not in eos]
+            if ends and (not others or rng.random() < 0.5):
+                break
+            token = int(rng.choice(others))
+            assert m.consume_token(token)
+            tokens.append(token)
+        else:
+            continue  # ran out of budget: a prefix, nothing to check
+        assert m.is_accepting()
+        texts.append(tokenizer.decode(tokens))
+    assert len(texts) >= num // 4
+    return texts
+
+
 # ---- OpenAI schemas ---------------------------------------------------------
 
 

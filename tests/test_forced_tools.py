@@ -24,7 +24,7 @@ from mola.server.prompts import render_messages
 from mola.server.tools import JsonCallParser, messages_for_template
 from mola.structured import JsonCalls, StructuredOutputs
 
-from helpers import (sse_events, start_server, typed_events, validate_schema, validate_stream_event,
+from helpers import (grammar_walks, sse_events, start_server, typed_events, validate_schema, validate_stream_event,
                      with_chat_template)
 
 # SmolLM2-135M-Instruct's template, in effect: ChatML, no tools, no tool calls.
@@ -67,29 +67,6 @@ def tokenizer(plain_model):
 # ---- the grammar, walked -----------------------------------------------------------------------
 
 
-def walk_texts(compiled, tokenizer, rng, num=30, max_tokens=200) -> list[str]:
-    eos = set(tokenizer.eos_token_ids)
-    texts = []
-    for _ in range(num):
-        m = compiled.matcher.deep_copy()
-        tokens = []
-        for _ in range(max_tokens):
-            allowed = np.nonzero(np.frombuffer(m.compute_logit_bias(), dtype=np.uint8))[0]
-            ends = [t for t in allowed if t in eos]
-            others = [t for t in allowed if t not in eos]
-            if ends and (not others or rng.random() < 0.5):
-                break
-            token = int(rng.choice(others))
-            assert m.consume_token(token)
-            tokens.append(token)
-        else:
-            continue
-        assert m.is_accepting()
-        texts.append(tokenizer.decode(tokens))
-    assert len(texts) >= num // 4
-    return texts
-
-
 def read_calls(json_calls, text, cuts=()) -> tuple[str, list[dict]]:
     p, content, calls, at = JsonCallParser(json_calls), "", [], 0
     for cut in [*cuts, len(text)]:
@@ -106,7 +83,7 @@ def test_every_walk_through_the_grammar_reads_back_as_valid_calls(tokenizer, cho
     json_calls = compiled.grammar.json_calls
     assert json_calls == JsonCalls("get_time" if isinstance(choice, dict) else None)
     counts = set()
-    for text in walk_texts(compiled, tokenizer, np.random.default_rng(0)):
+    for text in grammar_walks(compiled, tokenizer, np.random.default_rng(0), max_tokens=200):
         content, calls = read_calls(json_calls, text)
         assert content == "", text
         check_calls(calls, ["get_time"] if isinstance(choice, dict) else PARAMS)

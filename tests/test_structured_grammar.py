@@ -18,7 +18,7 @@ from mola.errors import InvalidRequest
 from mola.server.tools import ToolCallParser
 from mola.structured import JsonCalls, StructuredOutputs
 
-from helpers import MISTRAL_TEMPLATE, MISTRAL_V3_TEMPLATE, PYTHONIC_TEMPLATE, with_chat_template
+from helpers import MISTRAL_TEMPLATE, grammar_walks, MISTRAL_V3_TEMPLATE, PYTHONIC_TEMPLATE, with_chat_template
 
 ADDRESS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
                                             "zip": {"type": ["string", "null"], "pattern": "^[0-9]{5}$"}},
@@ -65,29 +65,6 @@ def tokenizers(tiny_model, tmp_path_factory):
     return out
 
 
-def outputs(compiled, tokenizer, rng, num=30, max_tokens=300):
-    """Texts of random walks through the grammar: each step draws a token
-    the mask allows (EOS, when allowed, with probability 1/2)."""
-    eos = set(tokenizer.eos_token_ids)
-    texts = []
-    for _ in range(num):
-        m = compiled.matcher.deep_copy()
-        tokens = []
-        for _ in range(max_tokens):
-            allowed = np.nonzero(np.frombuffer(m.compute_logit_bias(), dtype=np.uint8))[0]
-            ends = [t for t in allowed if t in eos]
-            others = [t for t in allowed if t not in eos]
-            if ends and (not others or rng.random() < 0.5):
-                break
-            token = int(rng.choice(others))
-            assert m.consume_token(token)
-            tokens.append(token)
-        else:
-            continue  # ran out of budget: a prefix, nothing to check
-        assert m.is_accepting()
-        texts.append(tokenizer.decode(tokens))
-    assert len(texts) >= num // 4
-    return texts
 
 
 def calls_of(tokenizer, tools, text):
@@ -101,14 +78,14 @@ def test_random_walks_through_a_json_schema_validate(tokenizers):
     tok = tokenizers["json_tools"]
     compiled = StructuredOutputs(tok, len(tok._tokenizer)).for_request(response_format=fmt(PERSON))
     validator = jsonschema.Draft202012Validator(PERSON, format_checker=jsonschema.FormatChecker())
-    for text in outputs(compiled, tok, np.random.default_rng(0)):
+    for text in grammar_walks(compiled, tok, np.random.default_rng(0)):
         validator.validate(json.loads(text))
 
 
 def test_json_object_walks_are_objects(tokenizers):
     tok = tokenizers["json_tools"]
     compiled = StructuredOutputs(tok, len(tok._tokenizer)).for_request(response_format={"type": "json_object"})
-    for text in outputs(compiled, tok, np.random.default_rng(1)):
+    for text in grammar_walks(compiled, tok, np.random.default_rng(1)):
         assert isinstance(json.loads(text), dict)
 
 
@@ -137,7 +114,7 @@ def test_forced_tool_calls_parse_with_the_familys_own_parser(tokenizers, family,
         tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel)
     names = {"get_time"} if isinstance(choice, dict) else set(PARAMS)
     counts = set()
-    for text in outputs(compiled, tok, np.random.default_rng(2)):
+    for text in grammar_walks(compiled, tok, np.random.default_rng(2)):
         content, calls = calls_of(tok, TOOLS, text)
         assert calls and not content.strip(), text
         counts.add(len(calls))
@@ -169,7 +146,7 @@ def test_auto_with_a_format_is_a_call_or_the_format(tokenizers):
     compiled = StructuredOutputs(tok, len(tok._tokenizer)).for_request(
         response_format=fmt(ADDRESS), tools=TOOLS, tool_choice="auto")
     kinds = set()
-    for text in outputs(compiled, tok, np.random.default_rng(3), num=40):
+    for text in grammar_walks(compiled, tok, np.random.default_rng(3), num=40):
         content, calls = calls_of(tok, TOOLS, text)
         if calls:
             kinds.add("calls")
