@@ -31,6 +31,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
+from .layer import TargetGeometry, compute_dtype
+
 EXPERT_BASES = (SwitchLinear, QuantizedSwitchLinear)
 SORT_PAIRS = 64  # mlx-lm's SwitchGLU sorts (token, expert) pairs from this many on
 
@@ -76,6 +78,11 @@ class MultiLoRASwitchLinear(nn.Module):
     @property
     def active_slots(self) -> frozenset[int]:
         return frozenset(self._ranks)
+
+    @property
+    def geometry(self) -> TargetGeometry:
+        """What an adapter's expert factors for this projection must fit."""
+        return TargetGeometry(self.input_dims, self.output_dims, num_experts=self.num_experts)
 
     def set_rows(self, slot: int, rows) -> None:
         """Write expert rows (a [E, r, in], b [E, r, out], see
@@ -132,8 +139,6 @@ class MultiLoRASwitchGLU(nn.Module):
 
     @staticmethod
     def from_base(glu: SwitchGLU, routing, num_slots: int, max_rank: int) -> "MultiLoRASwitchGLU":
-        from .layer import compute_dtype
-
         dtype = compute_dtype(glu.gate_proj)
         layer = MultiLoRASwitchGLU(routing, glu.activation)
         for name in ("gate_proj", "up_proj", "down_proj"):

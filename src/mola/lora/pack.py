@@ -45,7 +45,7 @@ class AdapterPacks:
         to ``max_expert_rank`` (mola.lora.experts)."""
         if expert_slots > max_loras:
             raise ValueError(f"expert slots ({expert_slots}) cannot outnumber adapter slots ({max_loras})")
-        routing = LoRARouting(expert_slots=expert_slots)
+        routing = LoRARouting()
         wrapped = [
             (path, MultiLoRALinear.from_base(module, routing, num_slots=max_loras + 1, max_rank=max_rank))
             for path, module in lora_targets(model)
@@ -56,7 +56,7 @@ class AdapterPacks:
         if expert_slots:
             glus = [(path, MultiLoRASwitchGLU.from_base(glu, routing, expert_slots, max_expert_rank))
                     for path, glu in expert_targets(model)]
-        routing.expert_slots = expert_slots if glus else 0
+        routing.expert_slots = expert_slots if glus else 0  # 0: every row runs the base's experts
         model.update_modules(tree_unflatten(wrapped + glus))
         layers = dict(wrapped)
         for path, glu in glus:
@@ -71,7 +71,7 @@ class AdapterPacks:
         """What adapters must fit to be written into these packs."""
         first = next(iter(self.layers.values()))
         return SlotGeometry(
-            targets={p: _geometry(l) for p, l in self.layers.items()},
+            targets={p: l.geometry for p, l in self.layers.items()},
             max_rank=self.max_rank, num_slots=self.num_slots, dtype=first.dtype,
             expert_slots=self.expert_slots, max_expert_rank=self.max_expert_rank,
         )
@@ -136,12 +136,6 @@ def expert_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(path, m) for path, m in model.named_modules()
             if id(m) in in_blocks and isinstance(m, SwitchGLU)
             and all(isinstance(getattr(m, n), EXPERT_BASES) for n in ("gate_proj", "up_proj", "down_proj"))]
-
-
-def _geometry(layer: MultiLoRALinear | MultiLoRASwitchLinear) -> TargetGeometry:
-    if isinstance(layer, MultiLoRASwitchLinear):
-        return TargetGeometry(layer.input_dims, layer.output_dims, num_experts=layer.num_experts)
-    return layer.geometry
 
 
 def geometry_of(model: nn.Module, max_rank: int, num_slots: int, expert_slots: int = 0,
