@@ -36,6 +36,14 @@ def check_tool_support(tokenizer) -> None:
         )
 
 
+def chat_function(name: str, description=None, parameters=None, strict=None) -> dict:
+    """A function tool in chat's shape, as chat templates and mlx-lm's tool
+    parsers read it (the other APIs' tools are turned into this); fields
+    left None are left out."""
+    fn = {"name": name, "description": description, "parameters": parameters, "strict": strict}
+    return {"type": "function", "function": {k: v for k, v in fn.items() if v is not None}}
+
+
 def tool_call(name: str, arguments: str, id: str | None = None) -> dict:
     """One call in chat's ``tool_calls`` shape (``arguments``: a JSON string)."""
     return {"id": id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",

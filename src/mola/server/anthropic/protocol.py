@@ -26,6 +26,7 @@ from pydantic import Field, field_validator
 
 from ...errors import InvalidRequest
 from ..protocol import TemplateOptions, _Body, _Sampling, check_template_kwargs
+from ..tools import chat_function
 
 MAX_STOP_SEQUENCES = 16  # as chat's stop
 MIN_THINKING_BUDGET = 1024  # Anthropic's floor for thinking.budget_tokens
@@ -144,16 +145,8 @@ class Conversation(_Body):
         parsers read them (``input_schema`` is the function's ``parameters``)."""
         if not self.tools:
             return None
-        out = []
-        for tool in self.tools:
-            fn = {"name": tool["name"]}
-            if tool.get("description") is not None:
-                fn["description"] = tool["description"]
-            fn["parameters"] = tool["input_schema"]
-            if tool.get("strict") is not None:
-                fn["strict"] = tool["strict"]
-            out.append({"type": "function", "function": fn})
-        return out
+        return [chat_function(t["name"], t.get("description"), t["input_schema"], t.get("strict"))
+                for t in self.tools]
 
     def chat_tool_choice(self) -> str | dict | None:
         """tool_choice as chat carries it: any -> required, a tool -> a named function."""

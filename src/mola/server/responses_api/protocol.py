@@ -18,6 +18,7 @@ from pydantic import Field, field_validator
 
 from ...errors import InvalidRequest
 from ..protocol import REASONING_EFFORTS, TemplateOptions, _Sampling, check_template_kwargs, forces_tool_call
+from ..tools import chat_function
 
 # `include` values that ask for items mola never produces (built-in tool
 # calls, encrypted reasoning, input images): accepted, they add nothing.
@@ -176,15 +177,7 @@ class ResponsesRequest(_Sampling):
         tool parsers read them."""
         if not self.tools:
             return None
-        out = []
-        for tool in self.tools:
-            fn = {"name": tool["name"]}
-            if tool.get("description") is not None:
-                fn["description"] = tool["description"]
-            if tool.get("parameters") is not None:
-                fn["parameters"] = tool["parameters"]
-            out.append({"type": "function", "function": fn})
-        return out
+        return [chat_function(t["name"], t.get("description"), t.get("parameters")) for t in self.tools]
 
     def chat_equivalents(self) -> tuple[dict | None, str | dict | None]:
         """(response_format, tool_choice) as a chat completion would carry them."""
