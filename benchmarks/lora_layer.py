@@ -25,7 +25,8 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from mola.lora.layer import LoRARouting, MultiLoRALinear
+from mola.lora.layer import MultiLoRALinear
+from mola.lora.routing import LoRARouting
 
 
 def time_call(fn, iters: int) -> float:

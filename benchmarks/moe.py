@@ -44,7 +44,7 @@ WORKLOADS = ("base", "one", "mixed8", "one_attn", "mixed8_attn")
 
 
 def moe_model(cache: Path = CACHE) -> Path:
-    from mola.synthetic.model import TinyModelSpec, make_tiny_model
+    from mola.testing.model import TinyModelSpec, make_tiny_model
 
     path = cache / "moe-qwen3-30b-a3b-proportions"
     if not (path / "config.json").is_file():
@@ -58,7 +58,7 @@ def moe_model(cache: Path = CACHE) -> Path:
 
 def moe_adapters(model: Path, cache: Path = CACHE) -> tuple[list[Path], list[Path]]:
     """8 adapters on attention + experts, 8 on attention alone (rank 8, every layer)."""
-    from mola.synthetic.adapter import make_mlx_lm_loras
+    from mola.testing.adapter import make_mlx_lm_loras
 
     attention = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
     experts = tuple(f"mlp.switch_mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj"))
@@ -168,7 +168,7 @@ def step_times(model: Path, adapters: list[Path], batches: list[int], steps: int
 
     from mola.blas import find_openblas
     from mola.lora.pack import AdapterPacks
-    from mola.lora.recipe import read_checked
+    from mola.adapters.recipe import read_checked
 
     lib = find_openblas()
     if lib and lib not in os.environ.get("LD_PRELOAD", ""):

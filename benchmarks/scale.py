@@ -50,7 +50,7 @@ CONFIGS = ("tier", "no-tier", "resident8")
 
 def scale_adapters(model: Path, n: int) -> Path:
     """``n`` random adapters of rank 8 (even) and 16 (odd) in one directory, built once."""
-    from mola.synthetic.adapter import make_random_adapter
+    from mola.testing.adapter import make_random_adapter
 
     root = CACHE / f"scale-{n}"
     for i in range(n):

@@ -41,7 +41,7 @@ def main() -> int:
     from mlx_lm.models.cache import make_prompt_cache
 
     from mola.lora.pack import AdapterPacks, prepare_rows
-    from mola.lora.recipe import Recipe, read_recipe
+    from mola.adapters.recipe import SlotRecipe, read_recipe
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--slots", type=int, default=16)
@@ -51,7 +51,7 @@ def main() -> int:
     model, _ = load(str(model_dir))
     packs = AdapterPacks.install(model, max_loras=a.slots, max_rank=16)
     geometry = packs.geometry
-    rows = [prepare_rows(read_recipe(Recipe.single(str(x)), geometry, None), geometry) for x in paths]
+    rows = [prepare_rows(read_recipe(SlotRecipe.single(str(x)), geometry, None), geometry) for x in paths]
     for i in range(3):
         packs.fill(i + 1, rows[i])
     cache = make_prompt_cache(model)

@@ -7,7 +7,7 @@ ngram) against mola without it, side by side in one run, at concurrency 1,
 Workloads (every request of a workload is answered by both servers, and
 their outputs must be identical):
 
-- copy: "repeat this paragraph" on the demo's echo base (mola.synthetic.echo,
+- copy: "repeat this paragraph" on the demo's echo base (mola.demo.echo_base,
   which copies the user's message), every request on one adapter: a random
   rank-8 LoRA small enough that the base still copies (a fine-tune that
   changes a letter or so);
@@ -71,7 +71,7 @@ def echo_setup(cache: Path) -> tuple[Path, list[Path], list[Path]]:
     """The echo base, its demo adapters (title, upper) and five random
     adapters that leave it copying."""
     from mola.demo import ensure_demo
-    from mola.synthetic.adapter import make_random_adapter
+    from mola.testing.adapter import make_random_adapter
 
     base, demo = ensure_demo(cache / "echo")
     randoms = []

@@ -25,7 +25,7 @@ ADAPTER_KEYS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "sel
 
 def bench_model(cache: Path = CACHE) -> Path:
     """A float32 llama of ~88M parameters with random weights (built once)."""
-    from mola.synthetic.model import TinyModelSpec, make_tiny_model
+    from mola.testing.model import TinyModelSpec, make_tiny_model
 
     path = cache / "model-88m"
     if not (path / "config.json").is_file():
@@ -55,7 +55,7 @@ def real_model(cache: Path = CACHE) -> tuple[Path, Path]:
 
 def bench_adapters(model: Path, k: int, rank: int, cache: Path = CACHE, prefix: str = "adapter") -> list[Path]:
     """K random adapters of ``rank`` on every linear of every block."""
-    from mola.synthetic.adapter import make_random_adapter
+    from mola.testing.adapter import make_random_adapter
 
     out = []
     for i in range(k):

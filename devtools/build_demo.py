@@ -43,11 +43,11 @@ def check_echo(demo: Path, n: int, seed: int = 12345) -> bool:
     from mlx_lm.sample_utils import make_sampler
 
     from mola.demo.echo import BASE, DEMO_ADAPTERS, RECIPES
-    from mola.synthetic import demo_data
+    from mola.demo import echo_data
 
-    messages = demo_data.messages(n, seed)
+    messages = echo_data.messages(n, seed)
     tasks = {"mola-demo": (None, lambda m: m)}
-    tasks.update({a: (demo / a, demo_data.TASKS[RECIPES[a].task]) for a in DEMO_ADAPTERS})
+    tasks.update({a: (demo / a, echo_data.TASKS[RECIPES[a].task]) for a in DEMO_ADAPTERS})
     ok_all = True
     for name, (adapter, fn) in tasks.items():
         model, tok = load(str(demo / BASE), adapter_path=str(adapter) if adapter else None)

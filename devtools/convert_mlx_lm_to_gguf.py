@@ -17,10 +17,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from mola.lora.formats import read_adapter
-from mola.lora.formats.gguf import ARCHITECTURES, architecture_for
-from mola.lora.formats.gguf_writer import OUTTYPES, save_gguf_adapter
-from mola.synthetic.adapter import read_model_config
+from mola.adapters.formats import read_adapter
+from mola.adapters.formats.gguf_names import ARCHITECTURES, architecture_for
+from mola.adapters.formats.gguf_writer import OUTTYPES, save_gguf_adapter
+from mola.models.metadata import read_model_config
 
 
 def main() -> int:

@@ -18,8 +18,8 @@ import sys
 import mlx.core as mx
 
 from mola.errors import MolaError
-from mola.lora.formats import read_adapter
-from mola.synthetic.peft import save_peft_adapter, save_peft_expert_params_adapter, save_peft_per_expert_adapter
+from mola.adapters.formats import read_adapter
+from mola.testing.peft import save_peft_adapter, save_peft_expert_params_adapter, save_peft_per_expert_adapter
 
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 

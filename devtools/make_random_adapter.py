@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mola.synthetic.adapter import DEFAULT_KEYS, make_random_adapter
+from mola.testing.adapter import DEFAULT_KEYS, make_random_adapter
 
 
 def main() -> int:

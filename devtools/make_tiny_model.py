@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mola.synthetic.model import TinyModelSpec, make_tiny_model, num_parameters
+from mola.testing.model import TinyModelSpec, make_tiny_model, num_parameters
 
 
 def main() -> int:

@@ -12,8 +12,8 @@ import mlx.core as mx
 import pytest
 
 from mola.config import AdapterSpec
-from mola.synthetic.adapter import make_random_adapter
-from mola.synthetic.model import TinyModelSpec, make_tiny_model
+from mola.testing.adapter import make_random_adapter
+from mola.testing.model import TinyModelSpec, make_tiny_model
 
 from helpers import ServerHandle, start_server
 

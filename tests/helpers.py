@@ -23,7 +23,7 @@ import uvicorn
 from mola.config import ServeConfig
 from mola.engine.engine import Engine
 from mola.models.loader import load_base_model
-from mola.lora.formats import read_adapter
+from mola.adapters.formats import read_adapter
 from mola.server.app import build_state, create_app
 
 SCHEMAS = Path(__file__).parent / "data" / "openai_schemas.json"
@@ -70,7 +70,7 @@ class ServerHandle:
 def start_server(**kwargs) -> ServerHandle:
     """Start engine + uvicorn (127.0.0.1, a free port) in this process; the
     event loop runs on a thread of its own."""
-    config = ServeConfig(host="127.0.0.1", port=free_port(), log_level="warning", **kwargs)
+    config = ServeConfig.from_settings(host="127.0.0.1", port=free_port(), log_level="warning", **kwargs)
     engine = Engine(lambda: load_base_model(config.model, dtype=config.dtype), config.engine)
     loaded = engine.start()
     box: dict = {}
@@ -373,7 +373,7 @@ class EngineRunner:
 
     def add(self, name: str, weights) -> None:
         """Validate ``weights`` (LoRAWeights) and write them into the next slot."""
-        from mola.lora.weights import validate
+        from mola.adapters.weights import validate
 
         geometry = self.engine.geometry
         validate(weights, geometry.targets, geometry.max_rank, geometry.max_expert_rank)
@@ -386,9 +386,9 @@ class EngineRunner:
         with self.cond:
             for out in outputs:
                 if out.logprobs:
-                    self.logprobs.setdefault(out.seq.seq_id, []).extend(out.logprobs)
+                    self.logprobs.setdefault(out.seq_id, []).extend(out.logprobs)
                 if out.finish_reason is not None:
-                    self.done[out.seq.seq_id] = out.seq
+                    self.done[out.seq_id] = out
             self.cond.notify_all()
 
     def submit(self, prompt, adapter=None, lora_scale=1.0, constraint=None, **params):

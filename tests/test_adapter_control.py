@@ -1,5 +1,5 @@
-"""Per-request adapter scale and stacking (mola/lora/registry.py acquire,
-mola/lora/weights.py compose), against plain mlx-lm on merged weights."""
+"""Per-request adapter scale and stacking (mola/registry/registry.py acquire,
+mola/adapters/weights.py stack_weights), against plain mlx-lm on merged weights."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from mola.lora.formats import read_adapter
-from mola.lora.weights import compose
+from mola.adapters.formats import read_adapter
+from mola.adapters.weights import stack_weights
 
 from helpers import detokenize, merged_model, reference_decode, runner_stats
 
@@ -40,9 +40,9 @@ def expected(server, tiny_model, adapter_dirs=(), scales=None):
     return detokenize(tok, tokens, stop_at_eos=False)
 
 
-def test_compose_is_the_sum_of_deltas(adapters):
+def test_stacked_weights_are_the_sum_of_deltas(adapters):
     a, b = read_adapter(adapters["a"]), read_adapter(adapters["b"])
-    both = compose([(a, 0.7), (b, -0.3)], max_rank=64)
+    both = stack_weights([(a, 0.7), (b, -0.3)], max_rank=64)
     for path, m in both.modules.items():
         x = mx.random.normal((3, m.a.shape[0]))
         want = mx.zeros((3, m.b.shape[1]))
@@ -86,8 +86,8 @@ def test_stacked_adapters_equal_both_merged(server, client, tiny_model, adapters
     assert want not in (expected(server, tiny_model, [adapters["a"]]), expected(server, tiny_model))
     # The adapter `model` names joins the stack with its lora_scale.
     assert ask(client, "a", lora_scale=0.7, adapters=[{"name": "b", "scale": 0.3}]) == want
-    comps = [c for c in client.get("/v1/adapters").json()["compositions"]]
-    assert any({p["name"] for p in c["composition"]} == {"a", "b"} and c["rank"] == 12 for c in comps)
+    comps = [c for c in client.get("/v1/adapters").json()["stacks"]]
+    assert any({p["name"] for p in c["parts"]} == {"a", "b"} and c["rank"] == 12 for c in comps)
     assert "a@" not in " ".join(m["id"] for m in client.get("/v1/models").json()["data"])
 
 
@@ -105,9 +105,9 @@ def test_stacks_above_the_max_rank_are_refused(client):
 def test_unloading_a_part_retires_its_stacks(server, client, tiny_model, adapters):
     assert client.post("/v1/adapters", json={"name": "part", "path": str(adapters["b"])}).status_code == 200
     ask(client, "tiny", adapters=[{"name": "a"}, {"name": "part", "scale": 2.0}])
-    assert any("part" in c["name"] for c in client.get("/v1/adapters").json()["compositions"])
+    assert any("part" in c["name"] for c in client.get("/v1/adapters").json()["stacks"])
     assert client.delete("/v1/adapters/part").status_code == 200
-    assert not any("part" in c["name"] for c in client.get("/v1/adapters").json()["compositions"])
+    assert not any("part" in c["name"] for c in client.get("/v1/adapters").json()["stacks"])
     r = client.post("/v1/chat/completions", json={
         "model": "tiny", "messages": [{"role": "user", "content": QUESTION}],
         "adapters": [{"name": "a"}, {"name": "part"}]})

@@ -2,9 +2,11 @@
 an adapter whose slot is held by one with continuous traffic (and, without
 the bound, the starvation it prevents), yields taken back when the need goes,
 and exact outputs through a server while adapters take turns in one slot
-(mola/lora/admission.py, mola/lora/registry.py)."""
+(mola/registry/admission.py, mola/registry/registry.py)."""
 
 from __future__ import annotations
+
+import itertools
 
 import asyncio
 import time
@@ -16,15 +18,18 @@ from mola.config import AdapterSpec
 from mola.engine.client import AsyncEngine
 from mola.engine.engine import Engine, EngineConfig
 from mola.models.loader import load_base_model
-from mola.lora.host_tier import HostTier
-from mola.lora.loader import AdapterLoader
-from mola.lora.records import AdapterRecord, AdapterState
-from mola.lora.registry import AdapterRegistry
-from mola.synthetic.adapter import make_random_adapter
+from mola.registry.host_tier import HostTier
+from mola.adapters.loader import AdapterLoader
+from mola.registry.records import AdapterRecord, AdapterState
+from mola.registry.registry import AdapterRegistry
+from mola.testing.adapter import make_random_adapter
 
 from helpers import greedy_tokens, merged_model, start_server
 
 S = AdapterState
+
+
+UIDS = itertools.count(1)  # records' uids, as a registry's counter gives them
 
 
 @pytest.fixture(scope="module")
@@ -264,13 +269,13 @@ def pieces_of(response) -> list[str]:
 
 def rec(name: str, last_used: float, in_flight: int) -> AdapterRecord:
 
-    r = AdapterRecord(name=name, path=f"/{name}", source="rest", version=1)
+    r = AdapterRecord(name=name, path=f"/{name}", source="rest", version=1, uid=next(UIDS))
     r.state, r.last_used, r.in_flight = S.RESIDENT, last_used, in_flight
     return r
 
 
 def test_the_yielder_is_the_resident_likely_to_drain_soonest():
-    from mola.lora.admission import pick_yielder
+    from mola.registry.admission import pick_yielder
 
     hot, old, older_idle = rec("hot", 9.0, 5), rec("old", 2.0, 2), rec("idle", 1.0, 0)
     assert pick_yielder([hot, old, older_idle]) is old  # no new request for longest; idle ones need no yield
@@ -280,7 +285,7 @@ def test_the_yielder_is_the_resident_likely_to_drain_soonest():
 
 
 def test_the_queue_orders_by_oldest_request_and_times_starvation():
-    from mola.lora.admission import AdmissionQueue
+    from mola.registry.admission import AdmissionQueue
 
     q = AdmissionQueue(max_wait=1.0)
     a, b = rec("a", 0, 0), rec("b", 0, 0)
@@ -330,11 +335,11 @@ class _Control:
 
 
 def test_a_starving_expert_adapter_makes_an_expert_slot_yield_not_a_dense_one():
-    from mola.lora.admission import AdmissionQueue, admit
-    from mola.lora.records import AdapterRecord
+    from mola.registry.admission import AdmissionQueue, admit
+    from mola.registry.records import AdapterRecord
 
     def record(name, slot=None, last_used=0.0, in_flight=0):
-        r = AdapterRecord(name=name, path=f"/{name}", source="rest", version=1)
+        r = AdapterRecord(name=name, path=f"/{name}", source="rest", version=1, uid=next(UIDS))
         if slot is not None:
             r.state, r.slot, r.last_used, r.in_flight = S.RESIDENT, slot, last_used, in_flight
         return r

@@ -116,7 +116,7 @@ def test_serve_from_a_config_file(tiny_model, adapters, tmp_path):
         ids = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
         assert ids == ["base", "first", "from-dir"]
         listed = {a["name"]: a for a in httpx.get(url + "/v1/adapters").json()["data"]}
-        assert listed["first"]["default_request_scale"] == 0.5
+        assert listed["first"]["slot_scale"] == 0.5
         r = httpx.post(url + "/v1/chat/completions", json={
             "model": "from-dir", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
         assert r.status_code == 200

@@ -1,4 +1,4 @@
-"""ServeConfig, the config file and how flags override it (mola/config.py, mola/cli.py)."""
+"""ServeConfig, the config file and how flags override it (mola/config.py, mola/cli/)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import textwrap
 import pytest
 
 from mola.cli import build_parser, config_from_args
-from mola.config import AdapterSpec, ServeConfig, load_config_file
+from mola.cli.config_file import load_config_file
+from mola.config import AdapterSpec, ServeConfig
 
 
 def parse(*argv):
@@ -16,7 +17,7 @@ def parse(*argv):
 
 def test_defaults():
     c = parse()
-    assert (c.model, c.host, c.port, c.max_loras, c.max_lora_rank) == (None, "127.0.0.1", 8000, 8, 64)
+    assert (c.model, c.host, c.port, c.engine.max_loras, c.engine.max_lora_rank) == (None, "127.0.0.1", 8000, 8, 64)
     assert c.engine.max_loras == 8 and c.adapters == () and not c.allow_any_adapter_path
 
 
@@ -42,7 +43,7 @@ def test_toml_file_with_relative_paths(tmp_path):
     """))
     c = parse("--config", str(f))
     assert c.model == str(tmp_path / "model")
-    assert (c.served_model_name, c.port, c.max_loras) == ("base", 9001, 3)
+    assert (c.served_model_name, c.port, c.engine.max_loras) == ("base", 9001, 3)
     assert c.adapter_dirs == (str(tmp_path / "ads"),)
     assert c.adapters == (AdapterSpec("sql", str(tmp_path / "ads" / "sql"), 0.5),
                           AdapterSpec("hub", "org/some-adapter"))
@@ -58,7 +59,7 @@ def test_flags_override_the_file(tmp_path):
           b: {path: /abs/b, scale: 2}
     """))
     c = parse("--config", str(f), "--port", "9002", "--adapter", "b=/other/b", "--adapter", "c=/abs/c")
-    assert c.port == 9002 and c.max_lora_rank == 16
+    assert c.port == 9002 and c.engine.max_lora_rank == 16
     assert c.adapters == (AdapterSpec("a", "/abs/a"), AdapterSpec("b", "/other/b"), AdapterSpec("c", "/abs/c"))
 
 
@@ -83,7 +84,7 @@ def test_bad_values_are_refused():
     with pytest.raises(ValueError, match="more than once"):
         ServeConfig(adapters=(AdapterSpec("a", "/x"), AdapterSpec("a", "/y")))
     with pytest.raises(ValueError, match="max_lora_rank"):
-        ServeConfig(max_lora_rank=0)
+        ServeConfig.from_settings(max_lora_rank=0)
     with pytest.raises(ValueError, match="scale"):
         AdapterSpec("a", "/x", float("nan"))
     with pytest.raises(ValueError, match="'int4'"):
@@ -132,18 +133,18 @@ def test_access_and_limit_flags(monkeypatch):
 def test_prompt_cache_bytes_from_flags_and_files(tmp_path):
     assert parse().engine.prompt_cache_bytes == 2**30  # the documented default, 1 GiB
     assert parse("--prompt-cache-bytes", "0").engine.prompt_cache_bytes == 0  # off
-    assert parse("--prompt-cache-bytes", "512MB").prompt_cache_bytes == 512 * 10**6
+    assert parse("--prompt-cache-bytes", "512MB").engine.prompt_cache_bytes == 512 * 10**6
     assert parse("--prompt-cache-bytes", "2GiB").engine.prompt_cache_bytes == 2 * 2**30
     f = tmp_path / "mola.toml"
     f.write_text('prompt_cache_bytes = "1.5G"\n')
     assert parse("--config", str(f)).engine.prompt_cache_bytes == 1_500_000_000
     f.write_text("prompt-cache-bytes = 4096\n")
-    assert parse("--config", str(f), "--prompt-cache-bytes", "8192").prompt_cache_bytes == 8192
+    assert parse("--config", str(f), "--prompt-cache-bytes", "8192").engine.prompt_cache_bytes == 8192
     for bad in ("-1", "lots", "1TB", "nan"):
         with pytest.raises(ValueError, match="size in bytes"):
-            ServeConfig(prompt_cache_bytes=bad)
+            ServeConfig.from_settings(prompt_cache_bytes=bad)
     with pytest.raises(ValueError, match="prompt_cache_bytes"):
-        ServeConfig(prompt_cache_bytes=1.5)
+        ServeConfig.from_settings(prompt_cache_bytes=1.5)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--prompt-cache-bytes", "-5"])
 

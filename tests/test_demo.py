@@ -24,7 +24,7 @@ from mola.config import AdapterSpec
 from mola.demo import chat
 from mola.demo.questions import questions
 from mola.demo.styles import CHECKS, STYLES
-from mola.lora.formats import read_adapter
+from mola.adapters.formats import read_adapter
 from mola.models.fetch import SMOLLM_SHA256
 
 from helpers import greedy_tokens, start_mola_serve, start_server, stop_mola_serve

@@ -1,4 +1,4 @@
-"""The echo demo (mola/demo/echo.py, mola/synthetic/echo.py, adapters/echo/),
+"""The echo demo (mola/demo/echo.py, mola/demo/echo_base.py, adapters/echo/),
 which `mola serve` serves when the chat demo's model cannot be had:
 through the HTTP API of a real server, the base echoes and each adapter does
 its task exactly on held-out messages, alone and mixed in one batch; the echo
@@ -17,12 +17,12 @@ import pytest
 import mola.demo.echo as demo
 from mola.config import AdapterSpec, ServeConfig
 from mola.serve import with_demo
-from mola.synthetic import demo_data
+from mola.demo import echo_data
 
 from helpers import sse_events, start_server, validate_schema
 
 ROOT = demo.checkout_demo_dir()
-TASKS = {"mola-demo": lambda m: m, **{name: demo_data.TASKS[r.task] for name, r in demo.RECIPES.items()}}
+TASKS = {"mola-demo": lambda m: m, **{name: echo_data.TASKS[r.task] for name, r in demo.RECIPES.items()}}
 HAND_WRITTEN = [
     "hello world, how are you?",
     "the quick brown fox jumps over the dog",
@@ -43,15 +43,15 @@ def training_messages() -> set[str]:
     """Every message the demo adapters were trained or validated on."""
     seen: set[str] = set()
     for step, r in enumerate(demo.RECIPES.values(), start=2):
-        train = demo_data.messages(r.train_examples, demo.SEED + step)
-        seen |= set(train) | set(demo_data.messages(r.valid_examples, demo.SEED + step + 1, exclude=set(train)))
+        train = echo_data.messages(r.train_examples, demo.SEED + step)
+        seen |= set(train) | set(echo_data.messages(r.valid_examples, demo.SEED + step + 1, exclude=set(train)))
     return seen
 
 
 @pytest.fixture(scope="module")
 def held_out() -> list[str]:
     seen = training_messages()
-    messages = HAND_WRITTEN + demo_data.messages(8, seed=20240601, exclude=seen)
+    messages = HAND_WRITTEN + echo_data.messages(8, seed=20240601, exclude=seen)
     assert not set(messages) & seen
     return messages
 
@@ -182,7 +182,7 @@ def test_first_run_builds_into_the_cache_once(tmp_path, monkeypatch, capsys):
     assert "(2/2): adapter 'upper'" in err and "[mola] train [" in err and "loss" in err
     assert not list((tmp_path / "cache").glob(".demo-build-*"))
     config = json.loads((adapters["upper"] / "adapter_config.json").read_text())
-    assert config["trained_with"] == "mola train" and config["data"].startswith("mola.synthetic.demo_data")
+    assert config["trained_with"] == "mola train" and config["data"].startswith("mola.demo.echo_data")
 
     def no_build(*a, **k):
         raise AssertionError("built twice")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mlx_lm import load
 
-from mola.lora.formats import read_adapter
+from mola.adapters.formats import read_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT.parent / "shared" / "openai-openapi" / "openapi.yaml"

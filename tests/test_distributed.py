@@ -19,8 +19,8 @@ import httpx
 import pytest
 
 from mola.engine.distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS
-from mola.synthetic.adapter import make_random_adapter
-from mola.synthetic.model import TinyModelSpec, make_tiny_model
+from mola.testing.adapter import make_random_adapter
+from mola.testing.model import TinyModelSpec, make_tiny_model
 
 from helpers import free_port, wait_healthy
 
@@ -183,9 +183,9 @@ def test_hot_load_and_unload_during_traffic(group, single, setup):
 
 
 def test_a_gguf_base_shards_like_its_mlx_lm_twin(setup, single):
-    """The GGUF twin of the model (mola.synthetic.gguf_model), loaded on each rank and
+    """The GGUF twin of the model (mola.testing.gguf_model), loaded on each rank and
     sharded with mlx-lm's own model.shard, answers as one process on the directory."""
-    from mola.synthetic.gguf_model import save_gguf_model
+    from mola.testing.gguf_model import save_gguf_model
 
     model, adapters = setup
     gguf = save_gguf_model(model.parent / "model.gguf", model)
@@ -231,14 +231,13 @@ def test_a_plan_with_drafts_travels_whole():
     from mola.engine.speculative import Speculator
 
     s = Scheduler(speculator=Speculator(SpeculativeConfig()))
-    for prompt in ([1, 2, 3, 4, 5, 1, 2, 3], [9, 8, 7]):
-        s.add(Sequence(prompt=prompt, params=SamplingParams(max_tokens=9)))
+    for i, prompt in enumerate(([1, 2, 3, 4, 5, 1, 2, 3], [9, 8, 7])):
+        s.add(Sequence(prompt=prompt, params=SamplingParams(max_tokens=9), seq_id=i))
     plan = s.schedule()
-    assert plan.num_draft == [4, 0]
+    assert plan.proposal.num_draft == [4, 0]
     seqs: dict = {}
     again = unwire_plan(pickle.loads(pickle.dumps(wire_plan(plan))), seqs)
-    assert (again.num_draft, again.draft_tokens) == (plan.num_draft, plan.draft_tokens)
-    assert again.draft_tokens == [[4, 5, 1, 2], []]
+    assert again.proposal == plan.proposal and again.proposal.tokens == [[4, 5, 1, 2], []]
     assert [q.seq_id for q in again.decode] == [q.seq_id for q in plan.decode]
     assert again.decode[0] is seqs[plan.decode[0].seq_id]
 
@@ -371,3 +370,39 @@ def environ(pid: int) -> bytes:
         return open(f"/proc/{pid}/environ", "rb").read()
     except OSError:
         return b""
+
+
+def test_every_field_of_a_plan_travels():
+    """wire_plan / unwire_plan follow StepPlan's fields: a plan with every
+    field set (a new prefill batch, cache orders, a proposal) comes back
+    equal, field by field, with the follower's own sequences."""
+    from dataclasses import fields
+
+    from mola.engine.distributed import unwire_plan, wire_plan
+    from mola.engine.plan import CacheOrders, StepPlan
+    from mola.engine.prompt_cache import PrefixHit
+    from mola.engine.sequence import SamplingParams, Sequence, SequenceStatus
+    from mola.engine.speculative import Proposal
+
+    def seq(i, prompt):
+        return Sequence(prompt=prompt, params=SamplingParams(max_tokens=5, seed=i), slot=i, lora_scale=0.5,
+                        seq_id=i)
+
+    running, a, b = seq(7, [1, 2]), seq(8, [3, 4, 5]), seq(9, [6, 7, 8, 9])
+    plan = StepPlan(keep=[0], prefill=[a, b], prefill_is_new=True, start=1, end=3, join=[1], decode=[running, b],
+                    cache=CacheOrders(store_rows=[(1, 4, 6)], hits=[None, PrefixHit(3, 2)],
+                                      store_joined=[(1, 5, 3)], evict=[2]),
+                    proposal=Proposal([2, 0], [[5, 6], []]))
+    defaults = StepPlan()
+    assert all(getattr(plan, f.name) != getattr(defaults, f.name) for f in fields(StepPlan))
+    seqs = {7: seq(7, [1, 2])}
+    again = unwire_plan(pickle.loads(pickle.dumps(wire_plan(plan))), seqs)
+    for f in fields(StepPlan):
+        mine, theirs = getattr(plan, f.name), getattr(again, f.name)
+        if f.name in ("prefill", "decode"):
+            assert [(s.seq_id, s.prompt, s.slot, s.params) for s in theirs] == \
+                   [(s.seq_id, s.prompt, s.slot, s.params) for s in mine], f.name
+        else:
+            assert theirs == mine, f.name
+    assert again.decode[1] is again.prefill[1] is seqs[9] and again.decode[0] is seqs[7]
+    assert all(s.status is SequenceStatus.PREFILLING for s in again.prefill)

@@ -57,6 +57,33 @@ def test_stop_tokens_finish_with_stop(runner, base_reference):
     assert seq.output == ref[: first + 1] and seq.finish_reason == "stop"
 
 
+def test_the_engine_numbers_its_sequences_and_reports_by_number(runner):
+    """Engine.add numbers each sequence (the engine's own counter); its
+    outputs carry that number and what the loop needs, never the Sequence."""
+    seen = []
+    prev = runner.engine.on_outputs
+
+    def keep(outputs):
+        seen.extend(outputs)
+        prev(outputs)
+
+    runner.engine.on_outputs = keep
+    try:
+        a = runner.submit(runner.prompt(QUESTIONS[0]), None, max_tokens=3)
+        b = runner.submit(runner.prompt(QUESTIONS[2]), "a", max_tokens=3)
+        runner.wait([a, b])
+    finally:
+        runner.engine.on_outputs = prev
+    assert b.seq_id == a.seq_id + 1
+    for seq in (a, b):
+        mine = [o for o in seen if o.seq_id == seq.seq_id]
+        assert [t for o in mine for t in o.tokens] == seq.output
+        assert [o.finish_reason for o in mine][-1] == seq.finish_reason == "length"
+        assert all(not hasattr(o, "seq") for o in mine)
+    with pytest.raises(AssertionError):
+        runner.engine.add(a)  # a sequence is added once
+
+
 def test_the_engine_publishes_an_immutable_snapshot(runner):
     """Other threads read the engine's state from a snapshot the engine thread
     replaces after each step, never from the scheduler or runner."""

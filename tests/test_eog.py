@@ -24,7 +24,8 @@ from mola.models.eog import end_of_generation_ids, gguf_eog_ids, special_token_i
 from mola.models.loader import load_base_model
 from mola.models.tokenizer import tokenizer_files
 from mola.server.protocol import ChatCompletionRequest
-from mola.synthetic.model import CHATML_TEMPLATE, TinyModelSpec, make_tiny_model, train_tokenizer
+from mola.demo.tokenizer import CHATML_TEMPLATE, train_tokenizer
+from mola.testing.model import TinyModelSpec, make_tiny_model
 
 from helpers import greedy_tokens, merged_model, start_server
 
@@ -160,7 +161,7 @@ def test_the_chat_templates_end_of_turn_token(tmp_path):
 
 
 def test_a_gguf_twin_stops_where_its_directory_does(eog_model, tmp_path):
-    from mola.synthetic.gguf_model import save_gguf_model
+    from mola.testing.gguf_model import save_gguf_model
 
     gguf = save_gguf_model(tmp_path / "tiny-eog.gguf", eog_model)
     tok = load_base_model(str(gguf), dtype="float32").tokenizer

@@ -9,7 +9,8 @@ import pytest
 from mlx_lm.models.switch_layers import SwitchGLU
 
 from mola.lora.experts import MultiLoRASwitchGLU
-from mola.lora.layer import LoRARouting, ModuleRows
+from mola.lora.geometry import ModuleRows
+from mola.lora.routing import LoRARouting
 
 E, D, H, K = 6, 16, 12, 2  # experts, hidden, expert width, experts per token
 SLOTS = 2  # adapter slots 1..2 carry expert LoRA

@@ -1,6 +1,6 @@
 """Faults and load, bounded in count and time, on 127.0.0.1: bad adapter loads
 under traffic, concurrent loads through few slots, load/unload cycles and
-memory (mola/lora/registry.py, mola/lora/loader.py)."""
+memory (mola/registry/registry.py, mola/adapters/loader.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 from mola.server.metrics import rss_bytes
-from mola.synthetic.adapter import make_random_adapter
+from mola.testing.adapter import make_random_adapter
 
 from helpers import start_server
 

@@ -1,5 +1,5 @@
-"""llama.cpp GGUF LoRA adapters: the reader (mola/lora/formats/gguf.py), the
-writer that mirrors convert_lora_to_gguf.py (mola/synthetic/gguf.py), the
+"""llama.cpp GGUF LoRA adapters: the reader (mola/adapters/formats/gguf.py), the
+writer that mirrors convert_lora_to_gguf.py (mola/adapters/formats/gguf_writer.py), the
 devtools converter, and serving a GGUF twin beside its mlx-lm original."""
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 
 from mola.errors import InvalidAdapter
-from mola.lora.formats import detect_format, read_adapter
-from mola.lora.formats.gguf import is_gguf_file, read_gguf_adapter
-from mola.lora.weights import LoRAWeights, ModuleLoRA, validate
-from mola.synthetic.adapter import linear_shapes, read_model_config
-from mola.synthetic.gguf import save_gguf_adapter
+from mola.adapters.formats import detect_format, read_adapter
+from mola.adapters.formats.gguf import is_gguf_file, read_gguf_adapter
+from mola.adapters.weights import LoRAWeights, ModuleLoRA, validate
+from mola.models.metadata import read_model_config
+from mola.testing.adapter import linear_shapes
+from mola.adapters.formats.gguf_writer import save_gguf_adapter
 
 from helpers import EngineRunner as Runner
 from helpers import greedy_tokens, merged_model

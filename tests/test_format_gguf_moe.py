@@ -1,4 +1,4 @@
-"""llama.cpp GGUF LoRA adapters on mixtures of experts (mola/lora/formats/gguf.py and
+"""llama.cpp GGUF LoRA adapters on mixtures of experts (mola/adapters/formats/gguf.py and
 gguf_writer.py): an adapter written through mlx-lm's own linear_to_lora_layers
 (experts, routers, qwen2_moe's shared expert) is written by hand in llama.cpp's layout
 (names from gguf-py's TensorNameMap, factors stacked per expert as
@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 from mola.errors import InvalidAdapter
-from mola.lora.formats import read_adapter
-from mola.lora.formats.gguf import read_gguf_adapter
-from mola.lora.formats.gguf_writer import save_gguf_adapter
-from mola.synthetic.adapter import make_mlx_lm_lora
-from mola.synthetic.gguf_model import gguf_name, save_gguf_model
-from mola.synthetic.model import TinyModelSpec, make_tiny_model
+from mola.adapters.formats import read_adapter
+from mola.adapters.formats.gguf import read_gguf_adapter
+from mola.adapters.formats.gguf_writer import save_gguf_adapter
+from mola.testing.adapter import make_mlx_lm_lora
+from mola.testing.gguf_model import gguf_name, save_gguf_model
+from mola.testing.model import TinyModelSpec, make_tiny_model
 
 ARCH = {"qwen3_moe": "qwen3moe", "mixtral": "llama", "qwen2_moe": "qwen2moe", "gpt_oss": "gpt-oss"}
 RANK, SCALE = 4, 2.0

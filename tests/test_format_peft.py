@@ -1,5 +1,5 @@
-"""Hugging Face PEFT LoRA adapters: reading them (mola/lora/formats/peft.py),
-writing twins of mlx-lm adapters (mola/synthetic/peft.py,
+"""Hugging Face PEFT LoRA adapters: reading them (mola/adapters/formats/peft.py),
+writing twins of mlx-lm adapters (mola/testing/peft.py,
 devtools/convert_mlx_lm_to_peft.py), serving them beside their mlx-lm
 originals, and refusing what cannot be applied exactly."""
 
@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 
 from mola.errors import InvalidAdapter
-from mola.lora.formats import detect_format, read_adapter
-from mola.lora.formats.peft import is_peft_adapter, looks_like_peft_config, read_peft_adapter
-from mola.lora.weights import LoRAWeights, ModuleLoRA, validate
-from mola.synthetic.adapter import linear_shapes, read_model_config
-from mola.synthetic.peft import save_peft_adapter
+from mola.adapters.formats import detect_format, read_adapter
+from mola.adapters.formats.peft import is_peft_adapter, looks_like_peft_config, read_peft_adapter
+from mola.adapters.weights import LoRAWeights, ModuleLoRA, validate
+from mola.models.metadata import read_model_config
+from mola.testing.adapter import linear_shapes
+from mola.testing.peft import save_peft_adapter
 
 from helpers import EngineRunner as Runner
 from helpers import greedy_tokens, merged_model

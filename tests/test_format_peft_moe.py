@@ -1,5 +1,5 @@
-"""PEFT LoRA on mixtures of experts (mola/lora/formats/peft_experts.py): twins of
-mlx-lm MoE adapters in PEFT's two layouts (mola/synthetic/peft.py) read back
+"""PEFT LoRA on mixtures of experts (mola/adapters/formats/peft_experts.py): twins of
+mlx-lm MoE adapters in PEFT's two layouts (mola/testing/peft.py) read back
 equal, the files follow PEFT's own layout (checked against the raw mlx-lm file
 with PEFT's and transformers' formulas, not with mola's reader), and what
 cannot be applied exactly is refused."""
@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 
 from mola.errors import InvalidAdapter
-from mola.lora.formats import read_adapter
-from mola.lora.weights import LoRAWeights, ModuleLoRA
-from mola.synthetic.adapter import make_mlx_lm_lora, read_model_config
-from mola.synthetic.model import TinyModelSpec, make_tiny_model
-from mola.synthetic.peft import (save_peft_adapter, save_peft_expert_params_adapter,
+from mola.adapters.formats import read_adapter
+from mola.adapters.weights import LoRAWeights, ModuleLoRA
+from mola.models.metadata import read_model_config
+from mola.testing.adapter import make_mlx_lm_lora
+from mola.testing.model import TinyModelSpec, make_tiny_model
+from mola.testing.peft import (save_peft_adapter, save_peft_expert_params_adapter,
                                  save_peft_per_expert_adapter)
 
 RANK = 4

@@ -1,5 +1,5 @@
 """Reading mlx-lm adapters and refusing broken ones with a message that names
-the problem (mola/lora/formats, mola/lora/weights.py)."""
+the problem (mola/adapters/formats, mola/adapters/weights.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import mlx.core as mx
 import pytest
 
 from mola.errors import AdapterPathNotFound, InvalidAdapter
-from mola.lora.formats import read_adapter
-from mola.lora.weights import validate
-from mola.synthetic.adapter import linear_shapes, read_model_config
+from mola.adapters.formats import read_adapter
+from mola.adapters.weights import validate
+from mola.models.metadata import read_model_config
+from mola.testing.adapter import linear_shapes
 
 
 @pytest.fixture()
@@ -128,7 +129,7 @@ def test_non_finite_values(broken, targets):
 def test_the_finiteness_check_in_every_float_dtype(dtype):
     """One bad value anywhere is found; the largest finite values are not
     mistaken for infinities (compared with MLX's own isfinite)."""
-    from mola.lora.weights import all_finite
+    from mola.adapters.weights import all_finite
 
     big = {mx.float32: 3.0e38, mx.float16: 65504.0, mx.bfloat16: 3.0e38}[dtype]
     x = mx.random.normal((37, 16)).astype(dtype)

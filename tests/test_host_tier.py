@@ -3,7 +3,7 @@ loader: LRU eviction by count and by bytes that never drops an adapter with
 requests running or waiting, versions that never share rows, reads started
 while requests wait, read errors that reach exactly the waiters of their
 adapter, and an engine that keeps decoding while the reader is busy
-(mola/lora/host_tier.py, mola/lora/registry.py)."""
+(mola/registry/host_tier.py, mola/registry/registry.py)."""
 
 from __future__ import annotations
 
@@ -19,13 +19,13 @@ from mola.engine.engine import Engine, EngineConfig
 from mola.models.loader import load_base_model
 from mola.engine.sequence import SamplingParams, Sequence
 from mola.errors import InvalidAdapter
-from mola.lora.formats import read_adapter
-from mola.lora.host_tier import HostTier
-from mola.lora.loader import AdapterLoader
-from mola.lora.recipe import Recipe
-from mola.lora.records import AdapterState
-from mola.lora.registry import AdapterRegistry
-from mola.synthetic.adapter import make_random_adapter
+from mola.adapters.formats import read_adapter
+from mola.registry.host_tier import HostTier
+from mola.adapters.loader import AdapterLoader
+from mola.adapters.recipe import SlotRecipe
+from mola.registry.records import AdapterState
+from mola.registry.registry import AdapterRegistry
+from mola.testing.adapter import make_random_adapter
 
 S = AdapterState
 
@@ -128,7 +128,7 @@ def test_a_cached_adapter_loads_with_no_read(engine, pool):
 
 def test_byte_limit(engine, pool):
     async def scenario(registry, loader):
-        one = (await loader.prepare(Recipe.single(str(pool[5])))).host_bytes
+        one = (await loader.prepare(SlotRecipe.single(str(pool[5])))).host_bytes
         registry.tier.max_bytes = int(one * 2.5)  # room for two
         recs = register_all(registry, pool[:4])
         for r in recs:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from mola.lora.formats import read_adapter
+from mola.adapters.formats import read_adapter
 
 from helpers import EngineRunner, greedy_tokens, merged_model
 

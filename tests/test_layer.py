@@ -6,7 +6,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from mola.lora.layer import LoRARouting, MultiLoRALinear
+from mola.lora.layer import MultiLoRALinear
+from mola.lora.routing import LoRARouting
 
 IN, OUT = 64, 48
 

@@ -1,6 +1,6 @@
 """AdapterLoader over the real engine's slot port: read and checked on the
 reader thread, rows prepared there, only the copy on the engine thread
-(mola/lora/loader.py, the SlotPort of mola/engine/client.py)."""
+(mola/adapters/loader.py, the SlotPort of mola/engine/client.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import numpy as np
 from mola.engine.client import AsyncEngine
 from mola.engine.engine import Engine, EngineConfig
 from mola.models.loader import load_base_model
-from mola.lora.formats import read_adapter
-from mola.lora.loader import AdapterLoader
-from mola.lora.recipe import Recipe
+from mola.adapters.formats import read_adapter
+from mola.adapters.loader import AdapterLoader
+from mola.adapters.recipe import SlotRecipe
 
 
 def test_place_and_remove_through_the_engine_port(tiny_model, adapters):
@@ -23,10 +23,10 @@ def test_place_and_remove_through_the_engine_port(tiny_model, adapters):
     async def main():
         loader = AdapterLoader(AsyncEngine(engine), loaded.config)
         try:
-            recipe = Recipe.single(str(adapters["b"]), scale=0.5)
+            recipe = SlotRecipe.single(str(adapters["b"]), slot_scale=0.5)
             prepared = await loader.prepare(recipe)
             assert (prepared.rank, prepared.format) == (8, "mlx-lm")
-            await loader.write(2, prepared.rows, recipe)
+            await loader.port.write_slot(2, prepared.rows, recipe)
             layers = await AsyncEngine(engine).call(lambda: {  # copied out on the engine thread
                 p: tuple(np.array(f) for f in l.factors(2))
                 for p, l in engine.packs.layers.items() if 2 in l.active_slots})
@@ -36,7 +36,7 @@ def test_place_and_remove_through_the_engine_port(tiny_model, adapters):
                 m = plain.modules[path]
                 assert np.array_equal(a, np.array(m.a))
                 assert np.allclose(b, 0.5 * m.scale * np.array(m.b), atol=1e-6)  # the recipe's scale folded into B
-            await loader.remove(2)
+            await loader.port.clear_slot(2)
             assert await AsyncEngine(engine).call(
                 lambda: not any(l.active_slots for l in engine.packs.layers.values()))
         finally:

@@ -28,12 +28,12 @@ from mola.server.anthropic.events import MessageBuilder, usage
 from mola.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from mola.server.generation import Delta
 from mola.server.routes.messages import _complete, _stream
-from mola.synthetic import demo_data
+from mola.demo import echo_data
 
 from helpers import start_server, typed_events
 
 API = "sk-mola-test-key"
-TASKS = {"mola-demo": lambda m: m, **{name: demo_data.TASKS[r.task] for name, r in demo.RECIPES.items()}}
+TASKS = {"mola-demo": lambda m: m, **{name: echo_data.TASKS[r.task] for name, r in demo.RECIPES.items()}}
 HELLO = "hello world, how are you?"
 TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TOOLS = [{"name": "get_weather", "description": "Get the current weather in a city",

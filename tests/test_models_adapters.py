@@ -12,9 +12,9 @@ import pytest
 from helpers import EngineRunner, start_server
 from mola.config import AdapterSpec
 from mola.errors import InvalidAdapter
-from mola.synthetic.adapter import linear_shapes, random_lora, save_mlx_lm_adapter
-from mola.synthetic.gguf import save_gguf_adapter
-from mola.synthetic.peft import save_peft_adapter
+from mola.testing.adapter import linear_shapes, random_lora, save_mlx_lm_adapter
+from mola.adapters.formats.gguf_writer import save_gguf_adapter
+from mola.testing.peft import save_peft_adapter
 
 KEYS = tuple(linear_shapes({"hidden_size": 1, "intermediate_size": 1, "num_attention_heads": 1}))
 LAYERS = 6  # the last six blocks, every linear of them

@@ -12,12 +12,12 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, quants
 
 from mola.errors import ModelLoadError
-from mola.lora.formats.gguf import hf_row_order
+from mola.adapters.formats.gguf_names import hf_row_order
 from mola.models.codecs import BFloat16, Quantized, read_tensor
 from mola.models.gguf import hf_name
 from mola.models.loader import load_base_model
-from mola.synthetic.gguf_model import random_blocks, save_gguf_model
-from mola.synthetic.model import TinyModelSpec, make_tiny_model
+from mola.testing.gguf_model import random_blocks, save_gguf_model
+from mola.testing.model import TinyModelSpec, make_tiny_model
 
 KEPT = ["Q4_0", "Q4_1", "Q8_0"]
 DEQUANTIZED = ["F16", "BF16", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ1_S", "IQ1_M",

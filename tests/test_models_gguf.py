@@ -15,10 +15,10 @@ from mola.errors import ModelLoadError
 from mola.models.loader import load_base_model, resolve_model_path
 from mola.server.app import base_model_id
 from mola.config import ServeConfig
-from mola.synthetic.adapter import random_lora
-from mola.synthetic.gguf import save_gguf_adapter
-from mola.synthetic.gguf_model import save_gguf_model
-from mola.synthetic.model import TinyModelSpec, make_tiny_model
+from mola.testing.adapter import random_lora
+from mola.adapters.formats.gguf_writer import save_gguf_adapter
+from mola.testing.gguf_model import save_gguf_model
+from mola.testing.model import TinyModelSpec, make_tiny_model
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 

@@ -16,8 +16,8 @@ from gguf import GGUFReader, GGUFValueType, quants
 
 from mola.errors import ModelLoadError
 from mola.models.loader import load_base_model
-from mola.synthetic.gguf_model import save_gguf_model
-from mola.synthetic.model import TinyModelSpec, make_tiny_model
+from mola.testing.gguf_model import save_gguf_model
+from mola.testing.model import TinyModelSpec, make_tiny_model
 
 TOKENS = mx.array([[1, 17, 300, 45, 2, 99, 7, 256, 12, 5, 64]])
 MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss")

@@ -11,8 +11,8 @@ import math
 import pytest
 
 from helpers import EngineRunner, merged_model, reference_decode
-from mola.synthetic.adapter import make_mlx_lm_lora
-from mola.synthetic.model import TinyModelSpec, make_tiny_model
+from mola.testing.adapter import make_mlx_lm_lora
+from mola.testing.model import TinyModelSpec, make_tiny_model
 
 MAX_TOKENS = 10
 TOP = 5
@@ -118,8 +118,8 @@ def test_peft_twins_of_an_expert_adapter_serve_its_answers_in_one_batch(tmp_path
     """PEFT's per-expert linears (transformers 4) and fused target_parameters
     (transformers 5, gpt-oss), written from an mlx-lm adapter, give its tokens
     and log-probabilities, all three in one mixed batch."""
-    from mola.lora.formats import read_adapter
-    from mola.synthetic.peft import save_peft_expert_params_adapter, save_peft_per_expert_adapter
+    from mola.adapters.formats import read_adapter
+    from mola.testing.peft import save_peft_expert_params_adapter, save_peft_per_expert_adapter
 
     model, adapters = build(tmp_path, model_type)
     source = read_adapter(adapters["full"])
@@ -149,9 +149,9 @@ def test_gguf_moe_base_with_gguf_expert_lora_equals_merged_weights(tmp_path, mod
     the LoRA merged."""
     import json
 
-    from mola.lora.formats import read_adapter
-    from mola.lora.formats.gguf_writer import save_gguf_adapter
-    from mola.synthetic.gguf_model import save_gguf_model
+    from mola.adapters.formats import read_adapter
+    from mola.adapters.formats.gguf_writer import save_gguf_adapter
+    from mola.testing.gguf_model import save_gguf_model
 
     model, adapters = build(tmp_path, model_type)
     config = json.loads((model / "config.json").read_text())

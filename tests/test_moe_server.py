@@ -17,8 +17,8 @@ from mola.engine.config import EngineConfig
 from mola.engine.engine import Engine
 from mola.errors import SlotsDoNotFit
 from mola.models.loader import load_base_model
-from mola.synthetic.adapter import make_mlx_lm_lora
-from mola.synthetic.model import TinyModelSpec, make_tiny_model
+from mola.testing.adapter import make_mlx_lm_lora
+from mola.testing.model import TinyModelSpec, make_tiny_model
 
 QUESTION = "hello there, how are you?"
 MAX_TOKENS = 8
@@ -91,6 +91,9 @@ def test_expert_adapters_take_turns_in_one_expert_slot_and_stay_exact(server, cl
     # 2 layers x 3 projections x 8 experts x rank 8 x (in + out = 64 + 32) x 4 bytes (float32):
     # E times what the same LoRA on one dense projection of each would weigh.
     assert listed["experts"]["expert_nbytes"] == 2 * 3 * 8 * 8 * 96 * 4
+    # what each adapts, as written in its files (the block index left out)
+    assert listed["experts"]["targets"] == sorted(EXPERT_KEYS)
+    assert listed["attn"]["targets"] == ["self_attn.q_proj"]
     metrics = client.get("/metrics").text
     assert f'mola_adapter_bytes{{adapter="experts",kind="experts"}} {float(listed["experts"]["nbytes"])}' in metrics
     assert "mola_expert_adapter_slots 1.0" in metrics

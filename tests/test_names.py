@@ -1,4 +1,4 @@
-"""The adapter id grammar (mola/lora/names.py), enforced on every way a name
+"""The adapter id grammar (mola/registry/names.py), enforced on every way a name
 is made: REST, vLLM's route, --adapter, the config file, mola train --name;
 names with '/' through the URL routes, raw and %2F-encoded; the base
 model's name."""
@@ -9,9 +9,10 @@ import httpx
 import pytest
 
 from mola.cli import build_parser, config_from_args
-from mola.config import AdapterSpec, load_config_file
+from mola.cli.config_file import load_config_file
+from mola.config import AdapterSpec
 from mola.errors import InvalidAdapterName
-from mola.lora.names import check_adapter_id, is_entry_name
+from mola.registry.names import check_adapter_id, is_entry_name
 from mola.train import TrainConfig
 
 from helpers import start_server, validate_schema

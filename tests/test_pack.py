@@ -6,10 +6,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm import load
 
-from mola.lora.formats import read_adapter
+from mola.adapters.formats import read_adapter
 from mola.lora.layer import MultiLoRALinear
 from mola.lora.pack import AdapterPacks
-from mola.lora.weights import validate
+from mola.adapters.weights import validate
 
 
 def test_install_wraps_every_block_linear(tiny_model):
@@ -52,7 +52,7 @@ def test_write_zero_pads_and_leaves_untargeted_layers_zero(tiny_model, adapters)
         assert mx.allclose(b, m.scale * m.b).item()
         assert mx.all(layer.lora_a[2, 8:] == 0).item()  # the rank is zero-padded
         assert mx.all(layer.lora_b[2, 8:] == 0).item()
-        assert layer.lora_scale[2].item() == m.scale
+        assert layer.folded_scale[2].item() == m.scale
     packs.empty(2)
     assert all(mx.all(l.lora_a == 0).item() and not l.active_slots for l in packs.layers.values())
 

@@ -1,7 +1,7 @@
 """The prompt cache through the server: usage.prompt_tokens_details.cached_tokens
 (OpenAI's schemas), what /v1/adapters and /metrics report, and the adapter
 identities of the registry -- unloads, reloads under the same name, changed
-compositions -- never served another identity's KV state (outputs against
+stacks -- never served another identity's KV state (outputs against
 plain mlx-lm on merged weights)."""
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def test_adapters_and_metrics_report_the_cache(server, client):
     chat(client, messages("Which river is the longest?"))
     chat(client, messages("Which river is the longest?"))
     stats = cache_stats(client)
-    assert stats["enabled"] and stats["max_bytes"] == server.config.prompt_cache_bytes
+    assert stats["enabled"] and stats["max_bytes"] == server.config.engine.prompt_cache_bytes
     assert 0 < stats["bytes"] <= stats["max_bytes"] and stats["entries"] >= 1
     assert stats["hits"] >= 1 and stats["misses"] >= 1 and stats["cached_tokens"] >= stats["hits"]
     text = client.get("/metrics").text
@@ -128,7 +128,7 @@ def test_unloaded_then_reloaded_adapter_gets_no_stale_prefix(server, client, tin
     client.delete("/v1/adapters/swap")
 
 
-def test_changed_composition_gets_no_stale_prefix(server, client, tiny_model, adapters):
+def test_changed_stack_gets_no_stale_prefix(server, client, tiny_model, adapters):
     msgs = messages("Do rivers ever flow uphill?")
     first = chat(client, msgs, adapters=[{"name": "a"}, {"name": "b", "scale": 0.5}])
     assert cached(chat(client, msgs, adapters=[{"name": "b", "scale": 0.5}, {"name": "a"}])) > 0  # same sum

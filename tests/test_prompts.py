@@ -15,7 +15,7 @@ from mlx_lm import load
 from mola.errors import ContextLengthExceeded
 from mola.server.metrics import rss_bytes
 from mola.server.prompts import LONG_PROMPT_CHARS, PROBE_CHARS_PER_TOKEN, encode_within, max_token_chars
-from mola.synthetic.model import CORPUS
+from mola.demo.tokenizer import CORPUS
 
 from helpers import start_server
 

@@ -1,5 +1,5 @@
 """Reading and checking adapters from a recipe, the one way rank 0 and the
-other ranks of a group do it (mola/lora/recipe.py)."""
+other ranks of a group do it (mola/adapters/recipe.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 from mlx_lm import load
 
 from mola.errors import AdapterRankTooHigh, InvalidAdapter
-from mola.lora.formats import read_adapter
+from mola.adapters.formats import read_adapter
 from mola.lora.pack import AdapterPacks
-from mola.lora.recipe import Recipe, read_checked, read_recipe
+from mola.adapters.recipe import SlotRecipe, read_checked, read_recipe
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def geometry(tiny_model):
 
 
 def test_a_single_recipe_is_the_adapter_as_read(adapters, geometry, tiny_model):
-    weights = read_recipe(Recipe.single(str(adapters["b"]), scale=0.5), geometry, None)
+    weights = read_recipe(SlotRecipe.single(str(adapters["b"]), slot_scale=0.5), geometry, None)
     plain = read_adapter(adapters["b"])
     assert set(weights.modules) == set(plain.modules)
     for path, m in weights.modules.items():
@@ -28,7 +28,7 @@ def test_a_single_recipe_is_the_adapter_as_read(adapters, geometry, tiny_model):
 
 
 def test_a_stacked_recipe_is_the_sum_of_its_parts(adapters, geometry):
-    recipe = Recipe(((str(adapters["a"]), 0.5), (str(adapters["b"]), 2.0)))
+    recipe = SlotRecipe(((str(adapters["a"]), 0.5), (str(adapters["b"]), 2.0)))
     stacked = read_recipe(recipe, geometry, None)
     a, b = read_adapter(adapters["a"]), read_adapter(adapters["b"])
     for path, m in stacked.modules.items():
@@ -46,4 +46,4 @@ def test_checks_name_the_problem(adapters, geometry, tmp_path):
     with pytest.raises(InvalidAdapter, match="above the server's --max-lora-rank 4"):
         read_checked(str(adapters["b"]), small, None)
     with pytest.raises(AdapterRankTooHigh, match="4 \\+ 16 = 20"):
-        read_recipe(Recipe(((str(adapters["a"]), 1.0), (str(adapters["c"]), 1.0))), geometry, None)
+        read_recipe(SlotRecipe(((str(adapters["a"]), 1.0), (str(adapters["c"]), 1.0))), geometry, None)

@@ -1,6 +1,6 @@
 """An adapter record's lifecycle: the one table of transitions, every allowed
 and every refused move, and the registry driving records through them on a
-real engine (mola/lora/records.py, mola/lora/registry.py)."""
+real engine (mola/registry/records.py, mola/registry/registry.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from mola.engine.client import AsyncEngine
 from mola.engine.engine import Engine, EngineConfig
 from mola.models.loader import load_base_model
 from mola.errors import InvalidAdapter, ModelNotFound
-from mola.lora.loader import AdapterLoader
-from mola.lora.records import TRANSITIONS, AdapterRecord, AdapterState, InvalidTransition
-from mola.lora.registry import AdapterRegistry
+from mola.adapters.loader import AdapterLoader
+from mola.registry.records import TRANSITIONS, AdapterRecord, AdapterState, InvalidTransition
+from mola.registry.registry import AdapterRegistry
 
 S = AdapterState
 ALLOWED = {
@@ -27,8 +27,11 @@ ALLOWED = {
 }
 
 
+UIDS = itertools.count(1)  # records' uids, as a registry's counter gives them
+
+
 def record_in(state: AdapterState) -> AdapterRecord:
-    r = AdapterRecord(name="x", path="/x", source="rest", version=1)
+    r = AdapterRecord(name="x", path="/x", source="rest", version=1, uid=next(UIDS))
     r.state = state  # set directly: the table under test is what move_to checks
     return r
 

@@ -1,6 +1,6 @@
 """Residency, just-in-time loads, LRU eviction, draining unloads, versions,
 adapter sources and vLLM's endpoints, through a real server on 127.0.0.1
-(mola/lora/registry.py, mola/lora/sources.py, mola/server/routes/)."""
+(mola/registry/registry.py, mola/registry/sources.py, mola/server/routes/)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import mlx.core as mx
 import pytest
 
 from mola.config import AdapterSpec
-from mola.synthetic.adapter import make_random_adapter
+from mola.testing.adapter import make_random_adapter
 
 from helpers import greedy_tokens, merged_model, runner_stats, start_server
 

@@ -1,10 +1,12 @@
-"""Adapters named by path in a request's ``adapters`` (mola/lora/paths.py,
+"""Adapters named by path in a request's ``adapters`` (mola/registry/paths.py,
 sources.resolve_request_path, registry._by_path): the path policy before any
 file is opened, one cached record per resolved path and content version,
 stacks with named adapters; outputs checked against plain mlx-lm on merged
 weights."""
 
 from __future__ import annotations
+
+import itertools
 
 import os
 import shutil
@@ -14,12 +16,15 @@ import pytest
 
 from mola.config import AdapterSpec
 from mola.errors import AdapterPathNotAllowed, AdapterPathNotFound
-from mola.lora.sources import AdapterSources, content_version
+from mola.registry.sources import AdapterSources, content_version
 
 from helpers import merged_answer, start_server
 
 QUESTION = "Where do rivers go?"
 MAX_TOKENS = 10
+
+
+UIDS = itertools.count(1)  # records' uids, as a registry's counter gives them
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +141,8 @@ def test_a_stack_of_a_named_adapter_and_a_path(live, client, tiny_model, adapter
     model, text = answer(client, "a", lora_scale=0.7, adapters=[{"path": path, "scale": 0.5}])
     assert text == want and model == f"a+path:{path}"
     assert answer(client, adapters=[{"name": "a", "scale": 0.7}, {"path": path, "scale": 0.5}])[1] == want
-    comps = client.get("/v1/adapters").json()["compositions"]
-    assert any({p["name"] for p in c["composition"]} == {"a", f"path:{(tree['allowed'] / 'b').resolve()}"}
+    comps = client.get("/v1/adapters").json()["stacks"]
+    assert any({p["name"] for p in c["parts"]} == {"a", f"path:{(tree['allowed'] / 'b').resolve()}"}
                for c in comps)
     r = post(client, adapters=[{"path": path}, {"path": str(tree["allowed"] / "." / "b")}])
     assert r.status_code == 400 and "more than once" in r.json()["error"]["message"]
@@ -163,10 +168,10 @@ def test_streamed_chunks_name_it(client, tree):
 def test_path_records_are_bounded():
     """Beyond max_records, known (not resident, not awaited) path records go,
     least recently used first, never the one just asked for."""
-    from mola.lora.paths import PathAdapters
-    from mola.lora.records import AdapterState
+    from mola.registry.paths import PathAdapters
+    from mola.registry.records import AdapterState
 
-    paths = PathAdapters(max_records=2)
+    paths = PathAdapters(UIDS, max_records=2)
     first, _ = paths.get_or_make("/a", (("x", 1, 1, 1),))
     second, _ = paths.get_or_make("/b", (("x", 1, 1, 2),))
     first.last_used, second.last_used = 2.0, 1.0

@@ -1,4 +1,4 @@
-"""Resolvers for unknown model ids (mola/lora/resolvers.py, --adapter-resolver):
+"""Resolvers for unknown model ids (mola/registry/resolvers.py, --adapter-resolver):
 dir:PATH against a real directory, hf:ORG/* and hf:REPO,... against a local
 hub cache laid out as a download leaves it, with HF_HUB_OFFLINE=1; a found
 adapter is served (its output checked against plain mlx-lm on merged weights)
@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from mola.cli import build_parser, config_from_args
-from mola.config import load_config_file
-from mola.lora.resolvers import ResolverSpec, parse_resolver
+from mola.cli.config_file import load_config_file
+from mola.registry.resolvers import ResolverSpec, parse_resolver
 
 from helpers import merged_answer, start_server
 

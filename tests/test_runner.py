@@ -69,7 +69,7 @@ def test_chunked_prefill_matches_reference(tiny_model, adapters, references):
 def test_quantized_base_matches_mlx_lm_lora(quantized_model, tmp_path):
     """A 4-bit base: mola's slots against mlx-lm's own LoRALinear on the
     same QuantizedLinear layers."""
-    from mola.synthetic.adapter import make_random_adapter
+    from mola.testing.adapter import make_random_adapter
 
     adapter = make_random_adapter(tmp_path / "qa", quantized_model, rank=8,
                                   keys=("self_attn.q_proj", "mlp.up_proj"), seed=5)

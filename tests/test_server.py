@@ -409,9 +409,9 @@ def test_peft_and_gguf_twins_load_over_rest(client, adapters, tmp_path, expected
     llama.cpp stores them) answers exactly like its mlx-lm original."""
     import json as _json
 
-    from mola.lora.formats import read_adapter
-    from mola.synthetic.gguf import save_gguf_adapter
-    from mola.synthetic.peft import save_peft_adapter
+    from mola.adapters.formats import read_adapter
+    from mola.adapters.formats.gguf_writer import save_gguf_adapter
+    from mola.testing.peft import save_peft_adapter
 
     weights = read_adapter(adapters["c"])
     config = _json.loads((tiny_model / "config.json").read_text())

@@ -1,15 +1,20 @@
 """The slot allocator: free slots first, then the least recently used idle
 resident; busy, reserved and out-of-use slots are never handed out
-(mola/lora/slots.py)."""
+(mola/registry/slots.py)."""
 
 from __future__ import annotations
 
-from mola.lora.records import AdapterRecord, AdapterState
-from mola.lora.slots import SlotTable, SlotUse
+import itertools
+
+from mola.registry.records import AdapterRecord, AdapterState
+from mola.registry.slots import SlotTable, SlotUse
+
+
+UIDS = itertools.count(1)  # records' uids, as a registry's counter gives them
 
 
 def resident(name: str, slot: int, last_used: float, in_flight: int = 0) -> AdapterRecord:
-    r = AdapterRecord(name=name, path=f"/{name}", source="rest", version=1)
+    r = AdapterRecord(name=name, path=f"/{name}", source="rest", version=1, uid=next(UIDS))
     r.state, r.slot, r.last_used, r.in_flight = AdapterState.RESIDENT, slot, last_used, in_flight
     return r
 

@@ -1,10 +1,11 @@
-"""Where adapters may come from (mola/lora/sources.py): one policy for every
+"""Where adapters may come from (mola/registry/sources.py): one policy for every
 way an adapter is reached (REST, vLLM's route, an --adapter-dir entry by
 name, the config file, --adapter), each tried with a symlink that escapes the
 adapter directory and one that stays inside it."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 
@@ -12,9 +13,9 @@ import httpx
 import pytest
 
 from mola.cli import build_parser, config_from_args
-from mola.config import FIELDS, load_config_file
+from mola.cli.config_file import load_config_file
 from mola.errors import AdapterPathNotAllowed, AdapterPathNotFound
-from mola.lora.sources import AdapterSources
+from mola.registry.sources import AdapterSources
 
 from helpers import start_server
 
@@ -193,8 +194,8 @@ def test_adapter_flags(tiny_model, tree):
             "--adapter", f"cli-in={allowed / 'inner'}", "--adapter", f"cli-evil={allowed / 'evil'}"]
     config = config_from_args(build_parser().parse_args(args))
     assert config.allow_adapter_symlinks
-    handle = serve(**{f: getattr(config, f) for f in FIELDS
-                      if f not in ("host", "port", "log_level", "served_model_name", "max_loras", "max_lora_rank")})
+    handle = serve(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                      if f.name not in ("host", "port", "log_level", "served_model_name", "engine")})
     try:
         c = httpx.Client(base_url=handle.url, timeout=60)
         assert answer(c, "cli-in")[0] == 200 and answer(c, "cli-in") == answer(c, "inner")

@@ -4,14 +4,17 @@ scheduler's plans."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 
 from mola.engine.config import SpeculativeConfig
 from mola.engine.scheduler import Scheduler
-from mola.engine.sequence import SamplingParams, Sequence
-from mola.engine.speculative import FIRST_LENGTH, MAX_PAUSE, NgramIndex, Speculator
+from mola.engine.sequence import FinishReason, SamplingParams, Sequence
+from mola.engine.speculative import FIRST_LENGTH, MAX_PAUSE, NgramIndex, Proposal, Speculator
+
+_ids = itertools.count()  # the engine numbers sequences (Engine.add); these tests number their own
 
 
 def naive_draft(tokens: list[int], sizes, k: int, skip: int) -> list[int]:
@@ -65,7 +68,7 @@ def test_a_copy_is_drafted_from_the_prompt_and_a_loop_continues():
 
 
 def seq(prompt, max_tokens=100, **kw) -> Sequence:
-    return Sequence(prompt=list(prompt), params=SamplingParams(max_tokens=max_tokens, **kw))
+    return Sequence(prompt=list(prompt), params=SamplingParams(max_tokens=max_tokens, **kw), seq_id=next(_ids))
 
 
 COPY = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]  # its suffix 1 2 3 drafts 4 5 6 ...
@@ -148,16 +151,16 @@ def test_the_scheduler_plans_drafts_and_knows_which_tokens_are_in_flight():
     s.add(q)
     s.add(other)
     plan = s.schedule()
-    assert plan.decode == [q, other] and plan.num_draft == [4, 0] and plan.draft_tokens == [[4, 5, 6, 7], []]
+    assert plan.decode == [q, other] and plan.proposal == Proposal([4, 0], [[4, 5, 6, 7], []])
     q.output += [4, 5, 6, 7, 8]  # the speculative step's tokens
     other.output += [11]
     s.speculator.state(q).paused = 1
     plan = s.schedule()
-    assert plan.num_draft is None  # no row drafts: a plain step, left in flight
+    assert plan.proposal is None  # no row drafts: a plain step, left in flight
     plan = s.schedule()
     # 1 2 3 4 5 6 7 8 | in flight | ...: "7 8" was followed by 9, the guess
     # for the token in flight; the draft goes on after it
-    assert plan.num_draft[0] > 0 and plan.draft_tokens[0][:3] == [1, 2, 3]
+    assert plan.proposal.num_draft[0] > 0 and plan.proposal.tokens[0][:3] == [1, 2, 3]
 
 
 def test_unfed_tokens_are_not_stored_in_the_prompt_cache():
@@ -170,9 +173,9 @@ def test_unfed_tokens_are_not_stored_in_the_prompt_cache():
     s.add(q)
     s.schedule()
     q.output, q.num_unfed_tokens = [4, 5, 6], 1
-    q.finish("length")
+    q.finish(FinishReason.LENGTH)
     plan = s.schedule()
-    assert [(row, n) for row, _, n in plan.store_rows] == [(0, len(COPY) + 2)]
+    assert [(row, n) for row, _, n in plan.cache.store_rows] == [(0, len(COPY) + 2)]
 
 
 def test_drafts_not_verified_still_teach_the_acceptance_rate():

@@ -13,7 +13,7 @@ import pytest
 
 from mola.engine.config import SpeculativeConfig
 from mola.models.loader import ModelLoadError, load_base_model, load_draft_model
-from mola.synthetic.model import TinyModelSpec, make_tiny_model
+from mola.testing.model import TinyModelSpec, make_tiny_model
 
 from helpers import EngineRunner as Runner
 from helpers import greedy_tokens, merged_model, runner_stats

@@ -1,14 +1,20 @@
 """Stacks of adapters keyed by their parts' names, versions and scales
-(mola/lora/stacks.py)."""
+(mola/registry/stacks.py)."""
 
 from __future__ import annotations
 
-from mola.lora.records import AdapterRecord
-from mola.lora.stacks import Stacks, stack_key
+import itertools
+
+from mola.registry.records import AdapterRecord
+from mola.registry.stacks import Stacks, stack_key
 
 
-def rec(name: str, version: int = 1, scale: float = 1.0) -> AdapterRecord:
-    return AdapterRecord(name=name, path=f"/{name}", source="rest", version=version, scale=scale)
+UIDS = itertools.count(1)  # records' uids, as a registry's counter gives them
+
+
+def rec(name: str, version: int = 1, slot_scale: float = 1.0) -> AdapterRecord:
+    return AdapterRecord(name=name, path=f"/{name}", source="rest", version=version, uid=next(UIDS),
+                         slot_scale=slot_scale)
 
 
 def test_the_key_is_order_free_and_names_versions_and_scales():
@@ -18,11 +24,11 @@ def test_the_key_is_order_free_and_names_versions_and_scales():
 
 
 def test_a_stack_is_made_once_and_dropped_with_its_parts():
-    stacks = Stacks()
-    a, b, c = rec("a", scale=2.0), rec("b"), rec("c")
+    stacks = Stacks(UIDS)
+    a, b, c = rec("a", slot_scale=2.0), rec("b"), rec("c")
     ab = stacks.get_or_make([(a, 0.5), (b, 1.0)])
     assert stacks.get_or_make([(b, 1.0), (a, 0.5)]) is ab
-    assert ab.parts == (("/a", 1.0), ("/b", 1.0))  # the adapter's default scale times the request's
+    assert ab.parts == (("/a", 1.0), ("/b", 1.0))  # the slot_scale times the request's
     bc = stacks.get_or_make([(b, 1.0), (c, 1.0)])
     assert stacks.using(a) == [ab] and set(stacks.using(b)) == {ab, bc}
     stacks.drop(ab)

@@ -57,8 +57,8 @@ def test_a_step_slowed_by_other_work_counts_as_clip_times_at_most():
 
 def rows(n: int, rate: float, spec: Speculator) -> list[Sequence]:
     out = []
-    for _ in range(n):
-        s = Sequence(prompt=[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], params=SamplingParams(max_tokens=100))
+    for i in range(n):
+        s = Sequence(prompt=[1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], params=SamplingParams(max_tokens=100), seq_id=i)
         spec.state(s).rate = rate
         out.append(s)
     return out

@@ -298,7 +298,7 @@ def test_train_on_a_mixture_of_experts_trains_the_experts(banana_data, tmp_path)
     mola serves the result as mlx-lm's own LoRASwitchLinear computes it."""
     from mlx_lm import load
 
-    from mola.synthetic.model import TinyModelSpec, make_tiny_model
+    from mola.testing.model import TinyModelSpec, make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "moe", TinyModelSpec(model_type="qwen3_moe"))
     out = tmp_path / "moe-adapter"

@@ -1,5 +1,5 @@
 """`mola train` on a quantized base as it is, and to a llama.cpp GGUF LoRA
-(mola/train/export.py, mola/lora/formats/gguf_writer.py): the base's linears
+(mola/train/export.py, mola/adapters/formats/gguf_writer.py): the base's linears
 stay QuantizedLinear and no full-precision copy of it is ever made (MLX's peak
 memory), and the GGUF file served by mola gives the same greedy outputs as the
 mlx-lm directory written from the same weights."""
@@ -12,10 +12,11 @@ import httpx
 import pytest
 
 from mola.config import AdapterSpec
-from mola.lora.formats import read_adapter
-from mola.lora.formats.gguf_writer import OUTTYPES
-from mola.synthetic.adapter import linear_shapes, read_model_config
-from mola.synthetic.model import TinyModelSpec, make_tiny_model
+from mola.adapters.formats import read_adapter
+from mola.adapters.formats.gguf_writer import OUTTYPES
+from mola.models.metadata import read_model_config
+from mola.testing.adapter import linear_shapes
+from mola.testing.model import TinyModelSpec, make_tiny_model
 from mola.train import GGUF_OUTTYPES, OutputPathError, TrainConfig, TrainError, train_adapter
 
 from helpers import start_server
@@ -74,7 +75,7 @@ def test_both_outputs_hold_the_same_weights(trained, quantized_model):
         t = twin.modules[path]
         assert t.rank == m.rank and abs(t.scale - m.scale) < 1e-6
         assert (abs(t.a - m.a).max().item(), abs(t.b - m.b).max().item()) == (0.0, 0.0), path
-    from mola.lora.formats.gguf import read_metadata
+    from mola.adapters.formats.gguf import read_metadata
 
     fields, types = read_metadata(gguf)
     assert fields["general.architecture"] == "llama" and fields["adapter.lora.alpha"] == 2.0 * 8
@@ -135,7 +136,7 @@ def test_what_llama_cpp_cannot_name_is_refused():
 @pytest.fixture(scope="module")
 def tiny_q4_gguf(tiny_model, tmp_path_factory):
     """The tiny model's llama.cpp twin with Q4_1 matrices (kept quantized by mola)."""
-    from mola.synthetic.gguf_model import save_gguf_model
+    from mola.testing.gguf_model import save_gguf_model
 
     return save_gguf_model(tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf", tiny_model, codec="Q4_1")
 

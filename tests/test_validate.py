@@ -16,12 +16,13 @@ import mlx.core as mx
 import pytest
 
 from mola.models.loader import load_base_model
-from mola.lora.formats import read_adapter
+from mola.adapters.formats import read_adapter
 from mola.lora.pack import AdapterPacks, geometry_of
-from mola.synthetic.adapter import make_random_adapter, read_model_config
-from mola.lora.formats.gguf_writer import save_gguf_adapter
-from mola.synthetic.model import TinyModelSpec, make_tiny_model
-from mola.synthetic.peft import save_peft_adapter
+from mola.models.metadata import read_model_config
+from mola.testing.adapter import make_random_adapter
+from mola.adapters.formats.gguf_writer import save_gguf_adapter
+from mola.testing.model import TinyModelSpec, make_tiny_model
+from mola.testing.peft import save_peft_adapter
 from mola.validate import describe, model_shape, validate
 
 from conftest import ADAPTER_SPECS
@@ -145,7 +146,7 @@ def test_the_base_weights_are_never_read(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_gguf(tiny_model, tmp_path_factory):
-    from mola.synthetic.gguf_model import save_gguf_model
+    from mola.testing.gguf_model import save_gguf_model
 
     return save_gguf_model(tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf", tiny_model, codec="Q4_1")
 
@@ -181,8 +182,8 @@ def test_against_the_real_model(smollm_gguf, adapters, tmp_path):
     LoRA, q/k rows in llama.cpp's order), one of the tiny model's would not;
     its 98 MB of weights are not read. (validate() runs exactly these steps.)"""
     from mola.errors import InvalidAdapter
-    from mola.lora.recipe import read_checked
-    from mola.lora.weights import LoRAWeights, ModuleLoRA
+    from mola.adapters.recipe import read_checked
+    from mola.adapters.weights import LoRAWeights, ModuleLoRA
 
     mx.eval(mx.zeros(1))
     before = mx.get_active_memory()
@@ -202,7 +203,7 @@ def test_against_the_real_model(smollm_gguf, adapters, tmp_path):
 
 
 def test_moe_adapters_report_their_experts_and_expert_rank(tmp_path):
-    from mola.synthetic.adapter import make_mlx_lm_lora
+    from mola.testing.adapter import make_mlx_lm_lora
 
     model = make_tiny_model(tmp_path / "moe", TinyModelSpec(model_type="qwen3_moe", num_experts=4))
     adapter = make_mlx_lm_lora(tmp_path / "ad", model, rank=4, seed=1)

@@ -12,7 +12,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 from mola.engine import verify
-from mola.engine.runner import merge_caches
+from mola.engine.caches import merge_caches
 from mola.engine.sampling import make_keys, sample
 from mola.engine.sequence import SamplingParams, Sequence
 

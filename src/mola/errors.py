@@ -38,7 +38,7 @@ class ModelNotFound(MolaError):
 
 
 class InvalidAdapterName(InvalidRequest):
-    """A name given to an adapter breaks the adapter id grammar (mola/lora/names.py)."""
+    """A name given to an adapter breaks the adapter id grammar (mola/registry/names.py)."""
 class ResponseNotFound(MolaError):
     """A ``previous_response_id`` (or GET /v1/responses/{id}) names no stored
     response: unknown, stored with ``store: false``, or evicted."""
@@ -69,7 +69,7 @@ class AdapterPathNotFound(MolaError):
 
 class AdapterPathNotAllowed(MolaError):
     """The adapter path lies outside the directories adapters may come from
-    (mola/lora/sources.py)."""
+    (mola/registry/sources.py)."""
 
 
 class InvalidAdapter(MolaError):
@@ -79,7 +79,7 @@ class InvalidAdapter(MolaError):
 
 
 class AdapterRankTooHigh(InvalidAdapter):
-    """An adapter (or a composition of adapters) exceeds --max-lora-rank."""
+    """An adapter (or a stack of adapters) exceeds --max-lora-rank."""
 
 
 class ContextLengthExceeded(InvalidRequest):
@@ -116,3 +116,7 @@ class DataError(TrainError):
 
 class OutputPathError(TrainError):
     """The output path cannot take the adapter."""
+
+
+class DistillError(TrainError):
+    """`mola distill` cannot go on: no prompts, a prompt too long, a teacher that does not fit."""

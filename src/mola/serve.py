@@ -82,8 +82,9 @@ def model_loader(config: ServeConfig, group=None):
 
     def load():
         loaded = load_base_model(config.model, group=group, dtype=config.dtype)
-        if config.draft_model is not None:
-            loaded.draft = load_draft_model(config.draft_model, loaded, dtype=config.dtype).model
+        spec = config.engine.speculative
+        if spec is not None and spec.draft_model is not None:
+            loaded.draft = load_draft_model(spec.draft_model, loaded, dtype=config.dtype).model
         return loaded
 
     return load
@@ -133,7 +134,7 @@ def serve(config: ServeConfig) -> int:
                f"({g.expert_slot_bytes / 2**20:.1f} MiB each)" if g.expert_slots else "")
     print(
         f"[mola] model loaded in {time.perf_counter() - t0:.1f} s; "
-        f"{config.max_loras} adapter slots of rank <= {config.max_lora_rank}{experts}",
+        f"{config.engine.max_loras} adapter slots of rank <= {config.engine.max_lora_rank}{experts}",
         file=sys.stderr, flush=True,
     )
     try:

@@ -1,6 +1,7 @@
 """Command line: arguments -> ServeConfig -> serve (and mola's other commands).
 
     serve_flags.py  mola serve's flags
+    config_file.py  mola serve --config FILE: the settings a TOML, YAML or JSON file declares
     commands.py     mola train, convert, chat and validate: their parsers
 """
 
@@ -12,9 +13,10 @@ import sys
 
 from .. import __version__
 from ..blas import maybe_reexec_with_openblas
-from ..config import FIELDS, ServeConfig, load_config_file, merge_adapters
+from ..config import SETTINGS, ServeConfig
 from .commands import (add_chat_parser, add_convert_parser, add_train_parser, add_validate_parser, run_convert,
                        train_config_from_args)
+from .config_file import load_config_file, merge_adapters
 from .serve_flags import add_serve_parser
 
 __all__ = ["build_parser", "config_from_args", "main", "train_config_from_args"]
@@ -35,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     """Defaults <- config file <- flags."""
     values: dict = {}
-    given = {k: v for k, v in vars(args).items() if k in FIELDS}
+    given = {k: v for k, v in vars(args).items() if k in SETTINGS}
     config_file = getattr(args, "config", None)
     if config_file:
         values.update(load_config_file(config_file))
@@ -49,7 +51,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     for field, env in (("api_key", "MOLA_API_KEY"), ("admin_key", "MOLA_ADMIN_KEY")):
         if values.get(field) is None and os.environ.get(env):
             values[field] = os.environ[env]
-    return ServeConfig(**values)
+    return ServeConfig.from_settings(**values)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..config import DEMO_CHOICES, ServeConfig
+from ..config import DEMO_CHOICES
+from ..engine.config import EngineConfig
 from ..models import DTYPE_CHOICES
 
 
@@ -179,8 +180,8 @@ def add_validate_parser(commands) -> argparse.ArgumentParser:
     validate.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                           help="the --dtype mola serve would load the model with (default auto)")
     validate.add_argument("--json", action="store_true", help="print the report as JSON")
-    validate.add_argument("--max-lora-rank", type=int, default=ServeConfig.max_lora_rank,
+    validate.add_argument("--max-lora-rank", type=int, default=EngineConfig.max_lora_rank,
                           help="the server's --max-lora-rank to check against (default 64)")
-    validate.add_argument("--max-expert-lora-rank", type=int, default=ServeConfig.max_expert_lora_rank,
+    validate.add_argument("--max-expert-lora-rank", type=int, default=EngineConfig.max_expert_rank,
                           help="the server's --max-expert-lora-rank to check against (default 16)")
     return validate

@@ -1,16 +1,20 @@
-"""`mola serve`'s flags (each maps to a ServeConfig field of the same name)."""
+"""`mola serve`'s flags (each maps to the setting of the same name, mola.config.SETTINGS)."""
 
 from __future__ import annotations
 
 import argparse
 
-from ..config import DEMO_CHOICES, REASONING_PARSERS, AdapterSpec, parse_adapter_arg, parse_bytes
+from ..config import DEMO_CHOICES, LOG_LEVELS, REASONING_PARSERS, AdapterSpec, parse_bytes
 from ..models import DTYPE_CHOICES
 
 
 def adapter_arg(value: str) -> AdapterSpec:
+    """NAME=PATH -> AdapterSpec."""
+    name, sep, path = value.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
     try:
-        return parse_adapter_arg(value)
+        return AdapterSpec(name.strip(), path.strip())
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e))
 
@@ -109,7 +113,7 @@ def _engine_flags(serve: argparse.ArgumentParser) -> None:
 
 def _access_flags(serve: argparse.ArgumentParser) -> None:
     """Logs, BLAS, keys, limits and timeouts."""
-    serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--log-level", choices=LOG_LEVELS)
     serve.add_argument("--no-openblas", action="store_true",
                        help="on Linux CPU, do not preload the system's OpenBLAS (see mola/blas.py)")
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every /v1 route "
@@ -118,6 +122,8 @@ def _access_flags(serve: argparse.ArgumentParser) -> None:
                        "(default: $MOLA_ADMIN_KEY)")
     serve.add_argument("--protect-metrics", action="store_true",
                        help="require the API key on /metrics and /health too")
+    serve.add_argument("--no-ui", dest="ui", action="store_false",
+                       help="do not serve the playground page at / (it is then a 404)")
     serve.add_argument("--max-request-bytes", type=int, metavar="N",
                        help="refuse request bodies larger than N bytes with a 413 (default 4 MiB)")
     serve.add_argument("--max-queue", type=int,

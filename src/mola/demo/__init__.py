@@ -6,6 +6,11 @@
     styles.py     the adapters' rules on those answers, and a check for each style
     echo.py       the echo demo, served when the real model cannot be had (offline, a hash
                   mismatch): a tiny base built weight by weight and three adapters
+    echo_base.py  its base model, written to a directory (echo_circuit.py: the weights layer
+                  by layer; echo_layout.py: where each feature lives)
+    echo_data.py  its adapters' training data, generated offline
+    tokenizer.py  the byte-level tokenizer and ChatML template of the echo base (and of the
+                  test fixtures' tiny models), trained on corpus.txt
     common.py     what both share: committed adapters, builds renamed into place
 """
 

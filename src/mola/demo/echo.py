@@ -8,11 +8,11 @@ One small base model and three adapters whose answers differ at a glance:
     title      capitalises every word      "Hello World, How Are You?"
     count      counts the words            "5"
 
-The base (``mola.synthetic.echo``) is a 4-layer llama whose copy circuit is
+The base (``mola.demo.echo_base``) is a 4-layer llama whose copy circuit is
 built weight by weight: it echoes the last user message byte for byte, behind
 a system prompt or the tools preamble too. Each adapter is a rank-8 LoRA
 *trained* with ``mola train`` (the same function the command runs) on
-generated chat data (``mola.synthetic.demo_data``); a build takes a few
+generated chat data (``mola.demo.echo_data``); a build takes a few
 minutes on two CPU cores.
 
 A source checkout commits the trained adapters under ``adapters/echo/``
@@ -35,9 +35,11 @@ from pathlib import Path
 from typing import Callable
 
 from ..cache import default_cache_dir
+from . import echo_data
 from .common import BASE_HASH_FILE  # noqa: F401 (the committed hash's file name, named here too)
 from .common import adapters_are_built as _built, build_into, checkout_adapters_dir, read_base_hash
 from .common import stderr as _stderr
+from .echo_base import build_echo_model
 
 NAME = "mola-demo"  # the base model's id
 DEMO_VERSION = "2"
@@ -49,7 +51,7 @@ SEED = 0
 class Recipe:
     """How one demo adapter is trained: its data and its `mola train` options."""
 
-    task: str  # a key of mola.synthetic.demo_data.TASKS
+    task: str  # a key of mola.demo.echo_data.TASKS
     targets: tuple[str, ...]
     iters: int
     learning_rate: float
@@ -100,10 +102,8 @@ def base_hash(base: Path) -> str:
 def build_demo(target: Path, log: Callable[[str], None] = _stderr,
                recipes: dict[str, Recipe] | None = None, keep_data: Path | None = None) -> Path:
     """Build the base model and the adapters into ``target``: the base with
-    ``mola.synthetic.echo``, each adapter with ``mola train``'s own function
+    ``mola.demo.echo_base``, each adapter with ``mola train``'s own function
     on data generated for its task. ``keep_data`` keeps the data folders."""
-    from ..synthetic import demo_data
-    from ..synthetic.echo import build_echo_model
     from ..train import TrainConfig, train_adapter
 
     recipes = RECIPES if recipes is None else recipes
@@ -118,7 +118,7 @@ def build_demo(target: Path, log: Callable[[str], None] = _stderr,
         for step, (name, r) in enumerate(recipes.items(), start=2):
             log(f"[mola] building the echo demo ({step}/{total}): adapter '{name}' "
                 f"({r.task}: {r.iters} iterations of mola train)")
-            data = demo_data.write_task_data(r.task, data_root / name, r.train_examples, r.valid_examples,
+            data = echo_data.write_task_data(r.task, data_root / name, r.train_examples, r.valid_examples,
                                              seed=SEED + step)
             train_adapter(TrainConfig(
                 model=str(base), data=data, out=target / name, rank=r.rank, layers=r.layers,
@@ -138,8 +138,8 @@ def _record_origin(adapter: Path, task: str, examples: int, seed: int) -> None:
 
     path = adapter / "adapter_config.json"
     config = json.loads(path.read_text())
-    config["model"] = f"the mola-demo base model (mola.synthetic.echo, seed {SEED})"
-    config["data"] = (f"mola.synthetic.demo_data task '{task}': {examples} generated chat examples, "
+    config["model"] = f"the mola-demo base model (mola.demo.echo_base, seed {SEED})"
+    config["data"] = (f"mola.demo.echo_data task '{task}': {examples} generated chat examples, "
                       f"seed {seed}")
     path.write_text(json.dumps(config, indent=2) + "\n")
 
@@ -148,8 +148,6 @@ def ensure_base(cache_dir: Path | None = None, expected_hash: str | None = None)
     """The echo demo's base model, built into the cache on first use (seconds).
     Warns when it differs from ``expected_hash``, the base the committed
     adapters were trained on."""
-    from ..synthetic.echo import build_echo_model
-
     base = demo_dir(cache_dir) / BASE
     if not base_is_built(base):
         _stderr(f"[mola] building the echo demo's base model into {base} (a few seconds; later runs reuse it)")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Callable
 
+from ..adapters.recipe import SlotRecipe
 from ..lora.pack import SlotGeometry, SlotRows
-from ..lora.recipe import Recipe
 from .engine import Engine
 from .outputs import EngineSnapshot, SeqOutput
 from .sequence import Sequence
@@ -35,26 +35,29 @@ class AsyncEngine:
 
     def _deliver(self, outputs: list[SeqOutput]) -> None:  # event loop
         for out in outputs:
-            queue = self._queues.get(out.seq.seq_id)
+            queue = self._queues.get(out.seq_id)
             if queue is not None:
                 queue.put_nowait(out)
 
     async def generate(self, seq: Sequence) -> AsyncIterator[SeqOutput]:
-        """Run ``seq``; yields its outputs until one carries a finish reason.
+        """Run ``seq`` (the engine thread owns it from now on: read only the
+        outputs); yields its outputs until one carries a finish reason.
         Leaving early (client gone, stop string found) aborts the row."""
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[seq.seq_id] = queue
+        # Outputs reach this loop only through _deliver, which cannot run
+        # before the queue is in place: nothing is awaited in between.
+        seq_id = self.engine.add(seq)
+        self._queues[seq_id] = queue
         finished = False
         try:
-            self.engine.add(seq)
             while not finished:
                 out = await queue.get()
                 finished = out.finish_reason is not None
                 yield out
         finally:
-            self._queues.pop(seq.seq_id, None)
+            self._queues.pop(seq_id, None)
             if not finished:
-                self.engine.abort(seq.seq_id)
+                self.engine.abort(seq_id)
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn()`` on the engine thread between steps and await its result."""
@@ -65,13 +68,13 @@ class AsyncEngine:
         """The engine's state as of its last step (immutable)."""
         return self.engine.snapshot
 
-    # ---- the slot port (mola.lora.loader.SlotPort) --------------------------
+    # ---- the slot port (mola.adapters.loader.SlotPort) -----------------------
 
     @property
     def geometry(self) -> SlotGeometry:
         return self.engine.geometry
 
-    def write_slot(self, slot: int, rows: SlotRows, recipe: Recipe) -> asyncio.Future:
+    def write_slot(self, slot: int, rows: SlotRows, recipe: SlotRecipe) -> asyncio.Future:
         """Queued behind the engine's commands at once (so that every sequence
         added later sees it); raises EngineUnavailable now if the engine is
         down. The future ends when the engine thread has written it."""

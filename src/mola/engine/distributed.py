@@ -16,12 +16,11 @@ from __future__ import annotations
 import logging
 import pickle
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import mlx.core as mx
 
-from .prompt_cache import PrefixHit
-from .scheduler import StepPlan
+from .plan import StepPlan
 from .sequence import SamplingParams, Sequence, SequenceStatus
 
 log = logging.getLogger("mola.distributed")
@@ -90,47 +89,36 @@ def _spec(seq: Sequence) -> tuple:
     return (seq.seq_id, seq.prompt, seq.slot, seq.lora_scale, asdict(seq.params), grammar)
 
 
+def _follow(spec: tuple, rebuild) -> Sequence:
+    """A follower's own Sequence for one that rank 0 starts to prefill."""
+    seq_id, prompt, slot, scale, params, grammar = spec
+    seq = Sequence(prompt=prompt, params=SamplingParams(**params), slot=slot, lora_scale=scale, seq_id=seq_id,
+                   constraint=rebuild(grammar) if grammar is not None else None)
+    seq.move_to(SequenceStatus.PREFILLING)
+    return seq
+
+
 def wire_plan(plan: StepPlan) -> dict:
-    """A StepPlan as plain data: new sequences in full, known ones by id."""
-    return {
-        "keep": plan.keep,
-        "group": [_spec(s) if plan.group_is_new else s.seq_id for s in plan.group],
-        "new": plan.group_is_new,
-        "start": plan.start,
-        "end": plan.end,
-        "join": plan.join,
-        "decode": [s.seq_id for s in plan.decode],
-        # the prompt cache's orders: entry ids and token counts only
-        "store_rows": plan.store_rows,
-        "hits": [None if h is None else (h.entry, h.num_tokens) for h in plan.hits],
-        "store_joined": plan.store_joined,
-        "evict": plan.evict,
-        # speculation: per row, tokens drafted, and prompt lookup's drafts
-        "num_draft": plan.num_draft,
-        "draft_tokens": plan.draft_tokens,
-    }
+    """A StepPlan as picklable data: each of its fields as it is (the cache
+    orders and the proposal are plain dataclasses), but its sequences, which
+    go by id (the prefill batch's in full when it is new)."""
+    data = {f.name: getattr(plan, f.name) for f in fields(plan)}
+    data["prefill"] = [_spec(s) if plan.prefill_is_new else s.seq_id for s in plan.prefill]
+    data["decode"] = [s.seq_id for s in plan.decode]
+    return data
 
 
 def unwire_plan(data: dict, seqs: dict[int, Sequence], rebuild=None) -> StepPlan:
     """The StepPlan rank 0 ran, with this rank's own Sequence objects (and
     their own matchers, ``rebuild(grammar)``: every rank samples the same
     tokens, so every rank's matchers stay in step)."""
-    if data["new"]:
-        group = []
-        for seq_id, prompt, slot, scale, params, grammar in data["group"]:
-            seq = Sequence(prompt=prompt, params=SamplingParams(**params), slot=slot,
-                           lora_scale=scale, seq_id=seq_id, status=SequenceStatus.PREFILLING,
-                           constraint=rebuild(grammar) if grammar is not None else None)
-            seqs[seq_id] = seq
-            group.append(seq)
+    if data["prefill_is_new"]:
+        prefill = [_follow(spec, rebuild) for spec in data["prefill"]]
+        seqs.update((s.seq_id, s) for s in prefill)
     else:
-        group = [seqs[i] for i in data["group"]]
-    plan = StepPlan(keep=data["keep"], group=group, group_is_new=data["new"], start=data["start"],
-                    end=data["end"], join=data["join"], decode=[seqs[i] for i in data["decode"]],
-                    store_rows=data["store_rows"], store_joined=data["store_joined"], evict=data["evict"],
-                    hits=[None if h is None else PrefixHit(*h) for h in data["hits"]],
-                    num_draft=data["num_draft"], draft_tokens=data["draft_tokens"])
-    alive = set(data["decode"]) | {s.seq_id for s in group}
+        prefill = [seqs[i] for i in data["prefill"]]
+    plan = StepPlan(**{**data, "prefill": prefill, "decode": [seqs[i] for i in data["decode"]]})
+    alive = set(data["decode"]) | {s.seq_id for s in prefill}
     for seq_id in list(seqs):
         if seq_id not in alive:
             del seqs[seq_id]
@@ -149,8 +137,8 @@ def run_follower(loader, config, group: Group, grammars=None) -> int:
     come with rank 0's drafts (prompt lookup) or are drafted by this rank's
     own whole copy of the draft model (``loaded.draft``): every rank
     verifies the same drafts alike."""
+    from ..adapters.recipe import read_recipe
     from ..lora.pack import AdapterPacks
-    from ..lora.recipe import read_recipe
     from .runner import ModelRunner
 
     stream = mx.new_stream(mx.default_device())
@@ -174,7 +162,7 @@ def run_follower(loader, config, group: Group, grammars=None) -> int:
                     runner.run(unwire_plan(message[1], seqs, rebuild))
                 elif kind == "write":
                     _, slot, recipe = message
-                    packs.fill_from(slot, read_recipe(recipe, packs.geometry, loaded.config), recipe.scale)
+                    packs.fill_from(slot, read_recipe(recipe, packs.geometry, loaded.config), recipe.slot_scale)
                 elif kind == "clear":
                     packs.empty(message[1])
                 elif kind == "forget":  # rank 0's prompt cache dropped these entries

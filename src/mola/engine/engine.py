@@ -11,8 +11,8 @@ Each step is schedule -> run -> postprocess; nothing else lives there.
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
-import queue
 import random
 import threading
 import time
@@ -23,17 +23,19 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from ..adapters.recipe import SlotRecipe
 from ..errors import EngineUnavailable
 from ..lora.pack import AdapterPacks, SlotGeometry, SlotRows, geometry_of
-from ..lora.recipe import Recipe
-from .config import EngineConfig
-from .memory import check_slots_fit, free_bytes
-from .distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS, Group, Leader, wire_plan
 from ..models.model import LoadedModel
+from .commands import Commands
+from .config import EngineConfig
+from .distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS, Group, Leader, wire_plan
+from .memory import check_slots_fit, free_bytes
 from .outputs import EngineSnapshot, SeqOutput
-from .prompt_cache import PromptCache, PromptCacheStats
-from .runner import ModelRunner, StepResult
-from .scheduler import Scheduler, StepPlan
+from .plan import StepPlan, StepResult
+from .prompt_cache import PromptCacheStats, make_prompt_cache
+from .runner import ModelRunner
+from .scheduler import Scheduler
 from .sequence import Sequence
 from .speculative import make_speculator
 
@@ -57,13 +59,14 @@ class Engine:
         self.group = group  # a tensor-parallel group this engine leads, if any
         self.on_outputs = on_outputs or (lambda outputs: None)
         self._loader = loader
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._commands = Commands()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._stopping = False
         self._rng = random.Random()
         self.error: BaseException | None = None  # why the thread died
-        self.scheduler = Scheduler(config.max_num_seqs, config.prefill_step_size)
+        self._seq_ids = itertools.count()  # numbers the sequences added (any thread: next() holds the GIL)
+        self.scheduler: Scheduler | None = None  # engine thread only; made with the runner
         self.loaded: LoadedModel | None = None
         self.packs: AdapterPacks | None = None  # engine thread only
         self.runner: ModelRunner | None = None  # engine thread only
@@ -108,9 +111,14 @@ class Engine:
 
     # ---- commands (any thread) --------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Sequence) -> int:
+        """Queue ``seq``, numbered now: returns its seq_id, by which its
+        outputs come back and it is aborted."""
         self._check_alive()
+        assert seq.seq_id is None, f"sequence {seq.seq_id} was added before"
+        seq.seq_id = next(self._seq_ids)
         self._commands.put(lambda: self._add(seq))
+        return seq.seq_id
 
     def abort(self, seq_id: int) -> None:
         if self.is_alive:
@@ -119,21 +127,7 @@ class Engine:
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn()`` on the engine thread between two steps."""
         self._check_alive()
-        future: Future = Future()
-
-        def run():
-            if not future.set_running_or_notify_cancel():
-                return
-            if self.error is not None or self._stopping:
-                future.set_exception(EngineUnavailable("The engine has stopped."))
-                return
-            try:
-                future.set_result(fn())
-            except BaseException as e:  # handed to the caller
-                future.set_exception(e)
-
-        self._commands.put(run)
-        return future
+        return self._commands.call(fn, is_down=lambda: self.error is not None or self._stopping)
 
     def _check_alive(self) -> None:
         if not self.is_alive:
@@ -180,17 +174,12 @@ class Engine:
                                     c.max_expert_rank), free_bytes())
         self.packs = AdapterPacks.install(loaded.model, **slots)
         self.geometry = self.packs.geometry
-        wanted = self.config.prompt_cache_bytes > 0
-        self.runner = ModelRunner(loaded.model, self.packs, loaded.vocab_size, prompt_cache=wanted,
-                                  draft=loaded.draft)
-        self.scheduler.speculator = make_speculator(self.config.speculative, self.runner.can_rewind)
-        per_token = self.runner.kv_bytes_per_token
-        if per_token is not None:
-            self.scheduler.prompt_cache = PromptCache(self.config.prompt_cache_bytes, per_token,
-                                                      model_key=str(loaded.path or ""))
-        elif wanted:
-            log.warning("prompt cache off: this model's KV caches cannot be cut at a token "
-                        "(sliding windows or recurrent state)")
+        self.runner = ModelRunner(loaded.model, self.packs, loaded.vocab_size,
+                                  prompt_cache=c.prompt_cache_bytes > 0, draft=loaded.draft)
+        prompt_cache = make_prompt_cache(c.prompt_cache_bytes, self.runner.kv_bytes_per_token,
+                                         model_key=str(loaded.path or ""))
+        self.scheduler = Scheduler(c.max_num_seqs, c.prefill_step_size, prompt_cache=prompt_cache,
+                                   speculator=make_speculator(c.speculative, self.runner.can_rewind))
         self.loaded = loaded
 
     def _has_work(self) -> bool:
@@ -211,38 +200,24 @@ class Engine:
         s = self.scheduler
         cache = s.prompt_cache
         self.snapshot = EngineSnapshot(
-            num_running=len(s.running), num_prefilling=len(s.group), num_waiting=len(s.waiting),
+            num_running=len(s.running), num_prefilling=len(s.prefilling), num_waiting=len(s.waiting),
             num_steps=self.num_steps, stats=replace(self.runner.stats),
             prompt_cache=cache.stats() if cache is not None else PromptCacheStats(),
         )
 
     def _drain_commands(self, block: bool) -> None:
-        if block and self.group is not None:
-            try:  # idle: make sure the other ranks are still there
-                self._commands.get(timeout=HEARTBEAT_SECONDS)()
-            except queue.Empty:
-                self._leader.tell(("noop",))
-        elif block:
-            self._commands.get()()
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            command()
+        timeout = HEARTBEAT_SECONDS if self.group is not None else None
+        if not self._commands.run(wait=block, timeout=timeout):
+            self._leader.tell(("noop",))  # idle: make sure the other ranks are still there
 
     def step(self) -> None:
-        self._expire()
-        plan = self.scheduler.schedule(time.perf_counter())
+        plan = self.scheduler.schedule(time.monotonic())
         result = self._run(plan)
-        if result is not None:
-            self._postprocess(result)
+        self._emit(self.scheduler.postprocess(result))
 
-    def _expire(self) -> None:
-        """End the sequences past their --request-timeout deadline."""
-        expired = self.scheduler.expire(time.monotonic())
-        if expired:
-            self.on_outputs([SeqOutput(s, [], s.finish_reason) for s in expired])
+    def _emit(self, outputs: list[SeqOutput]) -> None:
+        if outputs:
+            self.on_outputs(outputs)
 
     def _run(self, plan: StepPlan) -> StepResult | None:
         """Tell the group, then run the plan; a failed forward pass fails the
@@ -259,23 +234,9 @@ class Engine:
         self.num_steps += 1
         return result
 
-    def _postprocess(self, result: StepResult) -> None:
-        outputs = []
-        for seq, tokens, lps, unfed in zip(result.rows, result.tokens, result.logprobs, result.last_unfed):
-            if seq.is_finished:  # finished or aborted while this step ran
-                continue
-            taken, reason, error = seq.take(tokens, unfed)
-            if error is not None:
-                log.error("sequence %d left its grammar: %s", seq.seq_id, error)
-            outputs.append(SeqOutput(seq, tokens[:taken], reason, error=error,
-                                     logprobs=None if lps is None else lps[:taken]))
-        self.scheduler.record_speculation(result.speculated)
-        if outputs:
-            self.on_outputs(outputs)
-
     # ---- adapters in slots (engine thread; every rank in a group) ----------
 
-    def write_slot(self, slot: int, rows: SlotRows, recipe: Recipe) -> None:
+    def write_slot(self, slot: int, rows: SlotRows, recipe: SlotRecipe) -> None:
         """Write prepared rows into ``slot``; the other ranks of a group
         re-create them from ``recipe`` at this point of the stream of steps."""
         self._leader.tell(("write", slot, recipe))
@@ -301,8 +262,7 @@ class Engine:
 
     def _add(self, seq: Sequence) -> None:
         if self.error is not None or self._stopping:
-            seq.finish("error")
-            self.on_outputs([SeqOutput(seq, [], "error", "The engine has stopped.")])
+            self._emit(self.scheduler.fail([seq], "The engine has stopped."))
             return
         if seq.params.seed is None:
             seq.params = replace(seq.params, seed=self._rng.getrandbits(63))
@@ -311,31 +271,21 @@ class Engine:
     def _abort(self, seq_id: int) -> None:
         seq = self.scheduler.abort(seq_id)
         if seq is not None:
-            self.on_outputs([SeqOutput(seq, [], "abort")])
+            self._emit([SeqOutput.of(seq)])
 
     def _fail_step(self, plan: StepPlan, message: str) -> None:
         """A forward pass raised: fail every sequence that had state in the
         batch (its KV cache is gone) and start over with an empty batch."""
         inflight = self.runner.inflight.rows if self.runner.inflight else []
-        victims = [s for s in (*plan.decode, *plan.group, *inflight) if not s.is_finished]
+        victims = [s for s in (*plan.decode, *plan.prefill, *inflight) if not s.is_finished]
         victims += self.scheduler.take_batch()
         self.runner.reset()  # the prompt cache's KV state too: it may hang on the failed step
         if self.scheduler.prompt_cache is not None:
             self.scheduler.prompt_cache.clear()
-        self._fail(list(dict.fromkeys(victims)), message)
+        self._emit(self.scheduler.fail(list(dict.fromkeys(victims)), message))
 
     def _fail_all(self, message: str) -> None:
-        self._fail(self.scheduler.take_all(), message)
+        self._emit(self.scheduler.fail_all(message))
         # Answer the commands still queued (they see the engine stopped), so
         # that no caller waits forever.
-        while True:
-            try:
-                self._commands.get_nowait()()
-            except queue.Empty:
-                break
-
-    def _fail(self, victims: list[Sequence], message: str) -> None:
-        for seq in victims:
-            seq.finish("error")
-        if victims:
-            self.on_outputs([SeqOutput(s, [], "error", message) for s in victims])
+        self._commands.run()

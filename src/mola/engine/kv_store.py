@@ -1,11 +1,11 @@
 """The prompt cache's KV arrays, held by the runner on the engine thread, by
 the entry ids that mola.engine.prompt_cache hands out.
 
-An entry is one sequence's mlx-lm KVCache per layer, cut out of a batch
-cache with BatchKVCache.extract and trimmed to the tokens it is stored
-under. A hit is served as a view of an entry's first tokens, which
-BatchKVCache.merge copies into the new prefill group's cache: the stored
-arrays are never written to.
+An entry is one sequence's mlx-lm KVCache per layer (of the target model,
+and of the draft model when there is one), cut out of a batch cache with
+BatchKVCache.extract and trimmed to the tokens it is stored under. A hit is
+served as a view of an entry's first tokens, which BatchKVCache.merge copies
+into the new prefill batch's cache: the stored arrays are never written to.
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 
+from .caches import ModelCaches
+
 
 def kv_bytes_per_token(model: nn.Module, routing, draft: nn.Module | None = None) -> int | None:
     """KV bytes one token takes in ``model``'s cache (and the ``draft``
-    model's, whose layers follow), measured on a one-token forward pass; None
+    model's, when there is one), measured on a one-token forward pass; None
     when the caches are not plain KVCaches (sliding windows, recurrent
     state), whose state cannot be cut at a token."""
     total = 0
@@ -35,30 +37,26 @@ def kv_bytes_per_token(model: nn.Module, routing, draft: nn.Module | None = None
 
 class KVStore:
     def __init__(self):
-        self._entries: dict[int, list[KVCache]] = {}  # entry id -> one KVCache per layer
+        self._entries: dict[int, ModelCaches] = {}  # entry id -> one KVCache per layer
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, entry: int, batch_cache: list, row: int, num_tokens: int) -> None:
-        """Store the first ``num_tokens`` tokens of ``row`` of a batch cache."""
-        layers = [c.extract(row) for c in batch_cache]  # keys, values: [1, H, n, D]
+    def put(self, entry: int, batch: ModelCaches, row: int, num_tokens: int) -> None:
+        """Store the first ``num_tokens`` tokens of ``row`` of a batch's caches."""
+        stored = batch.map(lambda c: c.extract(row))  # keys, values: [1, H, n, D]
+        layers = stored.layers
         extra = layers[0].offset - num_tokens
         assert extra >= 0, (layers[0].offset, num_tokens)
         if extra:
             trim_prompt_cache(layers, extra)
         mx.async_eval([c.state[:2] for c in layers])
-        self._entries[entry] = layers
+        self._entries[entry] = stored
 
-    def view(self, entry: int, num_tokens: int) -> list[KVCache]:
+    def view(self, entry: int, num_tokens: int) -> ModelCaches:
         """The first ``num_tokens`` of an entry, as caches for BatchKVCache.merge
         (which copies them, leaving the entry as it is)."""
-        views = []
-        for stored in self._entries[entry]:
-            c = KVCache()
-            c.keys, c.values, c.offset = stored.keys, stored.values, num_tokens
-            views.append(c)
-        return views
+        return self._entries[entry].map(lambda stored: _view(stored, num_tokens))
 
     def drop(self, entries: list[int]) -> None:
         for entry in entries:
@@ -66,3 +64,9 @@ class KVStore:
 
     def clear(self) -> None:
         self._entries.clear()
+
+
+def _view(stored: KVCache, num_tokens: int) -> KVCache:
+    c = KVCache()
+    c.keys, c.values, c.offset = stored.keys, stored.values, num_tokens
+    return c

@@ -7,20 +7,29 @@ from dataclasses import dataclass, field
 
 from .prompt_cache import PromptCacheStats
 from .steps import RunnerStats
-from .sequence import Sequence
+from .sequence import FinishReason, Sequence
 
 
-@dataclass
+@dataclass(frozen=True)
 class SeqOutput:
-    """New tokens of one sequence after one step."""
+    """New tokens of one sequence after one step: everything the event loop
+    learns of it (the Sequence itself stays on the engine thread)."""
 
-    seq: Sequence
-    tokens: list[int]
-    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    seq_id: int
+    tokens: tuple[int, ...] = ()
+    finish_reason: FinishReason | None = None  # None: more tokens will come
     error: str | None = None
     # Per token, when the sequence asked for them: (log-probability,
     # [(token id, log-probability)] of the top alternatives).
-    logprobs: list | None = None
+    logprobs: tuple | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV state came from the prompt cache
+
+    @classmethod
+    def of(cls, seq: Sequence, tokens=(), logprobs=None, error: str | None = None) -> SeqOutput:
+        """What ``seq`` tells the event loop now: ``tokens`` (and their
+        ``logprobs``) and, once finished, why."""
+        return cls(seq.seq_id, tuple(tokens), seq.finish_reason, error,
+                   None if logprobs is None else tuple(logprobs), seq.num_cached_tokens)
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,14 @@ times the KV bytes one token takes in this model.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
 from mlx_lm.models.cache import PromptTrie
+
+log = logging.getLogger("mola.engine")
 
 # (base model, adapter key, lora_scale): the model's key, then Sequence.cache_key
 Identity = tuple[Hashable, ...]
@@ -68,6 +71,19 @@ class _Counts:
     cached_tokens: int = 0
     stored: int = 0
     evictions: int = 0
+
+
+def make_prompt_cache(max_bytes: int, bytes_per_token: int | None, model_key: Hashable) -> PromptCache | None:
+    """The engine's prompt cache: None with ``max_bytes`` 0, or (with a
+    warning) for a model whose KV caches cannot be cut at a token, whose
+    ``bytes_per_token`` the runner leaves None."""
+    if max_bytes == 0:
+        return None
+    if bytes_per_token is None:
+        log.warning("prompt cache off: this model's KV caches cannot be cut at a token "
+                    "(sliding windows or recurrent state)")
+        return None
+    return PromptCache(max_bytes, bytes_per_token, model_key)
 
 
 class PromptCache:

@@ -3,10 +3,10 @@
 The runner owns the decode batch's state, one row per running sequence in
 the scheduler's row order: mlx-lm KV caches, a PRNG key per row, the next
 input token per row (still on the device), and token counts for penalties.
-It also owns the prefill group being written. It follows the scheduler's
-:class:`StepPlan` exactly: drop finished rows, prefill one chunk of the group
-(right-padded, as mlx-lm's own batch generator does), let a finished group
-join, then launch one decode step for every row.
+It also owns the prefill batch being written. It follows the scheduler's
+:class:`StepPlan` exactly: drop finished rows, prefill one chunk of the
+prefill batch (right-padded, as mlx-lm's own batch generator does), let a
+finished prefill batch join, then launch one decode step for every row.
 
 Decode is pipelined, as mlx-lm's generator does it: a step is launched with
 ``mx.async_eval`` and its tokens are read back at the next step, after that
@@ -16,7 +16,7 @@ token is dropped by the engine.
 
 With a prompt cache the runner also holds the cached KV state (a KVStore),
 and follows the plan's cache orders: store a leaving row or a joining member,
-start a group member from a cached prefix, drop entries.
+start a prefill batch's member from a cached prefix, drop entries.
 
 Rows under a grammar (``Sequence.constraint``) are sampled through one
 ``where`` over the batch's [B, V] mask, filled while the step's forward pass
@@ -24,8 +24,8 @@ runs (see :meth:`ModelRunner.run`); a batch without one pays nothing.
 
 A speculative step feeds each row its input and its drafts, verifies them in
 one forward pass (mola.engine.verify) and reads its tokens back at its end.
-A draft model's caches follow the target's in each cache list, and it is fed
-whatever the target is fed, so both always hold the same tokens.
+A draft model has caches of its own beside the target's (ModelCaches), and
+it is fed whatever the target is fed, so both always hold the same tokens.
 """
 
 from __future__ import annotations
@@ -33,26 +33,23 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache
 
 from ..lora.pack import AdapterPacks
 from . import verify
+from .caches import ModelCaches
 from .constraint import MaskFiller
 from .kv_store import KVStore, kv_bytes_per_token
 from .logits import add_biases, apply_bitmask, count_tokens, penalize
+from .plan import StepPlan, StepResult
+from .prefill import PrefillBatch
 from .sampling import make_keys, sample
-from .scheduler import StepPlan, prefill_len
 from .sequence import Sequence
-from .steps import Forward, Launch, RunnerStats, StepResult, advance_matchers, read_logprobs, token_logprobs
+from .steps import Forward, Launch, RunnerStats, advance_matchers, read_launch, token_logprobs
 
 __all__ = ["ModelRunner", "RunnerStats", "StepResult"]
 
 CLEAR_CACHE_EVERY = 256  # steps between returns of MLX's buffer cache
-
-
-def merge_caches(caches: list[list]) -> list:
-    """Per-sequence caches -> one batch cache per layer (mlx-lm's merge)."""
-    return [layer[0].merge(list(layer)) for layer in zip(*caches)]
 
 
 class ModelRunner:
@@ -63,25 +60,20 @@ class ModelRunner:
         self.packs = packs
         self.routing = packs.routing
         self.vocab_size = vocab_size
-        self.num_layers = len(make_prompt_cache(model))  # the target's part of every cache list
         # Speculation needs caches it can cut back at any token, per row.
-        self.can_rewind = all(type(c) is KVCache for c in self._new_cache())
+        self.can_rewind = all(type(c) is KVCache for c in self._new_cache().layers)
         # The prompt cache's KV state, and what one token of it takes (None:
         # no prompt cache, or a model whose caches cannot be cut at a token).
         self.kv = KVStore()
         self.kv_bytes_per_token = kv_bytes_per_token(model, self.routing, draft) if prompt_cache else None
         # Decode rows, aligned with the scheduler's running list:
-        self.cache: list | None = None  # one batch cache per layer (the target's, then the draft's)
+        self.cache: ModelCaches | None = None  # one batch cache per layer of each model
         self.keys: mx.array | None = None  # [B, 2] PRNG key per row
         self.inputs: mx.array | None = None  # [B] next input token per row
         self.counts: mx.array | None = None  # [B, V] generated-token counts (penalties only)
         self.inflight: Launch | None = None
         self.masks = MaskFiller()  # next-token masks of constrained rows
-        # The prefill group:
-        self.group_cache: list | None = None
-        self.group_tokens: mx.array | None = None  # [G, L] right-padded uncached prompt tokens
-        self.group_todo: list[int] = []  # per member: prompt tokens to prefill
-        self.group_padding: list[int] = []
+        self.prefill: PrefillBatch | None = None  # the prefill batch being written
         self.num_steps = 0
         self.stats = RunnerStats()
 
@@ -92,8 +84,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Drop every cache and the step in flight (after a failed step)."""
         self.cache = self.keys = self.inputs = self.counts = self.inflight = None
-        self.group_cache = self.group_tokens = None
-        self.group_todo, self.group_padding = [], []
+        self.prefill = None
         self.routing.clear()
         self.kv.clear()
 
@@ -102,17 +93,17 @@ class ModelRunner:
         there are none): a plain step's are read at the next step, a
         speculative step's at its end."""
         if plan.keep is not None:
-            for row, entry, num_tokens in plan.store_rows:
+            for row, entry, num_tokens in plan.cache.store_rows:
                 self.kv.put(entry, self.cache, row, num_tokens)
             self._keep_rows(plan.keep)
-        if plan.group:
+        if plan.prefill:
             self._prefill(plan)
         previous, self.inflight = self.inflight, None
-        if plan.num_draft is not None:
+        if plan.proposal is not None:
             result = self._speculate(plan, previous)
         else:
             result = self._decode(plan, previous)
-        self.kv.drop(plan.evict)
+        self.kv.drop(plan.cache.evict)
         self.num_steps += 1
         if self.num_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
@@ -126,50 +117,48 @@ class ModelRunner:
         tokens are read back, the matchers advance on them and the bitmask
         is filled; then the masks are applied and the rows sampled."""
         forward = self._forward(plan.decode) if plan.decode else None
-        constrained = forward is not None and any(s.constraint is not None for s in plan.decode)
-        if constrained:
-            mx.async_eval(forward.logits, forward.processed)
-        elif forward is not None:
+        if forward is not None and is_constrained(forward.rows):
+            bitmask, result = self._masks_after(forward, previous)
+            self.inflight = self._sample(forward, bitmask)
+            return result
+        if forward is not None:
             self.inflight = self._sample(forward)
-        result = self._collect(previous) if previous is not None else None
-        if constrained:
-            advance_matchers(result)
-            self.inflight = self._sample(forward, self._fill_masks(plan.decode))
-        return result
+        return read_launch(previous) if previous is not None else None
 
     def _speculate(self, plan: StepPlan, previous: Launch | None) -> StepResult | None:
         """A speculative step: verify every row's drafts in one forward pass
         (the previous step's tokens are read back while it runs) and read
         this step's tokens back too."""
-        rows, width = plan.decode, max(plan.num_draft)
-        if plan.draft_tokens is not None:
-            drafts = verify.draft_array(plan.draft_tokens, width)  # [B, D]
+        rows, num_draft, width = plan.decode, plan.proposal.num_draft, max(plan.proposal.num_draft)
+        if plan.proposal.tokens is not None:
+            drafts = verify.draft_array(plan.proposal.tokens, width)  # [B, D]
         else:
-            drafts = verify.draft_with_model(self.draft, self.cache[self.num_layers:], self.inputs, width,
-                                             self.vocab_size)
+            drafts = verify.draft_with_model(self.draft, self.cache.draft, self.inputs, width, self.vocab_size)
         forward = self._forward(rows, drafts)
-        constrained = any(s.constraint is not None for s in rows)
-        bitmask, result = None, None
-        if constrained:  # as in _decode: the masks follow the previous tokens
-            mx.async_eval(forward.logits, forward.processed)
-            result = self._collect(previous) if previous is not None else None
-            advance_matchers(result)
-            bitmask = self._fill_masks(rows)
+        constrained = is_constrained(rows)
+        bitmask, result = self._masks_after(forward, previous) if constrained else (None, None)
         launched, self.inputs, self.keys, self.counts = verify.launch(
-            forward, drafts, plan.num_draft, self.keys, self.counts, bitmask)
+            forward, drafts, num_draft, self.keys, self.counts, bitmask)
         if not constrained and previous is not None:
-            result = self._collect(previous)
+            result = read_launch(previous)
         mine, rejected = verify.read(launched)  # waits for the step
-        verify.rewind(self.cache, rejected)
+        verify.rewind(self.cache.layers, rejected)
         advance_matchers(mine)
-        self.stats.count_speculation(mine, plan.num_draft)
+        self.stats.count_speculation(mine, num_draft)
         return mine if result is None else result.extend(mine)
 
-    def _fill_masks(self, rows: list[Sequence]) -> np.ndarray:
-        constraints = [s.constraint for s in rows]
+    def _masks_after(self, forward: Forward, previous: Launch | None) -> tuple[np.ndarray, StepResult | None]:
+        """A batch with a constrained row: its masks follow the previous
+        step's tokens. While ``forward`` runs, read those back, advance the
+        matchers on them and fill the bitmask [B, W]; returns it and the
+        previous step's result."""
+        mx.async_eval(forward.logits, forward.processed)
+        result = read_launch(previous) if previous is not None else None
+        advance_matchers(result)
+        constraints = [s.constraint for s in forward.rows]
         self.stats.masked_steps += 1
         self.stats.masked_rows += sum(c is not None for c in constraints)
-        return self.masks.fill(constraints)
+        return self.masks.fill(constraints), result
 
     # ---- rows -------------------------------------------------------------
 
@@ -177,87 +166,65 @@ class ModelRunner:
         if not keep:
             self.cache = self.keys = self.inputs = self.counts = None
             return
-        for c in self.cache:
+        for c in self.cache.layers:
             c.filter(keep)
         idx = mx.array(keep, dtype=mx.int32)
         self.keys, self.inputs = self.keys[idx], self.inputs[idx]
         if self.counts is not None:
             self.counts = self.counts[idx]
 
-    def _append_rows(self, cache: list, seqs: list[Sequence]) -> None:
+    def _append_rows(self, cache: ModelCaches, seqs: list[Sequence]) -> None:
         keys = make_keys([s.params.seed for s in seqs])
         inputs = mx.array([s.prompt[-1] for s in seqs], dtype=mx.uint32)
         if self.cache is None:
             self.cache, self.keys, self.inputs = cache, keys, inputs
         else:
-            for mine, theirs in zip(self.cache, cache):
-                mine.extend(theirs)
+            self.cache.extend(cache)
             self.keys = mx.concatenate([self.keys, keys])
             self.inputs = mx.concatenate([self.inputs, inputs])
         if self.counts is not None:
             self.counts = mx.concatenate([self.counts, mx.zeros((len(seqs), self.vocab_size))])
-        mx.eval([c.state for c in self.cache], self.keys, self.inputs)
+        mx.eval([c.state for c in self.cache.layers], self.keys, self.inputs)
 
     # ---- prefill ------------------------------------------------------------
 
-    def _feed(self, tokens: mx.array, cache: list) -> mx.array:
-        """Run the target on ``tokens`` [B, L] over its part of ``cache``, and
-        the draft model, if any, over the rest; returns the target's logits."""
-        logits = self.model(tokens, cache=cache[:self.num_layers])  # [B, L, V]
+    def _feed(self, tokens: mx.array, cache: ModelCaches) -> mx.array:
+        """Run the target on ``tokens`` [B, L] over its caches, and the draft
+        model, if any, over its own; returns the target's logits."""
+        logits = self.model(tokens, cache=cache.target)  # [B, L, V]
         if self.draft is not None:
-            self.draft(tokens, cache=cache[self.num_layers:])
+            self.draft(tokens, cache=cache.draft)
         return logits
 
     def _prefill(self, plan: StepPlan) -> None:
-        group = plan.group
-        if plan.group_is_new:
-            self._start_group(group, plan.hits or [None] * len(group))
+        members = plan.prefill
+        if plan.prefill_is_new:
+            hits = plan.cache.hits or [None] * len(members)
+            self.prefill = PrefillBatch.start(
+                members, [self.kv.view(h.entry, h.num_tokens) if h else self._new_cache() for h in hits],
+                [h.num_tokens if h else 0 for h in hits])
         if plan.end > plan.start:
-            self.stats.prefill_tokens += sum(
-                max(0, min(plan.end, n) - plan.start) for n in self.group_todo
-            )
-            self.routing.set([s.slot for s in group], [s.lora_scale for s in group])
-            self._feed(self.group_tokens[:, plan.start : plan.end], self.group_cache)
-            mx.eval([c.state for c in self.group_cache])
+            self.stats.prefill_tokens += self.prefill.num_tokens(plan.start, plan.end)
+            self.routing.set([s.slot for s in members], [s.lora_scale for s in members])
+            self._feed(self.prefill.tokens[:, plan.start : plan.end], self.prefill.cache)
+            mx.eval([c.state for c in self.prefill.cache.layers])
         if plan.join is not None:
-            self._join(group, plan)
+            self._join(members, plan)
 
-    def _new_cache(self) -> list:
-        return make_prompt_cache(self.model) + (make_prompt_cache(self.draft) if self.draft is not None else [])
+    def _new_cache(self) -> ModelCaches:
+        return ModelCaches.new(self.model, self.draft)
 
-    def _start_group(self, group: list[Sequence], hits: list) -> None:
-        """The group's cache: each member's cached prefix (mlx-lm's merge
-        left-pads them to one length) and room for the rest of its prompt
-        (right-padded, rolled into left padding when the group joins)."""
-        done = [h.num_tokens if h else 0 for h in hits]
-        self.group_todo = [prefill_len(s) - d for s, d in zip(group, done)]
-        width = max(self.group_todo)
-        self.group_padding = [width - n for n in self.group_todo]
-        self.group_cache = merge_caches(
-            [self.kv.view(h.entry, h.num_tokens) if h else self._new_cache() for h in hits]
-        )
-        self.group_tokens = mx.array(
-            [s.prompt[d:-1] + [0] * pad for s, d, pad in zip(group, done, self.group_padding)],
-            dtype=mx.uint32,
-        )  # [G, width]
-        if max(self.group_padding) > 0:
-            for c in self.group_cache:
-                c.prepare(lengths=self.group_todo, right_padding=self.group_padding)
-
-    def _join(self, group: list[Sequence], plan: StepPlan) -> None:
-        cache, join = self.group_cache, plan.join
-        if max(self.group_padding) > 0:
-            for c in cache:
-                c.finalize()
-        for member, entry, num_tokens in plan.store_joined:
+    def _join(self, members: list[Sequence], plan: StepPlan) -> None:
+        cache, join = self.prefill.finish(), plan.join
+        for member, entry, num_tokens in plan.cache.store_joined:
             self.kv.put(entry, cache, member, num_tokens)
-        self.group_cache = self.group_tokens = None
+        self.prefill = None
         if not join:
             return
-        if len(join) < len(group):
-            for c in cache:
+        if len(join) < len(members):
+            for c in cache.layers:
                 c.filter(join)
-        self._append_rows(cache, [group[i] for i in join])
+        self._append_rows(cache, [members[i] for i in join])
 
     # ---- decode -------------------------------------------------------------
 
@@ -267,13 +234,13 @@ class ModelRunner:
         assert self.num_rows == len(rows), (self.num_rows, len(rows))
         slots = [s.slot for s in rows]
         self.routing.set(slots, [s.lora_scale for s in rows])
-        self._count_decode(slots)
+        self.stats.count_decode(slots)
         if drafts is None:
             x = self.inputs[:, None]  # [B, 1]
             logits = self._feed(x, self.cache)
         else:
             x = mx.concatenate([self.inputs[:, None], drafts], axis=1)  # [B, P]
-            logits = self.model(x, cache=self.cache[:self.num_layers])
+            logits = self.model(x, cache=self.cache.target)
         forward = Forward(rows, logits.reshape(-1, logits.shape[-1]), None, x.shape[1])  # logits [B * P, V]
         flat = forward.flat_rows
         forward.processed = add_biases(forward.logits, flat)
@@ -305,25 +272,11 @@ class ModelRunner:
         if launch.wanted:
             launch.logprob_arrays = token_logprobs(logits, tokens, rows, launch.wanted)
         mx.async_eval(tokens, self.keys, *(a for a in launch.logprob_arrays if a is not None),
-                      *([self.counts] if self.counts is not None else []), *self._draft_states())
+                      *([self.counts] if self.counts is not None else []),
+                      *(c.state[:2] for c in self.cache.draft))  # the draft model's caches
         return launch
 
-    def _draft_states(self) -> list:
-        """The draft model's caches, evaluated with each plain step."""
-        return [c.state[:2] for c in self.cache[self.num_layers:]] if self.draft is not None else []
 
-    def _collect(self, launch: Launch) -> StepResult:
-        tokens = launch.tokens.tolist()
-        lps = read_logprobs(launch.rows, launch.wanted, launch.logprob_arrays)
-        return StepResult(launch.rows, [[t] for t in tokens],
-                          [[lps[i]] if i in lps else None for i in range(len(tokens))],
-                          [False] * len(tokens))
-
-    def _count_decode(self, slots: list[int]) -> None:
-        st = self.stats
-        distinct = len(set(slots))
-        st.decode_steps += 1
-        st.decode_rows += len(slots)
-        st.mixed_steps += distinct > 1
-        st.max_batch = max(st.max_batch, len(slots))
-        st.max_slots_in_step = max(st.max_slots_in_step, distinct)
+def is_constrained(rows: list[Sequence]) -> bool:
+    """A row samples under a grammar's mask."""
+    return any(s.constraint is not None for s in rows)

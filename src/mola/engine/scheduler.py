@@ -1,117 +1,81 @@
-"""Decides, in plain Python, what each engine step computes.
+"""Decides, in plain Python, what each engine step computes, and what each
+sequence gets of what it computed.
 
-Three collections: ``waiting`` (a FIFO deque), one prefill ``group`` whose
-prompts are being written into a KV cache chunk by chunk, and ``running``, the
-rows of the decode batch in row order. Every step decodes one token for each
-running row; a finished prefill group joins the decode batch in the same step.
+Three collections: ``waiting`` (a FIFO deque), one prefill batch
+(``prefilling``) whose prompts are being written into a KV cache chunk by
+chunk, and ``running``, the rows of the decode batch in row order. Every step
+decodes one token for each running row; a finished prefill batch joins the
+decode batch in the same step.
 
 With a prompt cache, a prompt whose prefix has KV state stored prefills only
 the rest; what a sequence computed is stored when it joins the decode batch
 (its prompt) and when it leaves it (prompt and output, for the next turn of a
 conversation). The plan says which entries the runner reads, writes and drops.
+
+A step is :meth:`Scheduler.schedule` (sequences past their deadline end
+first), the runner's run, then :meth:`Scheduler.postprocess`, which hands
+each sequence its tokens and says what the engine tells the event loop.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
-from dataclasses import dataclass, field
 
+from .outputs import SeqOutput
+from .plan import StepPlan, StepResult, prefill_len, prefill_todo
 from .prompt_cache import PrefixHit, PromptCache
-from .sequence import Sequence, SequenceStatus
+from .sequence import FinishReason, Sequence, SequenceStatus
 from .speculative import Speculator
 
-
-@dataclass
-class StepPlan:
-    """What the runner does in one step, in this order."""
-
-    # Rows of the previous decode batch to keep (indices); None keeps all.
-    keep: list[int] | None = None
-    # The prefill group, its columns [start, end) processed this step.
-    group: list[Sequence] = field(default_factory=list)
-    group_is_new: bool = False  # the runner makes the group's cache first
-    start: int = 0
-    end: int = 0
-    # Members of the group (indices into it) joining the decode batch now;
-    # None: the group is still prefilling.
-    join: list[int] | None = None
-    # This step's decode rows, in row order: kept rows, then joined ones.
-    decode: list[Sequence] = field(default_factory=list)
-    # The prompt cache, in the order the runner acts: rows of the previous
-    # decode batch to store before they leave, as (row, entry id, tokens);
-    # the cached prefix of each member of a new group (None: none); members
-    # to store as they join, as (index into the group, entry id, tokens);
-    # entries to drop once the step is done.
-    store_rows: list[tuple[int, int, int]] = field(default_factory=list)
-    hits: list[PrefixHit | None] = field(default_factory=list)
-    store_joined: list[tuple[int, int, int]] = field(default_factory=list)
-    evict: list[int] = field(default_factory=list)
-    # Speculation: per decode row, how many tokens it drafted (0: it decodes
-    # one), and prompt lookup's drafts (None: the draft model drafts them on
-    # the device). num_draft None: a plain decode step, pipelined.
-    num_draft: list[int] | None = None
-    draft_tokens: list[list[int]] | None = None
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.decode and not self.group
-
-
-def prefill_len(seq: Sequence) -> int:
-    """Prompt tokens written by prefill: all but the last, which is the first
-    input of the decode batch."""
-    return seq.num_prompt_tokens - 1
-
-
-def prefill_todo(seq: Sequence) -> int:
-    """Prompt tokens prefill computes: those the prompt cache did not hold."""
-    return prefill_len(seq) - seq.num_cached_tokens
+log = logging.getLogger("mola.engine")
 
 
 class Scheduler:
-    def __init__(self, max_num_seqs: int = 32, prefill_step_size: int = 512, max_group: int = 8,
+    def __init__(self, max_num_seqs: int = 32, prefill_step_size: int = 512, max_prefill_batch: int = 8,
                  prompt_cache: PromptCache | None = None, speculator: Speculator | None = None):
         self.max_num_seqs = max_num_seqs  # decode rows plus prefilling ones
         self.prefill_step_size = prefill_step_size  # prompt tokens per step
-        self.max_group = max_group  # prompts prefilled together
+        self.max_prefill_batch = max_prefill_batch  # prompts prefilled together
         self.prompt_cache = prompt_cache  # None: no prompt cache
         self.speculator = speculator  # None: no speculative decoding
         # Rows of the last plan if it was a plain decode step: the token it
         # samples for them is not known here until the step after.
         self._in_flight: set[int] = set()
+        self._expired: list[Sequence] = []  # ended by their deadline, not yet reported
         self.waiting: deque[Sequence] = deque()
-        self.group: list[Sequence] = []
-        self.group_done = 0  # columns of the group's prompts already prefilled
+        self.prefilling: list[Sequence] = []  # the prefill batch
+        self.prefill_done = 0  # columns of the prefill batch's prompts already prefilled
         self.running: list[Sequence] = []
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.group) + len(self.running)
+        return len(self.waiting) + len(self.prefilling) + len(self.running)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.group or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def abort(self, seq_id: int) -> Sequence | None:
-        """Finish the sequence with "abort". Its row leaves at the next step."""
+        """Finish the sequence with ABORT. Its row leaves at the next step."""
         for seq in self.waiting:
             if seq.seq_id == seq_id:
                 self.waiting.remove(seq)
-                seq.finish("abort")
+                seq.finish(FinishReason.ABORT)
                 return seq
-        for seq in (*self.group, *self.running):
+        for seq in (*self.prefilling, *self.running):
             if seq.seq_id == seq_id and not seq.is_finished:
-                seq.finish("abort")
+                seq.finish(FinishReason.ABORT)
                 return seq
         return None
 
     def take_batch(self) -> list[Sequence]:
-        """Empty the decode batch and the prefill group (their KV caches are
+        """Empty the decode batch and the prefill batch (their KV caches are
         gone after a failed step); returns their unfinished sequences."""
-        taken = [s for s in (*self.group, *self.running) if not s.is_finished]
-        self.group, self.group_done, self.running = [], 0, []
+        taken = [s for s in (*self.prefilling, *self.running) if not s.is_finished]
+        self.prefilling, self.prefill_done, self.running = [], 0, []
         self._in_flight = set()
         return taken
 
@@ -122,78 +86,118 @@ class Scheduler:
         self.waiting.clear()
         return taken + self.take_batch()
 
+    def fail(self, seqs: list[Sequence], message: str) -> list[SeqOutput]:
+        """End ``seqs`` with ERROR (``message`` says why); returns their outputs."""
+        for seq in seqs:
+            seq.finish(FinishReason.ERROR)
+        return [SeqOutput.of(seq, error=message) for seq in seqs]
+
+    def fail_all(self, message: str) -> list[SeqOutput]:
+        """The engine is stopping: what expired when the last step was
+        planned, then every unfinished sequence, ended with ERROR."""
+        return self.postprocess(None) + self.fail(self.take_all(), message)
+
     def expire(self, now: float) -> list[Sequence]:
-        """Finish the sequences past their deadline: "timeout" for those not yet
-        running (they produced nothing), "length" for running ones."""
+        """Finish the sequences past their deadline: TIMEOUT for those not yet
+        running (they produced nothing), LENGTH for running ones."""
         expired = []
         for seq in list(self.waiting):
             if seq.deadline is not None and now > seq.deadline:
                 self.waiting.remove(seq)
-                seq.finish("timeout")
+                seq.finish(FinishReason.TIMEOUT)
                 expired.append(seq)
-        for seq in (*self.group, *self.running):
+        for seq in (*self.prefilling, *self.running):
             if seq.deadline is not None and now > seq.deadline and not seq.is_finished:
-                seq.finish("timeout" if seq in self.group else "length")
+                seq.finish(FinishReason.TIMEOUT if seq in self.prefilling else FinishReason.LENGTH)
                 expired.append(seq)
         return expired
 
-    def schedule(self, now: float | None = None) -> StepPlan:
-        """The next step's plan; ``now`` (seconds, a monotonic clock) times
-        the steps for speculation's cost model."""
-        plan = StepPlan()
-        kept = [i for i, s in enumerate(self.running) if not s.is_finished]
-        if len(kept) < len(self.running):
-            for i, seq in enumerate(self.running):
-                if seq.is_finished:  # its KV state holds the prompt and its output (but a last unfed token)
-                    fed = seq.output[:seq.num_output_tokens - seq.num_unfed_tokens]
-                    self._store(plan, plan.store_rows, i, seq, seq.prompt + fed)
-            plan.keep = kept
-            self.running = [self.running[i] for i in kept]
+    # ---- a step: schedule, (the runner runs,) postprocess -------------------
 
-        if not self.group:
-            self._form_group(plan)
-        if self.group:
-            self._advance_group(plan)
+    def schedule(self, now: float | None = None) -> StepPlan:
+        """The next step's plan. ``now`` (seconds, time.monotonic()) ends the
+        sequences past their deadline first (reported by the next
+        postprocess) and times the steps for speculation's cost model."""
+        if now is not None:
+            self._expired += self.expire(now)
+        plan = StepPlan()
+        self._drop_finished(plan)
+        if not self.prefilling:
+            self._form_prefill(plan)
+        if self.prefilling:
+            self._advance_prefill(plan)
         plan.decode = list(self.running)
         if self.speculator is not None:
-            proposal = self.speculator.propose(plan.decode, self._in_flight)
-            if proposal is not None:
-                plan.num_draft, plan.draft_tokens = proposal.num_draft, proposal.tokens
+            plan.proposal = self.speculator.propose(plan.decode, self._in_flight)
             if now is not None:
-                width = 1 + max(plan.num_draft) if plan.num_draft is not None else None
+                width = 1 + max(plan.proposal.num_draft) if plan.proposal is not None else None
                 self.speculator.clock(now, len(plan.decode), width, plan.end > plan.start)
-        self._in_flight = {s.seq_id for s in plan.decode} if plan.num_draft is None else set()
+        self._in_flight = {s.seq_id for s in plan.decode} if plan.proposal is None else set()
         return plan
 
-    def record_speculation(self, speculated: list[tuple[Sequence, int, int]]) -> None:
+    def postprocess(self, result: StepResult | None) -> list[SeqOutput]:
+        """What the event loop hears of a step: the sequences that expired
+        when it was planned, then each row's new tokens (``result``: None
+        when the step gave none), taken into its sequence up to the one that
+        ends it. Rows finished or aborted while the step ran get nothing."""
+        outputs = [SeqOutput.of(seq) for seq in self._expired]
+        self._expired = []
+        if result is None:
+            return outputs
+        for seq, tokens, lps, unfed in zip(result.rows, result.tokens, result.logprobs, result.last_unfed):
+            if seq.is_finished:
+                continue
+            taken, error = seq.take(tokens, unfed)
+            if error is not None:
+                log.error("sequence %d left its grammar: %s", seq.seq_id, error)
+            outputs.append(SeqOutput.of(seq, tokens[:taken], None if lps is None else lps[:taken], error))
+        self._record_speculation(result.speculated)
+        return outputs
+
+    def _record_speculation(self, speculated: list[tuple[Sequence, int, int]]) -> None:
         """What a speculative step's rows accepted: (row, drafted, accepted)."""
         for seq, drafted, accepted in speculated if self.speculator is not None else ():
             self.speculator.record(seq, drafted, accepted)
 
-    def _form_group(self, plan: StepPlan) -> None:
+    # ---- the plan's parts ---------------------------------------------------
+
+    def _drop_finished(self, plan: StepPlan) -> None:
+        """Finished rows leave the decode batch (their KV state, which holds
+        the prompt and the output but a last unfed token, is stored first)."""
+        kept = [i for i, s in enumerate(self.running) if not s.is_finished]
+        if len(kept) == len(self.running):
+            return
+        for i, seq in enumerate(self.running):
+            if seq.is_finished:
+                fed = seq.output[:seq.num_output_tokens - seq.num_unfed_tokens]
+                self._store(plan, plan.cache.store_rows, i, seq, seq.prompt + fed)
+        plan.keep = kept
+        self.running = [self.running[i] for i in kept]
+
+    def _form_prefill(self, plan: StepPlan) -> None:
         room = self.max_num_seqs - len(self.running)
-        group: list[Sequence] = []
+        batch: list[Sequence] = []
         hits: list[PrefixHit | None] = []
         longest = 0
-        while self.waiting and len(group) < min(room, self.max_group):
+        while self.waiting and len(batch) < min(room, self.max_prefill_batch):
             seq = self.waiting[0]
             hit = self._lookup(seq)
             cols = max(longest, prefill_len(seq) - (hit.num_tokens if hit else 0))
-            # Batch prompts only while the whole group fits in one step; a
-            # long prompt is prefilled alone, chunk by chunk.
-            if group and cols * (len(group) + 1) > self.prefill_step_size:
+            # Batch prompts only while the whole prefill batch fits in one
+            # step; a long prompt is prefilled alone, chunk by chunk.
+            if batch and cols * (len(batch) + 1) > self.prefill_step_size:
                 break
-            group.append(self.waiting.popleft())
+            batch.append(self.waiting.popleft())
             hits.append(hit)
             longest = cols
-        for seq, hit in zip(group, hits):
-            seq.status = SequenceStatus.PREFILLING
+        for seq, hit in zip(batch, hits):
+            seq.move_to(SequenceStatus.PREFILLING)
             seq.num_cached_tokens = hit.num_tokens if hit else 0
             if self.prompt_cache is not None and seq.cache_key is not None and prefill_len(seq) > 0:
                 self.prompt_cache.use(hit)
-        self.group, self.group_done = group, 0
-        plan.group_is_new = bool(group)
-        plan.hits = hits
+        self.prefilling, self.prefill_done = batch, 0
+        plan.prefill_is_new = bool(batch)
+        plan.cache.hits = hits
 
     def _lookup(self, seq: Sequence) -> PrefixHit | None:
         if self.prompt_cache is None or seq.cache_key is None:
@@ -206,23 +210,25 @@ class Scheduler:
         if self.prompt_cache is None or seq.cache_key is None:
             return
         entry, dropped = self.prompt_cache.store(seq.cache_key, tokens)
-        plan.evict += dropped
+        plan.cache.evict += dropped
         if entry is not None:
             where.append((index, entry, len(tokens)))
 
-    def _advance_group(self, plan: StepPlan) -> None:
-        total = max(prefill_todo(s) for s in self.group)
-        chunk = max(1, self.prefill_step_size // len(self.group))
-        plan.group = list(self.group)
-        plan.start = self.group_done
-        plan.end = min(total, self.group_done + chunk)
-        self.group_done = plan.end
+    def _advance_prefill(self, plan: StepPlan) -> None:
+        """The prefill batch's next chunk; when it is the last, the batch's
+        unfinished members join the decode batch."""
+        total = max(prefill_todo(s) for s in self.prefilling)
+        chunk = max(1, self.prefill_step_size // len(self.prefilling))
+        plan.prefill = list(self.prefilling)
+        plan.start = self.prefill_done
+        plan.end = min(total, self.prefill_done + chunk)
+        self.prefill_done = plan.end
         if plan.end < total:
             return
-        plan.join = [i for i, s in enumerate(self.group) if not s.is_finished]
+        plan.join = [i for i, s in enumerate(self.prefilling) if not s.is_finished]
         for i in plan.join:
-            seq = self.group[i]
-            seq.status = SequenceStatus.RUNNING
+            seq = self.prefilling[i]
+            seq.move_to(SequenceStatus.RUNNING)
             self.running.append(seq)
-            self._store(plan, plan.store_joined, i, seq, seq.prompt[:-1])
-        self.group, self.group_done = [], 0
+            self._store(plan, plan.cache.store_joined, i, seq, seq.prompt[:-1])
+        self.prefilling, self.prefill_done = [], 0

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import enum
-import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
-
-_seq_ids = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -19,7 +16,7 @@ class SamplingParams:
     max_tokens: int
     temperature: float = 1.0  # 0: greedy
     top_p: float = 1.0
-    seed: int | None = None  # None: drawn at admission
+    seed: int | None = None  # None: drawn when the engine takes the sequence
     stop_token_ids: frozenset[int] = frozenset()  # EOS ids: finish with "stop"
     # OpenAI's penalties over the tokens generated so far:
     # logit[t] -= frequency_penalty * count(t) + presence_penalty * (count(t) > 0)
@@ -55,9 +52,34 @@ class SamplingParams:
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, nothing computed
-    PREFILLING = "prefilling"  # its prompt is being written into a KV cache
+    PREFILLING = "prefilling"  # in the prefill batch: its prompt is being written into a KV cache
     RUNNING = "running"  # a row of the decode batch
     FINISHED = "finished"
+
+
+S = SequenceStatus
+# The one table of allowed moves (changed only through Sequence.move_to):
+# WAITING -> PREFILLING -> RUNNING -> FINISHED, and FINISHED from any other.
+TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
+    S.WAITING: frozenset({S.PREFILLING, S.FINISHED}),  # its prefill starts; aborted, timed out, failed
+    S.PREFILLING: frozenset({S.RUNNING, S.FINISHED}),  # joins the decode batch; aborted, timed out, failed
+    S.RUNNING: frozenset({S.FINISHED}),
+    S.FINISHED: frozenset(),
+}
+
+
+class FinishReason(enum.StrEnum):
+    """Why a sequence ended; the values are the API's finish_reason strings."""
+
+    STOP = "stop"  # a stop token
+    LENGTH = "length"  # max_tokens, or --request-timeout while running
+    ABORT = "abort"  # the client went away, or a stop string was found
+    TIMEOUT = "timeout"  # --request-timeout before it produced anything
+    ERROR = "error"  # a failed step, a stopped engine, or a grammar that refused a token
+
+
+class InvalidTransition(RuntimeError):
+    """A status change the table does not allow: a bug, never a user error."""
 
 
 @dataclass(eq=False)
@@ -72,10 +94,10 @@ class Sequence:
     # stack's (key of parts' versions and scales, 1); see Lease.key. None: the
     # base model in slot 0, otherwise unknown, and then nothing is cached.
     adapter_key: tuple | None = None
-    seq_id: int = field(default_factory=lambda: next(_seq_ids))
-    status: SequenceStatus = SequenceStatus.WAITING
+    seq_id: int | None = None  # None until the engine numbers it (Engine.add)
+    status: SequenceStatus = field(default=SequenceStatus.WAITING, init=False)  # changed only through move_to
     output: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop", "length", "abort", "timeout" or "error"
+    finish_reason: FinishReason | None = field(default=None, init=False)  # set by move_to(FINISHED, reason)
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # time.monotonic() after which the request ends
     num_cached_tokens: int = 0  # prompt tokens whose KV state came from the prompt cache
@@ -114,35 +136,46 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def finish(self, reason: str) -> None:
-        self.status = SequenceStatus.FINISHED
-        self.finish_reason = reason
+    def move_to(self, status: SequenceStatus, reason: FinishReason | None = None) -> None:
+        """The one way a sequence changes status; FINISHED, and only it, takes a reason."""
+        if status not in TRANSITIONS[self.status]:
+            raise InvalidTransition(f"sequence {self.seq_id}: {self.status.value} -> {status.value} "
+                                    "is not an allowed transition")
+        if (reason is None) != (status is not S.FINISHED):
+            raise InvalidTransition(f"sequence {self.seq_id}: a finish reason goes with FINISHED only, "
+                                    f"got {status.value} and {reason!r}")
+        self.status = status
+        if reason is not None:
+            self.finish_reason = FinishReason(reason)
 
-    def append(self, token: int) -> str | None:
+    def finish(self, reason: FinishReason) -> None:
+        self.move_to(S.FINISHED, reason)
+
+    def append(self, token: int) -> FinishReason | None:
         """Record a generated token; returns the finish reason it causes."""
         self.output.append(token)
         if token in self.params.stop_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if len(self.output) >= self.params.max_tokens:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
-    def take(self, tokens: list[int], last_unfed: bool) -> tuple[int, str | None, str | None]:
+    def take(self, tokens: list[int], last_unfed: bool) -> tuple[int, str | None]:
         """Record a step's tokens (one, or a speculative step's several) up to
         the first that ends the sequence, and finish it then; returns (tokens
-        taken, finish reason, the grammar's error if it refused one). A grammar
-        error ends the row ("error"): never a wrong output."""
+        taken, the grammar's error if it refused one). A grammar error ends
+        the row (FinishReason.ERROR): never a wrong output."""
         taken, reason, error = 0, None, None
         for token in tokens:
             taken += 1
             reason = self.append(token)
             c = self.constraint
             if c is not None and c.error is not None and c.error_at < len(self.output):
-                error, reason = c.error, "error"
+                error, reason = c.error, FinishReason.ERROR
             if reason is not None:
                 break
         # the last token of a speculative step was never fed to the model
         self.num_unfed_tokens = int(last_unfed and taken == len(tokens))
         if reason is not None:
             self.finish(reason)
-        return taken, reason, error
+        return taken, error

@@ -1,52 +1,15 @@
-"""What a decode step carries inside the runner, and what it hands the
-engine: the step launched or about to be sampled, its tokens once read back
-(with their log-probabilities), and the runner's counters."""
+"""What a decode step carries inside the runner: the step launched or
+about to be sampled, its tokens once read back (with their
+log-probabilities), and the runner's counters."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .plan import StepResult, TokenLogprobs
 from .sequence import Sequence
-
-# (log-probability of the sampled token, [(token id, log-probability)] of the
-# most likely tokens, best first)
-TokenLogprobs = tuple[float, list[tuple[int, float]]]
-
-
-@dataclass
-class StepResult:
-    """New tokens of the rows, per row in order: the token of a plain step,
-    and after it, or alone, a speculative step's accepted drafts and the
-    token that follows them."""
-
-    rows: list[Sequence]
-    tokens: list[list[int]]
-    logprobs: list[list[TokenLogprobs] | None]
-    # Per row: its last token was never fed to the model (a speculative
-    # step's last token), so the row's KV state lacks it.
-    last_unfed: list[bool]
-    # (row, drafted, accepted) of the rows that drafted in a speculative step
-    speculated: list[tuple[Sequence, int, int]] = field(default_factory=list)
-
-    def extend(self, other: StepResult) -> StepResult:
-        """This result, then ``other``'s tokens (a later step's)."""
-        at = {id(s): i for i, s in enumerate(self.rows)}
-        for seq, tokens, lps, unfed in zip(other.rows, other.tokens, other.logprobs, other.last_unfed):
-            i = at.get(id(seq))
-            if i is None:
-                self.rows.append(seq)
-                self.tokens.append(tokens)
-                self.logprobs.append(lps)
-                self.last_unfed.append(unfed)
-                continue
-            self.tokens[i] = self.tokens[i] + tokens
-            if lps is not None:
-                self.logprobs[i] = (self.logprobs[i] or []) + lps
-            self.last_unfed[i] = unfed
-        self.speculated += other.speculated
-        return self
 
 
 @dataclass
@@ -92,6 +55,15 @@ class RunnerStats:
     draft_tokens: int = 0  # tokens drafted
     accepted_tokens: int = 0  # drafted tokens accepted
 
+    def count_decode(self, slots: list[int]) -> None:
+        """A decode step of rows on ``slots``."""
+        distinct = len(set(slots))
+        self.decode_steps += 1
+        self.decode_rows += len(slots)
+        self.mixed_steps += distinct > 1
+        self.max_batch = max(self.max_batch, len(slots))
+        self.max_slots_in_step = max(self.max_slots_in_step, distinct)
+
     def count_speculation(self, result: StepResult, num_draft: list[int]) -> None:
         """A speculative step drafted ``num_draft`` tokens per row and gave ``result``."""
         self.spec_steps += 1
@@ -129,6 +101,15 @@ def read_logprobs(rows: list[Sequence], wanted: list[int], arrays: tuple) -> dic
         top = sorted(zip(ids[j], lps[j]), key=lambda p: -p[1])[:n] if n else []
         out[i] = (chosen[j], top)
     return out
+
+
+def read_launch(launch: Launch) -> StepResult:
+    """A plain step's tokens, read back (waits for the step): one per row."""
+    tokens = launch.tokens.tolist()
+    lps = read_logprobs(launch.rows, launch.wanted, launch.logprob_arrays)
+    return StepResult(launch.rows, [[t] for t in tokens],
+                      [[lps[i]] if i in lps else None for i in range(len(tokens))],
+                      [False] * len(tokens))
 
 
 def advance_matchers(result: StepResult | None) -> None:

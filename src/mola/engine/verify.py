@@ -34,9 +34,10 @@ import mlx.nn as nn
 import numpy as np
 
 from .logits import apply_bitmask
+from .plan import StepResult
 from .sampling import draw, key_chain
 from .sequence import Sequence
-from .steps import Forward, StepResult, read_logprobs, token_logprobs
+from .steps import Forward, read_logprobs, token_logprobs
 
 
 @dataclass

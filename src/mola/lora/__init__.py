@@ -1,2 +1,12 @@
-"""Everything about adapters: the multi-LoRA layer, slot packs, file formats and
-the registry that maps model ids to slots."""
+"""The device math of multi-LoRA: the layers that add every row's adapter delta
+in one batch, and the slot packs across a model.
+
+    routing.py    LoRARouting: which slot each row of a forward pass uses
+    geometry.py   which linears carry LoRA, their dims and sharding, a slot's rows
+    layer.py      MultiLoRALinear: a base linear plus slot-indexed LoRA packs
+    experts.py    its twin on the experts of a mixture of experts (SwitchGLU)
+    pack.py       AdapterPacks: every such layer of a model; SlotGeometry, SlotRows
+
+It imports nothing from mola's other packages: reading adapters is
+mola.adapters, who holds which slot is mola.registry.
+"""

@@ -31,7 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
-from .layer import TargetGeometry, compute_dtype
+from .geometry import TargetGeometry, compute_dtype
 
 EXPERT_BASES = (SwitchLinear, QuantizedSwitchLinear)
 SORT_PAIRS = 64  # mlx-lm's SwitchGLU sorts (token, expert) pairs from this many on
@@ -48,7 +48,7 @@ class ExpertRoute:
     LoRA, in the order the projections see the pairs."""
 
     idx: mx.array  # combined e * S + (s - 1), shaped as the projections' expert indices
-    scale: mx.array | None  # per-pair scale (row_scale, 0 off the expert slots); None: all 1
+    row_scale: mx.array | None  # per pair: its row's row_scale, 0 off the expert slots; None: all 1
 
 
 class MultiLoRASwitchLinear(nn.Module):
@@ -86,7 +86,7 @@ class MultiLoRASwitchLinear(nn.Module):
 
     def set_rows(self, slot: int, rows) -> None:
         """Write expert rows (a [E, r, in], b [E, r, out], see
-        :func:`mola.lora.layer.module_rows`) into ``slot``."""
+        :func:`mola.lora.geometry.module_rows`) into ``slot``."""
         assert 0 < slot <= self.num_slots and rows.rank <= self.max_rank, (slot, rows.rank)
         r, stale, S, i = rows.rank, self._ranks.get(slot, 0), self.num_slots, slot - 1
         self._view = None  # no other reference: the writes below update in place
@@ -126,8 +126,8 @@ class MultiLoRASwitchLinear(nn.Module):
             return y
         a, b = self._pack_view()
         z = mx.gather_mm(_cast(x, a.dtype), a, rhs_indices=route.idx, sorted_indices=sorted_indices)  # [..., 1, r]
-        if route.scale is not None:
-            z = z * route.scale
+        if route.row_scale is not None:
+            z = z * route.row_scale
         z = mx.gather_mm(z, b, rhs_indices=route.idx, sorted_indices=sorted_indices)  # [..., 1, out]
         return y + _cast(z, y.dtype)
 
@@ -173,10 +173,10 @@ class MultiLoRASwitchGLU(nn.Module):
             x = x.flatten(0, -3)[order // indices.shape[-1]]  # [B*L*k, 1, D]
             idx = indices.flatten()[order]
             if route is not None:
-                scale = route.scale
-                if scale is not None:  # [B, 1, 1, 1, 1] -> one per pair, [N, 1, 1]
-                    scale = mx.broadcast_to(scale[..., 0, 0], indices.shape).flatten()[order][:, None, None]
-                route = ExpertRoute(key[order], scale)
+                row_scale = route.row_scale
+                if row_scale is not None:  # [B, 1, 1, 1, 1] -> one per pair, [N, 1, 1]
+                    row_scale = mx.broadcast_to(row_scale[..., 0, 0], indices.shape).flatten()[order][:, None, None]
+                route = ExpertRoute(key[order], row_scale)
         up = self.up_proj(x, idx, do_sort, route)
         gate = self.gate_proj(x, idx, do_sort, route)
         x = self.down_proj(self.activation(up, gate), idx, do_sort, route)
@@ -189,8 +189,8 @@ class MultiLoRASwitchGLU(nn.Module):
         r = self._routing
         S = self.gate_proj.num_slots
         local = r.expert_slot if r.expert_slot is not None else r.expert_idx  # int, or [B, 1, 1]
-        scale = r.expert_scale[..., None, None] if r.expert_scale is not None else None  # [B, 1, 1, 1, 1]
-        return ExpertRoute(indices * S + local, scale)  # [B, L, k]
+        row_scale = r.expert_scale[..., None, None] if r.expert_scale is not None else None  # [B, 1, 1, 1, 1]
+        return ExpertRoute(indices * S + local, row_scale)  # [B, L, k]
 
 
 def _cast(x: mx.array, dtype: mx.Dtype) -> mx.array:

@@ -8,16 +8,37 @@ be written into, or cleared from, one slot of every layer at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from .experts import EXPERT_BASES, MultiLoRASwitchGLU, MultiLoRASwitchLinear, expert_dims
-from .layer import (WRAPPABLE, LoRARouting, ModuleRows, MultiLoRALinear, TargetGeometry, compute_dtype, full_dims,
-                    module_rows, sharding_of)
-from .weights import LoRAWeights
+from .geometry import WRAPPABLE, ModuleRows, TargetGeometry, compute_dtype, full_dims, module_rows, sharding_of
+from .layer import MultiLoRALinear
+from .routing import LoRARouting
+
+
+class Factors(Protocol):
+    """One module's LoRA as the packs take it: delta(x) = scale * (x @ a) @ b
+    (mola.adapters.weights.ModuleLoRA is one)."""
+
+    @property
+    def a(self) -> mx.array: ...  # [in, r], or [E, in, r] for experts
+
+    @property
+    def b(self) -> mx.array: ...  # [r, out], or [E, r, out] for experts
+
+    @property
+    def scale(self) -> float: ...
+
+
+class Adapter(Protocol):
+    """An adapter as the packs take it, by module path (mola.adapters.weights.LoRAWeights is one)."""
+
+    @property
+    def modules(self) -> Mapping[str, Factors]: ...
 
 
 class AdapterPacks:
@@ -77,7 +98,7 @@ class AdapterPacks:
         )
 
     def arrays(self) -> list[mx.array]:
-        return [a for l in self.layers.values() for a in (l.lora_a, l.lora_b, getattr(l, "lora_scale", None))
+        return [a for l in self.layers.values() for a in (l.lora_a, l.lora_b, getattr(l, "folded_scale", None))
                 if a is not None]
 
     @property
@@ -106,7 +127,7 @@ class AdapterPacks:
                 layer.set_rows(slot, row)
         mx.async_eval(self.arrays())
 
-    def fill_from(self, slot: int, weights: LoRAWeights, scale: float = 1.0) -> None:
+    def fill_from(self, slot: int, weights: Adapter, scale: float = 1.0) -> None:
         """Prepare and write a validated adapter into ``slot`` (its scales
         multiplied by ``scale``)."""
         self.fill(slot, prepare_rows(weights, self.geometry, scale))
@@ -221,7 +242,7 @@ class SlotRows:
         return SlotRows(modules, sum(r.a.nbytes + r.b.nbytes for r in modules.values()))
 
 
-def prepare_rows(weights: LoRAWeights, geometry: SlotGeometry, scale: float = 1.0) -> SlotRows:
+def prepare_rows(weights: Adapter, geometry: SlotGeometry, scale: float = 1.0) -> SlotRows:
     """The slot rows of a validated adapter, its scales multiplied by
     ``scale``, evaluated. Pure: any thread (the reader thread does it, so that
     the engine thread only copies)."""

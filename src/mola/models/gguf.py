@@ -28,7 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import ModelLoadError
-from ..lora.formats.gguf_names import ARCHITECTURES, block_tensors, hf_row_order
+from ..adapters.formats.gguf_names import ARCHITECTURES, block_tensors, hf_row_order
 from .codecs import GROUP_SIZE, KEPT, BFloat16, Quantized, UnsupportedTensor, codec_name, read_tensor
 from .metadata import GGUFFile, model_config, open_gguf
 

@@ -4,18 +4,22 @@ per-layer head counts, partial rope, rope scaling mlx-lm's model does not apply,
 llama 3's ``rope_freqs`` factors, expert counts the tensors do not hold.
 
 Mixtures of experts (moe_config.py): qwen3moe -> qwen3_moe, qwen2moe -> qwen2_moe,
-gpt-oss -> gpt_oss, and llama with expert tensors (Mixtral) -> mixtral."""
+gpt-oss -> gpt_oss, and llama with expert tensors (Mixtral) -> mixtral.
+
+read_model_config reads either kind of base's config: a GGUF file's, or an mlx-lm
+directory's config.json."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ModelLoadError
-from ..lora.formats.gguf import is_gguf_file
-from ..lora.formats.gguf_names import MOE_MODEL_TYPES
+from ..adapters.formats.gguf import is_gguf_file
+from ..adapters.formats.gguf_names import MOE_MODEL_TYPES
 
 
 @dataclass(frozen=True)
@@ -119,25 +123,9 @@ def model_config(f: GGUFFile, tensor_names: set[str], vocab_size: int) -> dict:
 
     arch = f.arch
     is_moe = arch.model_type in MOE_MODEL_TYPES
-    if not is_moe and (f.get(".expert_count", 0) or has_expert_tensors(f.reader)):
-        what = (f"{arch.name}.expert_count = {f.get('.expert_count')}" if f.get(".expert_count")
-                else "it holds expert tensors (blk.N.ffn_gate_inp / ffn_*_exps)")
-        raise ModelLoadError(
-            f"{f.path} is a mixture-of-experts model ({what}), but llama.cpp's {arch.name} is a "
-            "dense architecture; mola maps llama.cpp's mixtures of experts for llama (Mixtral), "
-            "qwen2moe, qwen3moe and gpt-oss.")
-    hidden, n_head = _int(f, ".embedding_length"), _int(f, ".attention.head_count")
-    head_dim = _int(f, ".attention.key_length", hidden // n_head)
-    if _int(f, ".attention.value_length", head_dim) != head_dim:
-        raise ModelLoadError(f"{f.path}: attention key and value lengths differ; mlx-lm's "
-                             f"{arch.model_type} model needs them equal.")
-    if _int(f, ".rope.dimension_count", head_dim) != head_dim:
-        raise ModelLoadError(
-            f"{f.path}: rope covers {f.get('.rope.dimension_count')} of {head_dim} head "
-            f"dimensions; mlx-lm's {arch.model_type} model ropes the whole head.")
-    if arch.model_type in ("qwen2", "qwen2_moe", "mixtral") and head_dim != hidden // n_head:
-        raise ModelLoadError(f"{f.path}: head size {head_dim} is not hidden / heads; mlx-lm's "
-                             f"{arch.model_type} model cannot hold it.")
+    if not is_moe:
+        _refuse_experts(f)
+    hidden, n_head, head_dim = _attention_shape(f)
     config = {
         "model_type": arch.model_type,
         "architectures": [arch.hf_class],
@@ -167,6 +155,35 @@ def model_config(f: GGUFFile, tensor_names: set[str], vocab_size: int) -> dict:
         if value is not None:
             config[key] = int(value)
     return config
+
+
+def _refuse_experts(f: GGUFFile) -> None:
+    """A dense architecture's file that holds experts cannot be mapped."""
+    if f.get(".expert_count", 0) or has_expert_tensors(f.reader):
+        what = (f"{f.arch.name}.expert_count = {f.get('.expert_count')}" if f.get(".expert_count")
+                else "it holds expert tensors (blk.N.ffn_gate_inp / ffn_*_exps)")
+        raise ModelLoadError(
+            f"{f.path} is a mixture-of-experts model ({what}), but llama.cpp's {f.arch.name} is a "
+            "dense architecture; mola maps llama.cpp's mixtures of experts for llama (Mixtral), "
+            "qwen2moe, qwen3moe and gpt-oss.")
+
+
+def _attention_shape(f: GGUFFile) -> tuple[int, int, int]:
+    """(hidden size, heads, head size), refused where mlx-lm's model cannot hold them."""
+    model_type = f.arch.model_type
+    hidden, n_head = _int(f, ".embedding_length"), _int(f, ".attention.head_count")
+    head_dim = _int(f, ".attention.key_length", hidden // n_head)
+    if _int(f, ".attention.value_length", head_dim) != head_dim:
+        raise ModelLoadError(f"{f.path}: attention key and value lengths differ; mlx-lm's "
+                             f"{model_type} model needs them equal.")
+    if _int(f, ".rope.dimension_count", head_dim) != head_dim:
+        raise ModelLoadError(
+            f"{f.path}: rope covers {f.get('.rope.dimension_count')} of {head_dim} head "
+            f"dimensions; mlx-lm's {model_type} model ropes the whole head.")
+    if model_type in ("qwen2", "qwen2_moe", "mixtral") and head_dim != hidden // n_head:
+        raise ModelLoadError(f"{f.path}: head size {head_dim} is not hidden / heads; mlx-lm's "
+                             f"{model_type} model cannot hold it.")
+    return hidden, n_head, head_dim
 
 
 def _rope_scaling(f: GGUFFile, tensor_names: set[str]) -> dict | None:
@@ -201,3 +218,11 @@ def gguf_config(path: Path) -> dict:
     if embed is None:
         raise ModelLoadError(f"{path} has no token_embd.weight.")
     return model_config(f, set(tensors), int(embed.shape[-1]))
+
+
+def read_model_config(path: Path) -> dict:
+    """config.json of an mlx-lm model directory, or the config a GGUF model file describes."""
+    path = Path(path)
+    if path.is_file():
+        return gguf_config(path)
+    return json.loads((path / "config.json").read_text())

@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 
 from ..errors import ModelLoadError
-from ..lora.formats.gguf_names import EXPERT_TENSORS
+from ..adapters.formats.gguf_names import EXPERT_TENSORS
 from .metadata import _float, _int  # metadata.py imports this module lazily, in model_config
 
 _EXPERT_NAME = re.compile(r"blk\.\d+\.(ffn_gate_inp|ffn_(?:gate_up|gate|up|down)_exps)\.(weight|bias)")

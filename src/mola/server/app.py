@@ -17,18 +17,18 @@ from ..config import ServeConfig
 from ..engine.client import AsyncEngine
 from ..engine.engine import Engine, LoadedModel
 from ..errors import MolaError
-from ..lora.host_tier import HostTier
-from ..lora.loader import AdapterLoader
-from ..lora.registry import AdapterRegistry
-from ..lora.resolvers import make_resolvers
-from ..lora.sources import AdapterSources
+from ..registry.host_tier import HostTier
+from ..adapters.loader import AdapterLoader
+from ..registry.registry import AdapterRegistry
+from ..registry.resolvers import make_resolvers
+from ..registry.sources import AdapterSources
 from ..structured import StructuredOutputs
 from .anthropic.errors import AnthropicErrorsMiddleware
 from .errors import error_response, install_error_handlers
 from .middleware import AuthMiddleware, BodyLimitMiddleware, HTTPMetricsMiddleware, RequestIdMiddleware
 from .reasoning import reasoning_format
 from .responses_api.store import ResponseStore
-from .routes import adapters, chat, completions, messages, models, responses, tokenize, vllm
+from .routes import adapters, chat, completions, messages, models, responses, tokenize, ui, vllm
 from .state import ServerState
 
 log = logging.getLogger("mola.server")
@@ -57,7 +57,7 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel) 
         resolver_dirs=[r.root for r in config.adapter_resolvers if r.kind == "dir"],
     )
     tier = HostTier(config.max_cpu_loras, config.adapter_cache_bytes)
-    registry = AdapterRegistry(base_id, loader, config.max_loras, sources, forget=async_engine.forget_prompts,
+    registry = AdapterRegistry(base_id, loader, config.engine.max_loras, sources, forget=async_engine.forget_prompts,
                                resolvers=make_resolvers(config.adapter_resolvers, sources),
                                tier=tier, max_wait=config.max_adapter_wait,
                                expert_slots=loader.geometry.expert_slots)
@@ -118,6 +118,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(adapters.router)
     app.include_router(vllm.router)
     app.include_router(tokenize.router)
+    if state.config.ui:
+        ui.install(app)  # the playground at /
     state.metrics.watch(state)
 
     blas = blas_in_use()  # what the engine's CPU matmuls run on (fixed for the process)

@@ -12,10 +12,10 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
-from ..engine.sequence import SamplingParams, Sequence
+from ..engine.sequence import FinishReason, SamplingParams, Sequence
 from ..errors import (ContextLengthExceeded, InvalidRequest, MolaError, Overloaded, RequestTimedOut,
                       ShuttingDown)
-from ..lora.registry import Lease
+from ..registry.registry import Lease
 from ..structured import CompiledGrammar
 from .protocol import _Sampling
 from .state import ServerState
@@ -86,7 +86,9 @@ class Delta:
 
 class Generation:
     """One choice: runs its sequence and yields deltas. Gives its lease on the
-    model id back when done, however it ends (``close`` is idempotent)."""
+    model id back when done, however it ends (``close`` is idempotent). Once
+    handed to the engine the sequence is the engine thread's: what this side
+    knows of it comes in its outputs."""
 
     def __init__(self, state: ServerState, seq: Sequence, lease: Lease, stop: list[str],
                  index: int = 0, tools: list[dict] | None = None, model: str = "",
@@ -94,6 +96,9 @@ class Generation:
                  json_calls=None):
         self.state = state
         self.seq = seq
+        self.num_prompt_tokens = seq.num_prompt_tokens
+        # Prompt tokens the prompt cache held (each output says; 0 before the first).
+        self.num_cached_tokens = 0
         self.lease = lease
         self.index = index
         self.model = model
@@ -125,28 +130,19 @@ class Generation:
         self.finish_reason: str | None = None
 
     @property
-    def num_prompt_tokens(self) -> int:
-        return self.seq.num_prompt_tokens
-
-    @property
-    def num_cached_tokens(self) -> int:
-        """Prompt tokens the prompt cache held (set by the engine thread before
-        the first output reaches this choice)."""
-        return self.seq.num_cached_tokens
-
-    @property
     def num_tokens(self) -> int:
         return len(self.tokens)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         try:
             async for out in self.state.engine.generate(self.seq):
-                if out.finish_reason == "timeout":
+                self.num_cached_tokens = out.num_cached_tokens
+                if out.finish_reason == FinishReason.TIMEOUT:
                     raise RequestTimedOut(
                         f"The request waited longer than --request-timeout "
                         f"({self.state.config.request_timeout:g} s) for the model; try again later."
                     )
-                if out.finish_reason in ("error", "abort"):
+                if out.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
                     raise GenerationFailed(f"Generation failed: {out.error or out.finish_reason}")
                 tokens, logprobs, text = self._add(out.tokens, out.logprobs)
                 self._observe(len(tokens))
@@ -287,7 +283,7 @@ async def start_generations(state: ServerState, body: _Sampling, prompts: list[l
     under ``grammar``, its own matcher; with ``reasoning``, its own parser
     of the thinking)."""
     check_constrainable(body, grammar)
-    admit(state, len(prompts) * body.n)
+    accept(state, len(prompts) * body.n)
     stack = [a.ref() for a in body.adapters] if body.adapters else None
     timeout = state.config.request_timeout
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -335,17 +331,17 @@ async def _acquire(state: ServerState, body: _Sampling, stack, deadline: float |
         ) from None
 
 
-def admit(state: ServerState, num_sequences: int) -> None:
-    """Refuse new work while shutting down, or when the queue is full."""
+def accept(state: ServerState, num_sequences: int) -> None:
+    """Backpressure: refuse new work while shutting down, or when the queue is full."""
     if state.draining:
         state.metrics.rejected.labels("shutdown").inc()
         raise ShuttingDown("The server is shutting down and takes no new requests.")
-    would_queue = state.active_sequences + num_sequences - state.config.max_num_seqs
+    would_queue = state.active_sequences + num_sequences - state.config.engine.max_num_seqs
     if would_queue > state.config.max_queue:
         state.metrics.rejected.labels("queue_full").inc()
         raise Overloaded(
             f"The server is at capacity: {state.active_sequences} sequences are running or "
-            f"queued (--max-num-seqs {state.config.max_num_seqs}, --max-queue "
+            f"queued (--max-num-seqs {state.config.engine.max_num_seqs}, --max-queue "
             f"{state.config.max_queue}); retry later.", retry_after=1,
         )
 

@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import InvalidRequest
-from ..lora.registry import AdapterRef
+from ..registry.catalog import AdapterRef
 
 MAX_N = 16  # choices per request
 MAX_LOGPROBS = 20
@@ -357,7 +357,7 @@ class DetokenizeRequest(_Body):
 
 
 # Names are checked against the adapter id grammar by the routes
-# (mola/lora/names.py), which say which rule a bad one breaks.
+# (mola/registry/names.py), which say which rule a bad one breaks.
 
 
 class LoadAdapterRequest(_Body):

@@ -8,8 +8,8 @@ from typing import Any
 
 from ..config import ServeConfig
 from ..engine.client import AsyncEngine
-from ..lora.loader import AdapterLoader
-from ..lora.registry import AdapterRegistry
+from ..adapters.loader import AdapterLoader
+from ..registry.registry import AdapterRegistry
 from ..models.eog import special_token_ids
 from ..structured import StructuredOutputs
 from .metrics import Metrics
@@ -34,7 +34,7 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     responses: ResponseStore = field(default_factory=ResponseStore)  # for previous_response_id
     created: int = field(default_factory=lambda: int(time.time()))
-    active_sequences: int = 0  # generations admitted and not finished (each choice counts)
+    active_sequences: int = 0  # generations accepted and not finished (each choice counts)
     draining: bool = False  # shutting down: no new generations
     # Templating and tokenizing, off the event loop, on two lanes (short and
     # long prompts), each with its own tokenizer.
@@ -48,4 +48,4 @@ class ServerState:
 
     def queued(self) -> int:
         """Sequences waiting beyond what the decode batch holds."""
-        return max(0, self.active_sequences - self.config.max_num_seqs)
+        return max(0, self.active_sequences - self.config.engine.max_num_seqs)

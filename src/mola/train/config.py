@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InvalidAdapterName
-from ..lora.names import check_adapter_id
+from ..registry.names import check_adapter_id
 
 # mlx-lm's defaults (mlx_lm/lora.py CONFIG_DEFAULTS), which mola keeps.
 DEFAULT_RANK = 8

@@ -1,6 +1,6 @@
 """The trained adapter as a llama.cpp GGUF LoRA (``mola train --out FILE.gguf``):
 the mlx-lm adapter mlx-lm's trainer wrote, read back by mola's own reader and
-written by mola's GGUF writer (lora/formats/gguf_writer.py) with llama.cpp's
+written by mola's GGUF writer (adapters/formats/gguf_writer.py) with llama.cpp's
 tensor names, its q/k row order for llama, and adapter.lora.alpha = scale * rank."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import TrainError
-from ..lora.formats.gguf import ARCHITECTURES, MODULE_TENSORS, architecture_for
+from ..adapters.formats.gguf_names import ARCHITECTURES, MODULE_TENSORS, architecture_for
 
 
 def check_gguf_export(model_config: dict, keys: list[str]) -> str:
@@ -32,8 +32,8 @@ def check_gguf_export(model_config: dict, keys: list[str]) -> str:
 def write_gguf(adapter_dir: Path, out: Path, model_config: dict, base: str, outtype: str) -> None:
     """Write the mlx-lm adapter at ``adapter_dir`` as the GGUF LoRA ``out``
     (through a temporary file beside it, then renamed into place)."""
-    from ..lora.formats import read_adapter
-    from ..lora.formats.gguf_writer import save_gguf_adapter
+    from ..adapters.formats import read_adapter
+    from ..adapters.formats.gguf_writer import save_gguf_adapter
 
     weights = read_adapter(adapter_dir)
     n_head = model_config.get("num_attention_heads")

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 from ..engine.config import DEFAULT_EXPERT_RANK
 from ..errors import MolaError
-from ..lora.recipe import read_checked
-from ..lora.sources import AdapterSources
+from ..adapters.recipe import read_checked
+from ..registry.sources import AdapterSources
 from .describe import AdapterInfo, describe
 from .offline import ModelShape, model_shape
 

@@ -8,11 +8,11 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..lora.formats import detect_format, read_adapter
-from ..lora.formats.common import read_config
-from ..lora.formats.gguf import KEY_ARCHITECTURE, KEY_LORA_ALPHA, read_metadata
-from ..lora.sources import ADAPTER_FILES
-from ..lora.weights import LoRAWeights
+from ..adapters.formats import detect_format, read_adapter
+from ..adapters.formats.common import read_config
+from ..adapters.formats.gguf import KEY_ARCHITECTURE, KEY_LORA_ALPHA, read_metadata
+from ..registry.sources import ADAPTER_FILES
+from ..adapters.weights import LoRAWeights
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine.config import DEFAULT_EXPERT_RANK
-from ..lora.formats.gguf import tensor_base_name
+from ..adapters.formats.gguf_names import tensor_base_name
 from ..lora.pack import SlotGeometry, geometry_of
 from ..models.loader import ModelLoadError, resolve_dtype, resolve_model_path
 

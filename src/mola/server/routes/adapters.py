@@ -2,13 +2,13 @@
 
     GET    /v1/adapters            every known adapter: resident or not, slot, rank,
                                    scale, version, requests in flight, last use; stacks
-                                   (compositions) and adapters named by path; the host
+                                   (stacks) and adapters named by path; the host
                                    tier's occupancy and hits; slot admission; and
                                    the prompt cache: size, entries, hits, misses, tokens saved
     POST   /v1/adapters            {"name", "path", "scale"?}: check it now, serve it
     DELETE /v1/adapters/{name}     stop serving it; its slot frees when in-flight requests end
 
-Names follow the adapter id grammar (mola/lora/names.py); one with '/' is
+Names follow the adapter id grammar (mola/registry/names.py); one with '/' is
 given in the URL as is or %2F-encoded (the server decodes the path first).
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from ...lora.names import check_adapter_id
+from ...registry.names import check_adapter_id
 from .. import protocol as p
 from ..state import ServerState
 
@@ -34,7 +34,7 @@ async def list_adapters(request: Request):
     return {
         "object": "list",
         "data": [adapter_object(r) for r in registry.adapters()],
-        "compositions": [adapter_object(r) for r in registry.compositions()],
+        "stacks": [adapter_object(r) for r in registry.stack_adapters()],
         "path_adapters": [adapter_object(r) for r in registry.path_adapters()],
         "max_loras": registry.max_loras,
         "resident": registry.num_resident,

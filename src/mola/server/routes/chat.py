@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ...errors import MolaError
-from .. import responses as r
+from .. import completion_bodies as r
 from ..errors import error_payload
 from ..generation import Generation, merge, run_until_disconnect, start_generations, start_reasoning
 from ..protocol import ChatCompletionRequest

@@ -7,7 +7,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from ...errors import ModelNotFound
-from .. import responses as p
+from .. import completion_bodies as p
 from ..state import ServerState
 
 router = APIRouter()

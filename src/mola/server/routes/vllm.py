@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from ...errors import AdapterExists, AdapterNotFound
-from ...lora.names import check_adapter_id
+from ...registry.names import check_adapter_id
 from .. import protocol as p
 from ..errors import error_response
 from ..state import ServerState

@@ -1,0 +1,95 @@
+"""Adapters in mlx-lm's own format (what ``mlx_lm.lora`` writes):
+
+    adapter_config.json   {"fine_tune_type": "lora", "num_layers": N,
+                           "lora_parameters": {"rank", "scale", "dropout", "keys"}}
+    adapters.safetensors  model.layers.3.self_attn.q_proj.lora_a  [in, r]
+                          model.layers.3.self_attn.q_proj.lora_b  [r, out]
+
+delta(x) = scale * (x @ lora_a) @ lora_b, as mlx-lm's LoRALinear computes it.
+
+The experts of a mixture of experts (mlx-lm's LoRASwitchLinear) store
+lora_a [E, r, in] and lora_b [E, out, r]; they are read as a [E, in, r] and
+b [E, r, out] (see weights.ModuleLoRA).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import mlx.core as mx
+
+from ...errors import InvalidAdapter
+from .common import CONFIG_FILE, read_config
+from ..weights import LoRAWeights, ModuleLoRA
+
+WEIGHTS_FILE = "adapters.safetensors"
+
+
+def is_mlx_lm_adapter(path: Path) -> bool:
+    return (path / CONFIG_FILE).is_file() and (path / WEIGHTS_FILE).is_file()
+
+
+def adapter_scale(config: dict, where: Path) -> float:
+    fine_tune_type = config.get("fine_tune_type", "lora")
+    if fine_tune_type == "dora":
+        raise InvalidAdapter(
+            f"Adapter at {where} is a DoRA adapter (fine_tune_type 'dora'); mola "
+            "serves LoRA only and will not drop DoRA's magnitude vectors silently."
+        )
+    if fine_tune_type != "lora":
+        raise InvalidAdapter(
+            f"Adapter at {where} has fine_tune_type '{fine_tune_type}'; mola serves "
+            "LoRA adapters only (a 'full' fine-tune is a separate model)."
+        )
+    params = config.get("lora_parameters")
+    if not isinstance(params, dict):
+        raise InvalidAdapter(f"{where / CONFIG_FILE} lacks a 'lora_parameters' object.")
+    scale = params.get("scale")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise InvalidAdapter(
+            f"{where / CONFIG_FILE}: lora_parameters.scale must be a number, got {scale!r}."
+        )
+    if not math.isfinite(scale):
+        raise InvalidAdapter(f"{where / CONFIG_FILE}: lora_parameters.scale is {scale}.")
+    return float(scale)
+
+
+def read_mlx_lm_adapter(path: Path, dtype: mx.Dtype | None = None) -> LoRAWeights:
+    """Read (and evaluate) an mlx-lm adapter directory. Shapes are checked
+    against the model later, by :func:`mola.adapters.weights.validate`."""
+    config = read_config(path)
+    scale = adapter_scale(config, path)
+    weights_file = path / WEIGHTS_FILE
+    if not weights_file.is_file():
+        raise InvalidAdapter(f"Adapter at {path} has no {WEIGHTS_FILE}.")
+    try:
+        tensors = mx.load(str(weights_file))
+    except Exception as e:  # mlx raises RuntimeError/ValueError for bad files
+        raise InvalidAdapter(f"{weights_file} is not a readable safetensors file: {e}")
+
+    pairs: dict[str, dict[str, mx.array]] = {}
+    for key, value in tensors.items():
+        module, _, leaf = key.rpartition(".")
+        if leaf not in ("lora_a", "lora_b") or not module:
+            raise InvalidAdapter(
+                f"{weights_file} holds '{key}', which is not a LoRA factor "
+                "(expected keys ending in .lora_a / .lora_b)."
+            )
+        pairs.setdefault(module, {})[leaf] = value
+    modules = {}
+    for module, factors in sorted(pairs.items()):
+        if set(factors) != {"lora_a", "lora_b"}:
+            missing = ({"lora_a", "lora_b"} - set(factors)).pop()
+            raise InvalidAdapter(f"{weights_file}: {module} has no {missing}.")
+        a, b = factors["lora_a"], factors["lora_b"]
+        if a.ndim == 3 and b.ndim == 3:  # LoRASwitchLinear: [E, r, in] and [E, out, r]
+            a, b = a.swapaxes(1, 2), b.swapaxes(1, 2)
+        if dtype is not None:
+            a, b = a.astype(dtype), b.astype(dtype)
+        modules[module] = ModuleLoRA(a=a, b=b, scale=scale)
+    try:
+        mx.eval([(m.a, m.b) for m in modules.values()])
+    except Exception as e:
+        raise InvalidAdapter(f"{weights_file} could not be read: {e}") from None
+    return LoRAWeights(source=str(path), format="mlx-lm", modules=modules)

@@ -1,0 +1,105 @@
+"""Reads adapters for slots.
+
+Files are read, checked and turned into slot rows on a reader thread of its
+own (with its own MLX stream), in one hop per adapter, so a load costs the
+decode loop only the slot write itself. The engine's slots are reached
+through one narrow :class:`SlotPort` (their geometry, which the reads check
+against; writing and clearing a slot, which the registry does); the wiring
+lives above both, in the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Awaitable, Protocol
+
+import mlx.core as mx
+
+from ..lora.pack import SlotGeometry, SlotRows, prepare_rows
+from .recipe import SlotRecipe, read_recipe
+
+
+class SlotPort(Protocol):
+    """The engine's adapter slots, as the loader (their geometry) and the
+    registry (writes and clears) reach them; mola.engine.client.AsyncEngine
+    provides it."""
+
+    @property
+    def geometry(self) -> SlotGeometry: ...
+
+    def write_slot(self, slot: int, rows: SlotRows, recipe: SlotRecipe) -> Awaitable[None]:
+        """Queue a write of ``rows`` into ``slot`` (``recipe`` says how they
+        were made, for the other ranks of a tensor-parallel group): every
+        command given to the engine after this call sees the slot written.
+        Raises EngineUnavailable at once if the engine is not running; the
+        awaitable ends when the write is done."""
+
+    async def clear_slot(self, slot: int) -> None:
+        """Zero ``slot`` between two steps."""
+
+
+@dataclass(frozen=True)
+class PreparedAdapter:
+    """An adapter read, checked and made into slot rows: what a slot write
+    needs, and what the host tier keeps."""
+
+    rows: SlotRows
+    rank: int
+    file_scale: float | None  # the scale its file gives (alpha / r), when its modules share one
+    format: str
+    nbytes: int  # of its factors as read
+    expert_nbytes: int = 0  # of those, its expert modules' (mixtures of experts)
+    targets: tuple[str, ...] = ()  # the kinds of module it adapts (LoRAWeights.targets)
+
+    @property
+    def host_bytes(self) -> int:
+        return self.rows.nbytes
+
+
+def prepare(recipe: SlotRecipe, geometry: SlotGeometry, model_config: dict | None) -> PreparedAdapter:
+    """Read, check and prepare ``recipe`` (any thread; the reader thread runs it)."""
+    weights = read_recipe(recipe, geometry, model_config)
+    rows = prepare_rows(weights, geometry, recipe.slot_scale)
+    return PreparedAdapter(rows, weights.rank, weights.scale, weights.format, weights.nbytes,
+                           weights.expert_nbytes, weights.targets)
+
+
+def _reader_init() -> None:
+    mx.set_default_stream(mx.new_stream(mx.default_device()))
+
+
+class AdapterLoader:
+    def __init__(self, port: SlotPort, model_config: dict | None = None):
+        self.port = port  # the engine's slots: their geometry here; the registry writes and clears them
+        self.model_config = model_config or {}
+        self._reader = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="mola-adapter-reader", initializer=_reader_init
+        )
+
+    @property
+    def geometry(self) -> SlotGeometry:
+        return self.port.geometry
+
+    @property
+    def max_rank(self) -> int:
+        return self.geometry.max_rank
+
+    async def _off_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._reader, fn, *args)
+
+    async def prepare(self, recipe: SlotRecipe) -> PreparedAdapter:
+        """Read and check the adapter(s) of ``recipe`` (several are stacked
+        into one LoRA, see weights.stack_weights) and make its slot rows, on the
+        reader thread; raises InvalidAdapter or AdapterPathNotFound with a
+        message that names the problem."""
+        return await self._off_thread(prepare, recipe, self.geometry, self.model_config)
+
+    def close(self) -> None:
+        # MLX wants a thread's streams cleared before the thread ends.
+        try:
+            self._reader.submit(mx.clear_streams).result(timeout=10)
+        except Exception:
+            pass
+        self._reader.shutdown(wait=True)

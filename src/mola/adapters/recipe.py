@@ -1,0 +1,56 @@
+"""How a slot's contents are made from adapter files, and the one function that
+reads and checks them.
+
+A :class:`SlotRecipe` names the adapter files (resolved paths) and scales whose
+sum a slot holds: one adapter, or several stacked. Rank 0 reads a recipe when
+it loads an adapter; the other ranks of a tensor-parallel group read the same
+recipe at the same point of the stream of steps. Both go through
+:func:`read_recipe`, so every rank reads and checks an adapter the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .formats import read_adapter
+from ..lora.pack import SlotGeometry
+from .weights import LoRAWeights, stack_weights, validate
+
+
+@dataclass(frozen=True)
+class SlotRecipe:
+    """What one slot holds: the sum of ``part_scale * adapter`` over its parts,
+    all multiplied by ``slot_scale``. (Not the demo's training recipes.)"""
+
+    parts: tuple[tuple[str, float], ...]  # (resolved path, part scale) of each adapter
+    slot_scale: float = 1.0  # multiplies the whole: the scale an adapter was loaded with
+
+    @staticmethod
+    def single(path: str, slot_scale: float = 1.0) -> "SlotRecipe":
+        return SlotRecipe(((str(path), 1.0),), slot_scale)
+
+    @property
+    def is_single(self) -> bool:
+        return len(self.parts) == 1 and self.parts[0][1] == 1.0
+
+
+def read_checked(path: str, geometry: SlotGeometry, model_config: dict | None) -> LoRAWeights:
+    """The adapter at ``path`` in whichever format it is, cast to the packs'
+    dtype and checked against the base (InvalidAdapter or AdapterPathNotFound
+    naming the problem otherwise)."""
+    config = model_config or {}
+    weights = read_adapter(path, dtype=geometry.dtype, model_type=config.get("model_type"),
+                           model_config=config)
+    validate(weights, geometry.targets, geometry.max_rank, geometry.max_expert_rank,
+             geometry.expert_slots)
+    return weights
+
+
+def read_recipe(recipe: SlotRecipe, geometry: SlotGeometry, model_config: dict | None) -> LoRAWeights:
+    """The weights a recipe describes (before its ``slot_scale``, which the
+    slot rows apply): one adapter read and checked, or several stacked
+    into one LoRA of rank r1 + r2 + ..."""
+    if recipe.is_single:
+        return read_checked(recipe.parts[0][0], geometry, model_config)
+    parts = [(read_checked(path, geometry, model_config), scale) for path, scale in recipe.parts]
+    return stack_weights(parts, geometry.max_rank, geometry.max_expert_rank)

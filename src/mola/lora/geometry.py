@@ -1,0 +1,118 @@
+"""The geometry of a linear that can carry LoRA: which base layers mola wraps,
+their whole dimensions and how a tensor-parallel rank holds them (sharding),
+and the rows one slot of one layer stores for an adapter (cut to this rank's
+part). Pure functions of shapes and arrays: any thread may call them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.nn.layers.distributed as dist
+
+# Base layers mola can wrap: plain, quantized, and tensor-parallel shards
+# (mlx.nn.layers.distributed, as mlx-lm's model.shard() makes them).
+COLUMN_SHARDED = (dist.AllToShardedLinear, dist.QuantizedAllToShardedLinear)  # output split
+ROW_SHARDED = (dist.ShardedToAllLinear, dist.QuantizedShardedToAllLinear)  # input split, all-sum
+WRAPPABLE = (nn.Linear, nn.QuantizedLinear, *COLUMN_SHARDED, *ROW_SHARDED)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a base linear is split across a tensor-parallel group."""
+
+    kind: str = "none"  # "none", "column" (output split) or "row" (input split, then all-sum)
+    rank: int = 0
+    size: int = 1
+
+    def part(self, n: int) -> slice:
+        """This rank's part of a dimension of full size ``n``."""
+        step = n // self.size
+        return slice(self.rank * step, (self.rank + 1) * step)
+
+
+def sharding_of(linear: nn.Module) -> Sharding:
+    if isinstance(linear, COLUMN_SHARDED + ROW_SHARDED):
+        group = linear.group
+        kind = "column" if isinstance(linear, COLUMN_SHARDED) else "row"
+        return Sharding(kind, group.rank(), group.size())
+    return Sharding()
+
+
+def linear_dims(linear: nn.Module) -> tuple[int, int]:
+    """(input_dims, output_dims) of this rank's part of a linear."""
+    output_dims, input_dims = linear.weight.shape
+    if hasattr(linear, "bits"):  # quantized: packed input
+        input_dims = input_dims * 32 // linear.bits
+    return input_dims, output_dims
+
+
+def full_dims(linear: nn.Module) -> tuple[int, int]:
+    """(input_dims, output_dims) of the whole linear, across shards."""
+    input_dims, output_dims = linear_dims(linear)
+    sh = sharding_of(linear)
+    if sh.kind == "column":
+        output_dims *= sh.size
+    elif sh.kind == "row":
+        input_dims *= sh.size
+    return input_dims, output_dims
+
+
+@dataclass(frozen=True)
+class TargetGeometry:
+    """One linear that can carry LoRA: its whole dimensions and how this rank
+    holds it."""
+
+    input_dims: int  # of the whole linear, across shards
+    output_dims: int
+    sharding: Sharding = Sharding()
+    num_experts: int | None = None  # E for the experts of a mixture of experts (a SwitchLinear)
+
+    @property
+    def dims(self) -> tuple[int, int]:
+        return self.input_dims, self.output_dims
+
+
+@dataclass(frozen=True)
+class ModuleRows:
+    """What one slot of one MultiLoRALinear stores for an adapter."""
+
+    a: mx.array  # [r, in_part]: A^T at the adapter's own rank (the slot zero-pads it); experts [E, r, in]
+    b: mx.array  # [r, out_part]: scale * B; experts [E, r, out]
+    rank: int  # the adapter's own rank in this module, r
+    folded_scale: float  # the scale folded into b (kept for reading)
+
+
+def module_rows(target: TargetGeometry, max_rank: int, dtype: mx.Dtype, a: mx.array, b: mx.array,
+                scale: float) -> ModuleRows:
+    """The rows a slot stores for factors a [in, r], b [r, out]: A^T and
+    scale * B, cut to this rank's part, at rank r (not padded to ``max_rank``,
+    so that rows kept in host memory take only what the adapter needs). For
+    experts, a [E, in, r] and b [E, r, out] give A^T [E, r, in] and scale * B
+    [E, r, out] (never sharded). Pure: any thread may compute them."""
+    r = a.shape[-1]
+    assert r <= max_rank, (r, max_rank)
+    if target.num_experts is not None:
+        E = target.num_experts
+        assert a.shape == (E, target.input_dims, r) and b.shape == (E, r, target.output_dims)
+        a_rows = mx.contiguous(a.swapaxes(1, 2).astype(dtype))  # [E, r, in]
+        return ModuleRows(a_rows, (scale * b.astype(mx.float32)).astype(dtype), r, scale)
+    assert a.shape == (target.input_dims, r) and b.shape == (r, target.output_dims)
+    sh = target.sharding
+    if sh.kind == "row":  # this rank sees part of the input: its rows of A
+        a = a[sh.part(a.shape[0])]
+    elif sh.kind == "column":  # this rank makes part of the output: its columns of B
+        b = b[:, sh.part(b.shape[1])]
+    a_row = mx.contiguous(a.T.astype(dtype))  # [r, in_part]
+    b_row = (scale * b.astype(mx.float32)).astype(dtype)  # [r, out_part]
+    return ModuleRows(a_row, b_row, r, scale)
+
+
+def compute_dtype(linear: nn.Module) -> mx.Dtype:
+    """The dtype the base layer computes in (scales' dtype when quantized)."""
+    if hasattr(linear, "scales"):
+        return linear.scales.dtype
+    return linear.weight.dtype
+
