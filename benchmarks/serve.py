@@ -1,7 +1,7 @@
 """Serving benchmark: mola against mlx-lm's server and mlx-lm's in-process
 batch_generate, side by side in one run, on the same model and adapters.
 
-    python benchmarks/serve.py [--model synthetic|real|DIR] [--concurrency 1 8 32] [--repeats 3]
+    python benchmarks/serve.py [--model synthetic|real|qwen0.5b|llama1b|DIR] [--concurrency 1 8 32] [--repeats 3]
                                [--max-tokens 32]
 
 --model synthetic (default) builds (once, into benchmarks/.cache) a float32
@@ -42,8 +42,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import Request, RunResult, format_table, prompt_for, run_load, summarize  # noqa: E402
-from systems import (HERE, bench_adapters, bench_model, eos_id, mlx_lm_body, mola_body,  # noqa: E402
-                     real_model, run_batch_generate, start_mlx_lm, start_mola)
+from systems import (HERE, SHAPED, bench_adapters, bench_model, eos_id, mlx_lm_body, mola_body,  # noqa: E402
+                     real_model, run_batch_generate, shaped_model, start_mlx_lm, start_mola)
 
 K_MAX = 64
 
@@ -242,6 +242,9 @@ DEFAULTS = {  # what --model changes: its settings, unless given
                       rank=16, out=HERE / "results" / "serve.json"),
     "real": dict(concurrency=[8, 32], workloads=["base", "one", "mixed8", "mixed64"],
                  rank=8, out=HERE / "results" / "serve_real.json"),
+    # random models in the shapes of Qwen2.5-0.5B and Llama-3.2-1B (systems.SHAPED, issue 26)
+    **{name: dict(concurrency=[8, 32], workloads=["base", "one", "mixed8", "mixed64"], rank=8,
+                  out=HERE / "results" / f"serve_{name}.json") for name in SHAPED},
 }
 
 
@@ -251,6 +254,10 @@ def models(a) -> tuple[Path, Path, list[Path], str]:
         gguf, converted = real_model()
         adapters = bench_adapters(converted, K_MAX + 1, a.rank, prefix="smollm2-adapter")
         return gguf, converted, adapters, f"SmolLM2-135M-Instruct ({converted.name}), rank-{a.rank} adapters"
+    if a.model in SHAPED:
+        model = shaped_model(a.model)
+        adapters = bench_adapters(model, K_MAX + 1, a.rank, prefix=f"{a.model}-adapter")
+        return model, model, adapters, f"random {a.model}-shaped float32 model, rank-{a.rank} adapters"
     model = bench_model() if a.model == "synthetic" else Path(a.model)
     adapters = bench_adapters(model, K_MAX + 1, a.rank)
     title = "88M float32 model" if a.model == "synthetic" else model.name
@@ -260,8 +267,8 @@ def models(a) -> tuple[Path, Path, list[Path], str]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="synthetic",
-                   help="synthetic (the 88M bench model, default), real (SmolLM2-135M-Instruct), or a "
-                   "model directory")
+                   help="synthetic (the 88M bench model, default), real (SmolLM2-135M-Instruct), "
+                   "qwen0.5b or llama1b (random models in those shapes), or a model directory")
     p.add_argument("--concurrency", type=int, nargs="+")
     p.add_argument("--workloads", nargs="+")
     p.add_argument("--mlx-lm-workloads", nargs="+", default=["base", "one", "mixed8"])
@@ -275,7 +282,7 @@ def main() -> int:
     p.add_argument("--no-openblas", action="store_true", help="the reference BLAS of MLX's wheel")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
-    for key, value in DEFAULTS["real" if a.model == "real" else "synthetic"].items():
+    for key, value in DEFAULTS[a.model if a.model in DEFAULTS else "synthetic"].items():
         if getattr(a, key) is None:
             setattr(a, key, value)
 

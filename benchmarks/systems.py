@@ -36,6 +36,28 @@ def bench_model(cache: Path = CACHE) -> Path:
     return path
 
 
+# Random-weight float32 models at the proportions of models people serve
+# (issue 26); the vocabulary stays the bench tokenizer's 8192, so the output
+# projection is smaller than the real ones' and the LoRA's share of a step larger.
+SHAPED = {
+    "qwen0.5b": {"model_type": "qwen2", "hidden_size": 896, "num_hidden_layers": 24, "intermediate_size": 4864,
+                 "num_attention_heads": 14, "num_key_value_heads": 2},
+    "llama1b": {"model_type": "llama", "hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192,
+                "num_attention_heads": 32, "num_key_value_heads": 8},
+}
+
+
+def shaped_model(name: str, cache: Path = CACHE) -> Path:
+    """A random-weight float32 model in the shape SHAPED[name] (built once)."""
+    from mola.testing.model import TinyModelSpec, make_tiny_model
+
+    path = cache / f"model-{name}"
+    if not (path / "config.json").is_file():
+        spec = TinyModelSpec(**SHAPED[name], vocab_size=8192, max_position_embeddings=4096, weight_gain=1.0)
+        make_tiny_model(path, spec)
+    return path
+
+
 def real_model(cache: Path = CACHE) -> tuple[Path, Path]:
     """The real model: SmolLM2-135M-Instruct's Q4_1 GGUF (fetched once into
     mola's cache, hashes checked), which mola serves as it is, and its `mola
