@@ -18,6 +18,7 @@ from .commands import (add_chat_parser, add_convert_parser, add_train_parser, ad
                        train_config_from_args)
 from .config_file import load_config_file, merge_adapters
 from .serve_flags import add_serve_parser
+from ..distill.command import add_distill_parser
 
 __all__ = ["build_parser", "config_from_args", "main", "train_config_from_args"]
 
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(commands)
     add_train_parser(commands)
+    add_distill_parser(commands)
     add_convert_parser(commands)
     add_validate_parser(commands)
     add_chat_parser(commands)
@@ -43,6 +45,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         values.update(load_config_file(config_file))
     if "adapters" in given:
         given["adapters"] = merge_adapters(values.get("adapters", ()), tuple(given["adapters"]))
+    if "models" in given:
+        given["models"] = merge_adapters(values.get("models", ()), tuple(given["models"]))  # by name, too
     if "adapter_dirs" in given:
         given["adapter_dirs"] = tuple(values.get("adapter_dirs", ())) + tuple(given["adapter_dirs"])
     if "adapter_resolvers" in given:
@@ -76,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         from ..train import run
 
         return run(train_config)
+    if args.command == "distill":
+        from ..distill.command import main as distill
+
+        return distill(args, parser, argv)
     if args.command == "convert":
         return run_convert(args)
     if args.command == "chat":

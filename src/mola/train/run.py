@@ -107,17 +107,17 @@ def train_adapter(config: TrainConfig, log: Callable[[str], None] = _stderr) -> 
     mx.reset_peak_memory()
     held_before = mx.get_active_memory()  # the peak is the process's: count this run's part
     model, tokenizer, model_config = _load_model(config, log)
-    num_layers = _num_layers(config, len(model.layers))
+    num_layers = layers_to_train(config, len(model.layers))
     keys = resolve_targets(model, config.targets)
     if config.gguf_out is not None:
         check_gguf_export(model_config, keys)  # before training, not after
     train_set = tokenize(data.train.examples, tokenizer, config.mask_prompt)
     valid_set = tokenize(data.valid.examples, tokenizer, config.mask_prompt) if data.valid else []
     _check_lengths(config, train_set, valid_set, log)
-    lora_parameters, trainable = _add_lora_layers(model, config, keys, num_layers, log)
+    lora_parameters, trainable = add_lora_layers(model, config, keys, num_layers, log)
     progress = Progress(config.iters, log)
     _fit_and_write(model, config, train_set, valid_set, progress,
-                   _adapter_config(config, num_layers, lora_parameters), model_config)
+                   train_adapter_config(config, num_layers, lora_parameters), model_config)
     linears, quantized = _count_linears(model)
     result = TrainResult(
         path=config.out, seconds=time.perf_counter() - t_start, train_loss=progress.train_loss,
@@ -172,7 +172,7 @@ def _count_linears(model) -> tuple[int, int]:
     return len(kinds), sum(isinstance(m, nn.QuantizedLinear) for m in kinds)
 
 
-def _num_layers(config: TrainConfig, total: int) -> int:
+def layers_to_train(config: TrainConfig, total: int) -> int:
     """How many of the last blocks get LoRA layers."""
     if config.layers is None or config.layers == -1:
         return total if config.layers == -1 else min(DEFAULT_LAYERS, total)
@@ -190,7 +190,7 @@ def _check_lengths(config: TrainConfig, train_set, valid_set, log: Callable[[str
         raise TrainError("with --mask-prompt nothing is left to learn: every example is all prompt")
 
 
-def _add_lora_layers(model, config: TrainConfig, keys: list[str], num_layers: int,
+def add_lora_layers(model, config: TrainConfig, keys: list[str], num_layers: int,
                      log: Callable[[str], None]) -> tuple[dict, int]:
     """mlx-lm's LoRA layers on the chosen modules of the last blocks, the
     rest frozen; returns (lora_parameters, trainable parameter count)."""
@@ -214,7 +214,7 @@ def _add_lora_layers(model, config: TrainConfig, keys: list[str], num_layers: in
     return lora_parameters, trainable
 
 
-def _learning_rate(config: TrainConfig):
+def learning_rate_schedule(config: TrainConfig):
     """A constant rate, or mlx-lm's schedule (cosine to 10%, linear warm-up)."""
     from mlx_lm.tuner.utils import build_schedule
 
@@ -230,7 +230,7 @@ def _learning_rate(config: TrainConfig):
     return config.learning_rate
 
 
-def _adapter_config(config: TrainConfig, num_layers: int, lora_parameters: dict) -> dict:
+def train_adapter_config(config: TrainConfig, num_layers: int, lora_parameters: dict) -> dict:
     """adapter_config.json, as mlx-lm writes it, plus how it was trained."""
     return {
         "fine_tune_type": "lora",
@@ -271,7 +271,7 @@ def _fit_and_write(model, config: TrainConfig, train_set, valid_set, progress: "
         # mlx-lm's own progress display goes to stdout; mola reports through
         # the callback instead, on stderr.
         with contextlib.redirect_stdout(io.StringIO()):
-            train(model=model, optimizer=_adam(_learning_rate(config), config.grad_clip),
+            train(model=model, optimizer=adam(learning_rate_schedule(config), config.grad_clip),
                   train_dataset=batchable(train_set, config.seed),
                   val_dataset=batchable(valid_set, None) if valid_set else None, args=args,
                   training_callback=progress.callback)
@@ -284,7 +284,7 @@ def _fit_and_write(model, config: TrainConfig, train_set, valid_set, progress: "
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _adam(learning_rate, grad_clip: float | None):
+def adam(learning_rate, grad_clip: float | None):
     """mlx-lm's default optimizer (Adam), clipping the gradient's global norm
     first when ``grad_clip`` is set."""
     import mlx.optimizers as optim
