@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny models and adapters built offline into tmp dirs, and
-real mola servers on 127.0.0.1."""
+"""Shared fixtures: tiny models and adapters built offline into tmp dirs, real
+mola servers on 127.0.0.1 and HTTP clients of them, and engines without a
+server (one with the adapters in slots, one for the registry's tests)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,17 @@ import os
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
 
+import httpx
 import mlx.core as mx
 import pytest
 
 from mola.config import AdapterSpec
+from mola.engine.engine import Engine, EngineConfig
+from mola.models.loader import load_base_model
 from mola.testing.adapter import make_random_adapter
 from mola.testing.model import TinyModelSpec, make_tiny_model
 
-from helpers import ServerHandle, start_server
+from helpers import EngineRunner, ServerHandle, start_server
 
 # Adapters of the shared tiny model: different ranks, targets and layers.
 ADAPTER_SPECS = {
@@ -99,6 +103,34 @@ def server(tiny_model, adapters) -> ServerHandle:
     )
     yield handle
     handle.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """An HTTP client of the module's ``server`` (this file's, or the module's own)."""
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model, adapters, request):
+    """A started engine on the tiny model with adapters a, b, c in slots, and a
+    blocking way to run sequences to the end (helpers.EngineRunner); answers
+    of the requesting module's MAX_TOKENS unless a request says otherwise."""
+    r = EngineRunner(tiny_model, adapters=list(adapters.items()), max_tokens=request.module.MAX_TOKENS)
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    """A started engine on the tiny model with four slots, for a module's
+    registry and loader tests (each builds a fresh registry over it:
+    helpers.run_registry)."""
+    engine = Engine(lambda: load_base_model(str(tiny_model)), EngineConfig(max_loras=4, max_lora_rank=16))
+    engine.start()
+    yield engine
+    engine.stop()
 
 
 @pytest.fixture(scope="session")

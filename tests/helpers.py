@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 import signal
@@ -24,7 +25,8 @@ from mola.config import ServeConfig
 from mola.engine.engine import Engine
 from mola.models.loader import load_base_model
 from mola.adapters.formats import read_adapter
-from mola.server.app import build_state, create_app
+from mola.server.app import create_app
+from mola.server.startup import build_state
 
 SCHEMAS = Path(__file__).parent / "data" / "openai_schemas.json"
 
@@ -67,6 +69,20 @@ class ServerHandle:
         self.engine.stop()
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, setting ``ready`` once it listens (or failed to)."""
+
+    def __init__(self, config: uvicorn.Config, ready: threading.Event):
+        super().__init__(config)
+        self.ready = ready
+
+    async def startup(self, sockets=None) -> None:
+        try:
+            await super().startup(sockets=sockets)
+        finally:
+            self.ready.set()
+
+
 def start_server(**kwargs) -> ServerHandle:
     """Start engine + uvicorn (127.0.0.1, a free port) in this process; the
     event loop runs on a thread of its own."""
@@ -74,28 +90,28 @@ def start_server(**kwargs) -> ServerHandle:
     engine = Engine(lambda: load_base_model(config.model, dtype=config.dtype), config.engine)
     loaded = engine.start()
     box: dict = {}
+    ready = threading.Event()  # uvicorn listens, or the loop ended before it could
 
     async def main():
         app = create_app(await build_state(config, engine, loaded))
-        box["server"] = server = uvicorn.Server(
-            uvicorn.Config(app, host=config.host, port=config.port, log_level="warning")
-        )
+        box["server"] = server = _Server(uvicorn.Config(app, host=config.host, port=config.port,
+                                                        log_level="warning"), ready)
         await server.serve()
 
     def run():
         try:
             asyncio.run(main())
-        except BaseException as e:  # reported by the wait below
+        except BaseException as e:  # reported below
             box["error"] = e
+        finally:
+            ready.set()
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not (box.get("server") and box["server"].started):
-        if "error" in box or not thread.is_alive() or time.monotonic() > deadline:
-            engine.stop()
-            raise RuntimeError(f"the test server did not start: {box.get('error')}")
-        time.sleep(0.02)
+    ready.wait(timeout=30)
+    if not ("server" in box and box["server"].started):
+        engine.stop()
+        raise RuntimeError(f"the test server did not start: {box.get('error')}")
     return ServerHandle(f"http://127.0.0.1:{config.port}", engine, box["server"], thread, config)
 
 
@@ -115,19 +131,54 @@ def start_mola_serve(args, env=None, timeout=120):
 def wait_healthy(proc, url: str, timeout: float, kill) -> None:
     """Wait until ``url``/health answers 200; fail with the process's output
     if it exits first, and ``kill`` it after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def healthy() -> bool:
         if proc.poll() is not None:
             raise AssertionError(f"mola serve exited with {proc.returncode}:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        return status_is(url + "/health", 200)
+
+    try:
+        wait_until(healthy, timeout, "mola serve to become healthy", every=0.2)
+    except TimeoutError:
+        kill()
+        raise AssertionError("mola serve did not become healthy") from None
+
+
+def status_is(url: str, status: int) -> bool:
+    """Whether GET ``url`` answers ``status`` now (False when nothing listens yet)."""
+    try:
+        return httpx.get(url, timeout=1).status_code == status
+    except httpx.HTTPError:
+        return False
+
+
+def wait_until(predicate, timeout: float = 10.0, what: str = "the condition", every: float = 0.01):
+    """Poll ``predicate()`` until it holds (returns its value); TimeoutError
+    after ``timeout`` seconds. For states that nothing signals to a test:
+    another process (a server's /health), the snapshot the engine thread
+    republishes after each step, counters the server's event loop keeps.
+    Where an event exists (a callback, a stream's next line, a Condition),
+    wait on it instead."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
         if time.monotonic() > deadline:
-            kill()
-            raise AssertionError("mola serve did not become healthy")
-        time.sleep(0.2)
+            raise TimeoutError(f"waited {timeout} s for {what}")
+        time.sleep(every)
+    return value
+
+
+async def settle(predicate, timeout: float = 10.0, every: float = 0.002):
+    """wait_until on an event loop: poll ``predicate()`` (a coroutine
+    function too) between the loop's other work until it holds, for states
+    that no future signals (a prefetch done, a request in line, a slot
+    cleared by a spawned task, a server's counters)."""
+    async def holds() -> bool:
+        value = predicate()
+        return await value if inspect.isawaitable(value) else value
+
+    async def poll():
+        while not await holds():
+            await asyncio.sleep(every)
+    await asyncio.wait_for(poll(), timeout)
 
 
 def stop_mola_serve(proc) -> tuple[int, str]:
@@ -322,6 +373,24 @@ def reference_decode(model, prompt: list[int], max_tokens: int, bias=None, frequ
 # ---- an engine without the server ----------------------------------------------
 
 
+def run_registry(engine, scenario, max_loras: int = 1, **registry_args) -> None:
+    """Run ``scenario(registry)`` (async, bounded at 60 s) on a fresh registry
+    of ``max_loras`` slots whose loader writes into ``engine``."""
+    from mola.adapters.loader import AdapterLoader
+    from mola.engine.client import AsyncEngine
+    from mola.registry.registry import AdapterRegistry
+
+    async def main():
+        loader = AdapterLoader(AsyncEngine(engine), engine.loaded.config)
+        registry = AdapterRegistry("tiny", loader, max_loras, **registry_args)
+        try:
+            await asyncio.wait_for(scenario(registry), timeout=60)
+        finally:
+            registry.close()
+            loader.close()
+    asyncio.run(main())
+
+
 def runner_stats(engine):
     """A copy of the runner's counters, taken on the engine thread (the only
     thread that may read the runner)."""
@@ -352,6 +421,7 @@ class EngineRunner:
 
         self.max_tokens = max_tokens
         self.done: dict = {}
+        self.num_tokens: dict[int, int] = {}  # seq_id -> tokens generated so far
         self.logprobs: dict = {}  # seq_id -> [(logprob, [(id, logprob)])], for rows that ask
         self.cond = threading.Condition()
         self.engine = Engine(
@@ -385,6 +455,7 @@ class EngineRunner:
     def _on_outputs(self, outputs):
         with self.cond:
             for out in outputs:
+                self.num_tokens[out.seq_id] = self.num_tokens.get(out.seq_id, 0) + len(out.tokens)
                 if out.logprobs:
                     self.logprobs.setdefault(out.seq_id, []).extend(out.logprobs)
                 if out.finish_reason is not None:
@@ -407,6 +478,14 @@ class EngineRunner:
             while not all(s.seq_id in self.done for s in seqs):
                 assert self.cond.wait(deadline - time.monotonic()), "engine timed out"
         return [s.output for s in seqs]
+
+    def wait_decoding(self, seqs, timeout=60):
+        """Wait until each of ``seqs`` has generated a token (it is in the
+        decode batch), told by the engine's outputs."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not all(self.num_tokens.get(s.seq_id) for s in seqs):
+                assert self.cond.wait(deadline - time.monotonic()), "engine timed out"
 
     def run(self, prompt, adapter=None, **params):
         return self.wait([self.submit(prompt, adapter, **params)])[0]

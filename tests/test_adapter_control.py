@@ -7,7 +7,6 @@ import asyncio
 
 import httpx
 import mlx.core as mx
-import pytest
 
 from mola.adapters.formats import read_adapter
 from mola.adapters.weights import stack_weights
@@ -16,12 +15,6 @@ from helpers import detokenize, merged_model, reference_decode, runner_stats
 
 QUESTION = "Where do rivers go?"
 MAX_TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
 
 
 def ask(client, model="tiny", **extra):

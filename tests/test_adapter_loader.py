@@ -8,20 +8,15 @@ import asyncio
 
 import numpy as np
 
-from mola.engine.client import AsyncEngine
-from mola.engine.engine import Engine, EngineConfig
-from mola.models.loader import load_base_model
 from mola.adapters.formats import read_adapter
 from mola.adapters.loader import AdapterLoader
 from mola.adapters.recipe import SlotRecipe
+from mola.engine.client import AsyncEngine
 
 
-def test_place_and_remove_through_the_engine_port(tiny_model, adapters):
-    engine = Engine(lambda: load_base_model(str(tiny_model)), EngineConfig(max_loras=2, max_lora_rank=16))
-    loaded = engine.start()
-
+def test_place_and_remove_through_the_engine_port(engine, adapters):
     async def main():
-        loader = AdapterLoader(AsyncEngine(engine), loaded.config)
+        loader = AdapterLoader(AsyncEngine(engine), engine.loaded.config)
         try:
             recipe = SlotRecipe.single(str(adapters["b"]), slot_scale=0.5)
             prepared = await loader.prepare(recipe)
@@ -42,7 +37,4 @@ def test_place_and_remove_through_the_engine_port(tiny_model, adapters):
         finally:
             loader.close()
 
-    try:
-        asyncio.run(main())
-    finally:
-        engine.stop()
+    asyncio.run(main())

@@ -1,294 +1,138 @@
-"""Fair admission to slots: oldest waiting adapter first, a bounded wait for
-an adapter whose slot is held by one with continuous traffic (and, without
-the bound, the starvation it prevents), yields taken back when the need goes,
-and exact outputs through a server while adapters take turns in one slot
-(mola/registry/admission.py, mola/registry/registry.py)."""
+"""Fair admission to slots (mola/registry/admission.py), on an explicit clock:
+oldest waiting adapter first, most waiters first unless one starves, a bounded
+wait for an adapter whose slot is held by one with continuous traffic (and,
+without the bound, the starvation it prevents), at most a quarter of the slots
+yielding at once, yields taken back when the need goes, expert slots for
+expert adapters. admit() is driven as the registry drives it, by a model of
+the registry's side (tests/registry_model.py: requests lease a resident
+adapter or wait in line) over slots kept in plain Python. Then on the real
+registry, the one thing that is about real time: the timer that runs
+admission again when a waiter starts to starve; and through a server, exact
+outputs while adapters take turns in one slot."""
 
 from __future__ import annotations
 
-import itertools
-
 import asyncio
-import time
 
 import httpx
 import pytest
 
 from mola.config import AdapterSpec
-from mola.engine.client import AsyncEngine
-from mola.engine.engine import Engine, EngineConfig
-from mola.models.loader import load_base_model
+from mola.registry.admission import AdmissionQueue, admit, pick_yielder
 from mola.registry.host_tier import HostTier
-from mola.adapters.loader import AdapterLoader
-from mola.registry.records import AdapterRecord, AdapterState
-from mola.registry.registry import AdapterRegistry
+from mola.registry.records import AdapterState
 from mola.testing.adapter import make_random_adapter
 
-from helpers import greedy_tokens, merged_model, start_server
+from helpers import greedy_tokens, merged_model, run_registry, settle, start_server
+from registry_model import Registry, Request, Slots, rec
 
 S = AdapterState
 
 
-UIDS = itertools.count(1)  # records' uids, as a registry's counter gives them
+def waits(requests: list[Request]) -> list[float]:
+    return [r.started - r.arrival for r in requests]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    engine = Engine(lambda: load_base_model(str(tiny_model)), EngineConfig(max_loras=1, max_lora_rank=16))
-    engine.start()
-    yield engine
-    engine.stop()
+# Times in milliseconds (exact integer arithmetic): a request for "hot" every
+# 50 ms for 2.5 s, each holding its lease 150 ms, so they overlap and "hot"
+# never goes idle; one request for "cold" at 400 ms.
+HOT = [(t, "hot", 150) for t in range(0, 2500, 50)]
+COLD = [(400, "cold", 50)]
 
 
-@pytest.fixture(scope="module")
-def paths(tiny_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("admission")
-    return {n: make_random_adapter(root / n, tiny_model, rank=4, seed=400 + i)
-            for i, n in enumerate(["hot", "cold", "b", "c", "d"])}
+def test_a_cold_request_gets_the_slot_within_the_bound():
+    registry = Registry(Slots(1), max_wait=300)
+    made = registry.run(HOT + COLD, until=3000)
+    (cold,) = made["cold"]
+    assert 300 <= cold.started - cold.arrival <= 300 + 150  # max_wait + what the hot leases had left
+    stats = registry.queue.stats
+    assert (stats.yields, stats.starved) == (1, 1) and stats.max_wait_seconds == cold.started - cold.arrival
+    assert max(waits(made["hot"])) <= 150 + 50  # hot waited, boundedly, for its slot back
+    assert all(r.started is not None for r in made["hot"])
 
 
-def run(engine, paths, scenario, max_wait=float("inf")):
-    """``scenario(registry)`` on a fresh one-slot registry with a host tier."""
-    async def main():
-        loader = AdapterLoader(AsyncEngine(engine), engine.loaded.config)
-        registry = AdapterRegistry("tiny", loader, 1, tier=HostTier(max_entries=8), max_wait=max_wait)
-        for name, path in paths.items():
-            registry.register(name, str(path), "rest")
-        try:
-            await asyncio.wait_for(scenario(registry), timeout=60)
-        finally:
-            registry.close()
-            loader.close()
-    asyncio.run(main())
-
-
-async def request(registry, name: str, hold: float, log: list | None = None) -> float:
-    """Take a lease on ``name`` (the wait is returned), hold it ``hold`` s."""
-    t0 = time.monotonic()
-    lease = await registry.acquire(name)
-    waited = time.monotonic() - t0
-    if log is not None:
-        log.append(name)
-    await asyncio.sleep(hold)
-    lease.release()
-    return waited
-
-
-async def hot_traffic(registry, seconds: float, every=0.05, hold=0.15) -> list[asyncio.Task]:
-    """A request for "hot" every 50 ms, each holding its lease 150 ms: they
-    overlap, so without a bound "hot" never goes idle."""
-    tasks = []
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        tasks.append(asyncio.ensure_future(request(registry, "hot", hold)))
-        await asyncio.sleep(every)
-    return tasks
-
-
-def starvation_scenario(max_wait: float):
-    """(the cold request's wait, the longest hot wait, the registry's admission stats)."""
-    out = {}
-
-    async def scenario(registry):
-        traffic = asyncio.ensure_future(hot_traffic(registry, 2.5))
-        await asyncio.sleep(0.4)  # hot is resident and busy
-        assert registry.get("hot").state is S.RESIDENT
-        cold = await request(registry, "cold", 0.05)
-        hot = await asyncio.gather(*await traffic)
-        out.update(cold=cold, hot=max(hot), stats=registry.queue.stats, hot_state=registry.get("hot").state)
-    return out, scenario
-
-
-def test_a_cold_request_gets_the_slot_within_the_bound(engine, paths):
-    out, scenario = starvation_scenario(max_wait=0.3)
-    run(engine, {k: paths[k] for k in ("hot", "cold")}, scenario, max_wait=0.3)
-    # bound: max_wait + the longest hot lease (0.15 s) + slack for a loaded machine
-    assert out["cold"] <= 0.3 + 0.15 + 0.5, out
-    assert out["stats"].yields >= 1 and out["stats"].starved >= 1
-    assert out["hot"] <= 0.3 + 0.05 + 0.5, out  # hot's own requests waited, boundedly, for the slot back
-
-
-def test_without_the_bound_the_cold_request_starves(engine, paths):
+def test_without_the_bound_the_cold_request_starves():
     """The same traffic with no bound: the cold request waits until the hot
     traffic stops (which is what the bound above prevents)."""
-    out, scenario = starvation_scenario(max_wait=float("inf"))
-    run(engine, {k: paths[k] for k in ("hot", "cold")}, scenario)
-    assert out["cold"] >= 1.5, out
-    assert out["stats"].yields == 0
+    registry = Registry(Slots(1))
+    made = registry.run(HOT + COLD, until=3000)
+    (cold,) = made["cold"]
+    assert cold.started >= max(r.started + r.hold for r in made["hot"])  # after the last hot lease
+    assert registry.queue.stats.yields == 0 and max(waits(made["hot"])) == 0
 
 
-def test_slots_go_to_waiting_adapters_oldest_first(engine, paths):
-    async def scenario(registry):
-        first = await registry.acquire("hot")
-        admitted = registry.queue.stats.admitted
-        order = []
-        waiters = []
-        for name in ("d", "b", "c"):
-            waiters.append(asyncio.ensure_future(request(registry, name, 0.02, order)))
-            await asyncio.sleep(0.05)
-        await asyncio.wait_for(_all_cached(registry, ("d", "b", "c")), 10)  # read while waiting
-        first.release()
-        await asyncio.gather(*waiters)
-        assert order == ["d", "b", "c"]
-        assert registry.queue.stats.admitted == admitted + 3
-    run(engine, paths, scenario)
+def test_slots_go_to_waiting_adapters_oldest_first():
+    registry = Registry(Slots(1))
+    registry.run([(0, "hot", 1000), (100, "d", 20), (150, "b", 20), (200, "c", 20)], until=1200)
+    assert [r.name for r in registry.leased] == ["hot", "d", "b", "c"]
+    assert registry.queue.stats.admitted == 4
 
 
-def test_a_slot_goes_to_the_adapter_with_most_waiters_unless_one_starves(engine, paths):
-    async def scenario(registry):
-        first = await registry.acquire("hot")
-        order = []
-        lone = asyncio.ensure_future(request(registry, "b", 0.02, order))  # the oldest, alone
-        await asyncio.sleep(0.02)
-        crowd = [asyncio.ensure_future(request(registry, "c", 0.05, order)) for _ in range(3)]
-        await asyncio.wait_for(_all_cached(registry, ("b", "c")), 10)
-        first.release()  # nobody starves yet: c's three requests come first
-        await asyncio.gather(lone, *crowd)
-        assert order == ["c", "c", "c", "b"]
-        held = await registry.acquire("hot")
-        order.clear()
-        lone = asyncio.ensure_future(request(registry, "b", 0.02, order))
-        await asyncio.sleep(0.02)
-        crowd = [asyncio.ensure_future(request(registry, "c", 0.05, order)) for _ in range(3)]
-        await asyncio.sleep(0.4)  # b has waited past max_wait (hot yields, and its slot goes to b)
-        held.release()
-        await asyncio.gather(lone, *crowd)
-        assert order[0] == "b"
-    run(engine, paths, scenario, max_wait=0.3)
+def test_a_slot_goes_to_the_adapter_with_most_waiters_unless_one_starves():
+    crowd = [(20, "c", 50)] * 3
+    registry = Registry(Slots(1), max_wait=300)
+    registry.run([(0, "hot", 100), (10, "b", 20), *crowd], until=400)  # nobody starves
+    assert [r.name for r in registry.leased] == ["hot", "c", "c", "c", "b"]
+    registry = Registry(Slots(1), max_wait=300)
+    registry.run([(0, "hot", 1000), (10, "b", 20), *crowd], until=1200)  # b starves at 310: hot yields
+    assert [r.name for r in registry.leased] == ["hot", "b", "c", "c", "c"]
 
 
-async def _all_cached(registry, names):
-    while not all(registry.get(n).cached for n in names):
-        await asyncio.sleep(0.005)
+def test_a_yield_is_taken_back_when_the_waiter_leaves():
+    registry = Registry(Slots(1), max_wait=300)
+    registry.run([(0, "hot", 10_000), (10, "cold", 20)], until=400)
+    hot, (cold,) = registry.record("hot"), registry.waiting
+    assert hot.state is S.YIELDING
+    later = registry.ask("hot", 400, 20)  # a yielding adapter takes no new request
+    assert later.started is None
+    registry.cancel(cold, 450)  # e.g. the client went away, or --request-timeout
+    assert hot.state is S.RESIDENT and later.started == 450
+    assert registry.queue.stats.yields_cancelled == 1 and len(registry.queue) == 0
 
 
-def test_a_yield_is_taken_back_when_the_waiter_leaves(engine, paths):
-    async def scenario(registry):
-        running = await registry.acquire("hot")  # one long request: hot never drains
-        cold = asyncio.ensure_future(registry.acquire("cold"))
-        await asyncio.sleep(0.35)
-        assert registry.get("hot").state is S.YIELDING
-        later = asyncio.ensure_future(registry.acquire("hot"))  # a yielding adapter takes no new request
-        await asyncio.sleep(0.05)
-        assert not later.done()
-        cold.cancel()  # e.g. the client went away, or --request-timeout
-        lease = await asyncio.wait_for(later, 5)
-        assert registry.get("hot").state is S.RESIDENT and registry.queue.stats.yields_cancelled == 1
-        lease.release()
-        running.release()
-        assert registry.get("cold").state is S.KNOWN and len(registry.queue) == 0
-    run(engine, paths, scenario, max_wait=0.3)
-
-
-def test_at_most_a_quarter_of_the_slots_yield_at_once(tiny_model, paths):
+def test_at_most_a_quarter_of_the_slots_yield_at_once():
     """Four slots, all busy; three adapters starve: one resident yields at a
     time, the other three keep serving, and the starving adapters get slots
     in arrival order."""
-    engine = Engine(lambda: load_base_model(str(tiny_model)), EngineConfig(max_loras=4, max_lora_rank=16))
-    engine.start()
-
-    async def scenario(registry):
-        extra = [registry.register(f"e{i}", str(paths["hot"]), "rest") for i in range(4)]
-        busy = [await registry.acquire(r.name) for r in extra]  # one long request on each slot
-        order = []
-        starving = []
-        for name in ("b", "c", "d"):
-            starving.append(asyncio.ensure_future(request(registry, name, 0.01, order)))
-            await asyncio.sleep(0.02)
-        await asyncio.sleep(0.4)  # all three starve
-        assert sum(r.state is S.YIELDING for r in extra) == 1 and registry.queue.stats.yields == 1
-        for lease in busy:  # each long request ends in turn
-            lease.release()
-            await asyncio.sleep(0.05)
-        await asyncio.gather(*starving)
-        assert order == ["b", "c", "d"]
-
-    async def main():
-        loader = AdapterLoader(AsyncEngine(engine), engine.loaded.config)
-        registry = AdapterRegistry("tiny", loader, 4, tier=HostTier(max_entries=8), max_wait=0.3)
-        for name in ("b", "c", "d"):
-            registry.register(name, str(paths[name]), "rest")
-        try:
-            await asyncio.wait_for(scenario(registry), timeout=60)
-        finally:
-            registry.close()
-            loader.close()
-    try:
-        asyncio.run(main())
-    finally:
-        engine.stop()
+    registry = Registry(Slots(4), max_wait=300)
+    busy = [(i, f"e{i}", 500 + 100 * i) for i in range(4)]  # one long request on each slot
+    registry.run([*busy, (10, "b", 10), (20, "c", 10), (30, "d", 10)], until=400)  # all three starve
+    assert sum(registry.record(f"e{i}").state is S.YIELDING for i in range(4)) == 1
+    assert registry.queue.stats.yields == 1
+    registry.run([], until=1000)
+    assert [r.name for r in registry.leased[4:]] == ["b", "c", "d"]
 
 
-def test_adapters_taking_turns_in_one_slot_answer_exactly(tiny_model, paths):
-    """Through a server with one slot: three clients keep "hot" busy while a
-    request for "cold" comes; every answer is its adapter's own, as plain
-    mlx-lm on merged weights gives it."""
-    server = start_server(model=str(tiny_model), served_model_name="tiny", max_loras=1, max_lora_rank=16,
-                          adapters=(AdapterSpec("hot", str(paths["hot"])),),
-                          adapter_dirs=(str(paths["cold"].parent),), max_cpu_loras=4, max_adapter_wait=0.3)
-    try:
-        tok = server.state.tokenizer
-        prompt = tok.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True)
-        expected = {}
-        for name in ("hot", "cold"):
-            model, _ = merged_model(tiny_model, [paths[name]])
-            expected[name] = greedy_tokens(model, prompt, 24)
-        assert expected["hot"] != expected["cold"]
-        body = lambda m: {"model": m, "prompt": prompt, "max_tokens": 24, "temperature": 0,  # noqa: E731
-                          "ignore_eos": True, "logprobs": 0}
-
-        async def go():
-            async with httpx.AsyncClient(base_url=server.url, timeout=60) as c:
-                end = time.monotonic() + 2.0
-
-                async def client():
-                    outs = []
-                    while time.monotonic() < end:
-                        outs.append(await c.post("/v1/completions", json=body("hot")))
-                    return outs
-
-                clients = [asyncio.ensure_future(client()) for _ in range(3)]
-                await asyncio.sleep(0.5)
-                cold = await c.post("/v1/completions", json=body("cold"))
-                return cold, [r for outs in await asyncio.gather(*clients) for r in outs]
-
-        cold, hots = asyncio.run(go())
-        pieces = {n: [tok.decode([t]) for t in ts] for n, ts in expected.items()}
-        assert cold.status_code == 200 and pieces_of(cold) == pieces["cold"]
-        assert hots and all(r.status_code == 200 and pieces_of(r) == pieces["hot"] for r in hots)
-        admission = httpx.get(server.url + "/v1/adapters").json()["admission"]
-        assert admission["admitted"] >= 1 and admission["max_wait_seconds"] < 5
-    finally:
-        server.stop()
-
-
-def pieces_of(response) -> list[str]:
-    """The text of each token of a completion (its logprobs' tokens)."""
-    return response.json()["choices"][0]["logprobs"]["tokens"]
-
-
-def rec(name: str, last_used: float, in_flight: int) -> AdapterRecord:
-
-    r = AdapterRecord(name=name, path=f"/{name}", source="rest", version=1, uid=next(UIDS))
-    r.state, r.last_used, r.in_flight = S.RESIDENT, last_used, in_flight
-    return r
+def test_a_starving_expert_adapter_makes_an_expert_slot_yield_not_a_dense_one():
+    # Slot 1 carries experts; slot 2 does not and is the least recently used,
+    # which a dense waiter would make yield.
+    slots = Slots(2, experts=1, needs=frozenset({"needs-experts"}))
+    expert, dense = rec("e", 1, last_used=5.0, in_flight=2), rec("d", 2, last_used=1.0, in_flight=1)
+    slots.holders = {1: expert, 2: dense}
+    waiting = rec("needs-experts")
+    slots.read.add(waiting)
+    queue = AdmissionQueue(max_wait=1.0)
+    queue.join(waiting, now=0.0)
+    admit(queue, slots, now=0.5, max_yielding=1)
+    assert (expert.state, dense.state) == (S.RESIDENT, S.RESIDENT)  # not starving yet
+    admit(queue, slots, now=2.0, max_yielding=1)
+    assert (expert.state, dense.state) == (S.YIELDING, S.RESIDENT)  # the one whose slot can carry it
+    expert.in_flight = 0  # e drained
+    admit(queue, slots, now=2.5, max_yielding=1)
+    assert slots.installed == [("needs-experts", 1)] and dense.state is S.RESIDENT
 
 
 def test_the_yielder_is_the_resident_likely_to_drain_soonest():
-    from mola.registry.admission import pick_yielder
-
-    hot, old, older_idle = rec("hot", 9.0, 5), rec("old", 2.0, 2), rec("idle", 1.0, 0)
+    hot, old, older_idle = rec("hot", 1, 9.0, 5), rec("old", 2, 2.0, 2), rec("idle", 3, 1.0, 0)
     assert pick_yielder([hot, old, older_idle]) is old  # no new request for longest; idle ones need no yield
     assert pick_yielder([older_idle]) is None
-    tie = rec("tie", 2.0, 1)
+    tie = rec("tie", 4, 2.0, 1)
     assert pick_yielder([old, tie]) is tie  # same age: fewer requests to finish
 
 
 def test_the_queue_orders_by_oldest_request_and_times_starvation():
-    from mola.registry.admission import AdmissionQueue
-
     q = AdmissionQueue(max_wait=1.0)
-    a, b = rec("a", 0, 0), rec("b", 0, 0)
+    a, b = rec("a"), rec("b")
     ta = q.join(a, now=10.0)
     q.join(b, now=10.5)
     q.join(a, now=11.0)  # a's later request does not make a younger
@@ -300,62 +144,81 @@ def test_the_queue_orders_by_oldest_request_and_times_starvation():
         AdmissionQueue(max_wait=0)
 
 
-class _Control:
-    """What admit() drives, in plain Python: slots 1..n (1..experts carry
-    expert LoRA), records by name, rows read for every waiting record."""
-
-    def __init__(self, residents, experts: int, needs: set[str], free: list[int]):
-        self.resident, self.experts, self.needs, self.free = list(residents), experts, needs, free
-        self.installed, self.yielding = [], []
-
-    def has_rows(self, record):
-        return True
-
-    def prefetch(self, record):
-        raise AssertionError("every record is read")
-
-    def slot_for(self, record):
-        ok = [s for s in self.free if record.name not in self.needs or s <= self.experts]
-        if ok:
-            self.free.remove(ok[0])
-        return ok[0] if ok else None
-
-    def can_serve(self, resident, record):
-        return record.name not in self.needs or resident.slot <= self.experts
-
-    def install(self, record, slot):
-        self.installed.append((record.name, slot))
-
-    def residents(self):
-        return list(self.resident)
-
-    def set_yielding(self, record, yielding):
-        record.state = S.YIELDING if yielding else S.RESIDENT
-        (self.yielding.append if yielding else self.yielding.remove)(record.name)
+@pytest.fixture(scope="module")
+def paths(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("admission")
+    return {n: make_random_adapter(root / n, tiny_model, rank=4, seed=400 + i) for i, n in enumerate(["hot", "cold"])}
 
 
-def test_a_starving_expert_adapter_makes_an_expert_slot_yield_not_a_dense_one():
-    from mola.registry.admission import AdmissionQueue, admit
-    from mola.registry.records import AdapterRecord
+def test_the_registry_s_timer_makes_a_busy_resident_yield(engine, paths):
+    """Real time: with nothing else happening, the admission pass runs again
+    when the waiting request starts to starve (max_wait, 50 ms here), and
+    the busy resident yields; the yield is taken back when the waiter leaves."""
+    async def scenario(registry):
+        for name, path in paths.items():
+            registry.register(name, str(path), "rest")
+        running = await registry.acquire("hot")  # one long request: hot never drains
+        cold = asyncio.ensure_future(registry.acquire("cold"))
+        hot = registry.get("hot")
+        await settle(lambda: hot.state is S.YIELDING, timeout=10)
+        later = asyncio.ensure_future(registry.acquire("hot"))
+        await settle(lambda: hot.waiting == 1)  # in line: a yielding adapter takes no new request
+        assert not later.done()
+        cold.cancel()
+        lease = await asyncio.wait_for(later, 5)
+        assert hot.state is S.RESIDENT and registry.queue.stats.yields_cancelled == 1
+        lease.release()
+        running.release()
+        assert registry.get("cold").state is S.KNOWN and len(registry.queue) == 0
+    run_registry(engine, scenario, tier=HostTier(max_entries=8), max_wait=0.05)
 
-    def record(name, slot=None, last_used=0.0, in_flight=0):
-        r = AdapterRecord(name=name, path=f"/{name}", source="rest", version=1, uid=next(UIDS))
-        if slot is not None:
-            r.state, r.slot, r.last_used, r.in_flight = S.RESIDENT, slot, last_used, in_flight
-        return r
 
-    # Slot 1 carries experts; slot 2 does not and is the least recently used, which
-    # a dense waiter would make yield.
-    expert_res, dense_res = record("e", 1, last_used=5.0, in_flight=2), record("d", 2, last_used=1.0, in_flight=1)
-    waiting = record("needs-experts")
-    control = _Control([expert_res, dense_res], experts=1, needs={"needs-experts"}, free=[])
-    queue = AdmissionQueue(max_wait=1.0)
-    queue.join(waiting, now=0.0)
-    admit(queue, control, now=0.5, max_yielding=1)
-    assert control.yielding == []  # not starving yet
-    admit(queue, control, now=2.0, max_yielding=1)
-    assert control.yielding == ["e"]  # the one whose slot can carry it, though d is older
-    control.free.append(1)  # e drained; its slot is free
-    admit(queue, control, now=2.5, max_yielding=1)
-    assert control.installed == [("needs-experts", 1)]
-    assert control.yielding == []  # no adapter is left without a slot: the yield is taken back
+def test_adapters_taking_turns_in_one_slot_answer_exactly(tiny_model, paths):
+    """Through a server with one slot: three clients keep "hot" busy until a
+    request for "cold" is answered; every answer is its adapter's own, as
+    plain mlx-lm on merged weights gives it."""
+    server = start_server(model=str(tiny_model), served_model_name="tiny", max_loras=1, max_lora_rank=16,
+                          adapters=(AdapterSpec("hot", str(paths["hot"])),),
+                          adapter_dirs=(str(paths["cold"].parent),), max_cpu_loras=4, max_adapter_wait=0.3)
+    try:
+        tok = server.state.tokenizer
+        prompt = tok.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True)
+        expected = {}
+        for name in ("hot", "cold"):
+            model, _ = merged_model(tiny_model, [paths[name]])
+            expected[name] = [tok.decode([t]) for t in greedy_tokens(model, prompt, 24)]
+        assert expected["hot"] != expected["cold"]
+        cold, hots = asyncio.run(asyncio.wait_for(take_turns(server.url, prompt), 120))
+        assert cold.status_code == 200 and pieces_of(cold) == expected["cold"]
+        assert hots and all(r.status_code == 200 and pieces_of(r) == expected["hot"] for r in hots)
+        admission = httpx.get(server.url + "/v1/adapters").json()["admission"]
+        assert admission["admitted"] >= 1 and admission["max_wait_seconds"] < 5
+    finally:
+        server.stop()
+
+
+async def take_turns(url: str, prompt: list[int]):
+    """Three clients ask for "hot" in a loop; once each has an answer, one
+    request for "cold"; the loops stop when it is answered."""
+    body = lambda m: {"model": m, "prompt": prompt, "max_tokens": 24, "temperature": 0,  # noqa: E731
+                      "ignore_eos": True, "logprobs": 0}
+    answered = asyncio.Event()
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        async def client(first: asyncio.Event):
+            outs = []
+            while not answered.is_set():
+                outs.append(await c.post("/v1/completions", json=body("hot")))
+                first.set()
+            return outs
+
+        firsts = [asyncio.Event() for _ in range(3)]
+        clients = [asyncio.ensure_future(client(f)) for f in firsts]
+        await asyncio.gather(*(f.wait() for f in firsts))
+        cold = await c.post("/v1/completions", json=body("cold"))
+        answered.set()
+        return cold, [r for outs in await asyncio.gather(*clients) for r in outs]
+
+
+def pieces_of(response) -> list[str]:
+    """The text of each token of a completion (its logprobs' tokens)."""
+    return response.json()["choices"][0]["logprobs"]["tokens"]

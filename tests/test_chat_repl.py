@@ -10,13 +10,14 @@ import os
 import re
 import sys
 import threading
-import time
 
 import httpx
 import pexpect
 import pytest
 
 from mola.chat.session import Session, parse_scale
+
+from helpers import wait_until
 
 MAX_TOKENS = 12
 
@@ -188,10 +189,7 @@ def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(server, tmp_path, monkeypa
     gate.set()
     held.result(timeout=30)
     child.expect_exact("tiny> ")
-    deadline = time.monotonic() + 10
-    while server.state.active_sequences and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert server.state.active_sequences == 0
+    wait_until(lambda: server.state.active_sequences == 0, 10, "the cut answer's row to end")
     cut = generated_tokens(server.url, "tiny") - before
     assert 0 < cut < total, (cut, total)
 

@@ -4,19 +4,12 @@ from __future__ import annotations
 
 import math
 
-import httpx
 import openai
 import pytest
 
 from helpers import detokenize, merged_model, reference_decode, sse_events, validate_schema
 
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mola.structured import Grammar, StructuredOutputs
 
-from helpers import EngineRunner, detokenize, merged_model, runner_stats
+from helpers import detokenize, merged_model, runner_stats
 
 PERSON = {
     "type": "object",
@@ -36,13 +36,6 @@ MAX_TOKENS = 40
 
 def fmt(schema):
     return {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
-
-
-@pytest.fixture(scope="module")
-def runner(tiny_model, adapters):
-    r = EngineRunner(tiny_model, adapters=list(adapters.items()), max_tokens=MAX_TOKENS)
-    yield r
-    r.stop()
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from mola.engine.distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS
 from mola.testing.adapter import make_random_adapter
 from mola.testing.model import TinyModelSpec, make_tiny_model
 
-from helpers import free_port, wait_healthy
+from helpers import free_port, settle, status_is, wait_healthy, wait_until
 
 pytestmark = pytest.mark.skipif(
     shutil.which("mlx.launch") is None or not sys.platform.startswith("linux"),
@@ -159,7 +159,11 @@ def test_hot_load_and_unload_during_traffic(group, single, setup):
                     "max_tokens": 40, "temperature": 0, "ignore_eos": True})
 
             traffic = [asyncio.ensure_future(ask(m)) for m in ("model", "d0", "d1", "d2") * 3]
-            await asyncio.sleep(0.2)
+
+            async def running():  # requests on the adapters, as the server counts them
+                return sum(a["in_flight"] for a in (await c.get("/v1/adapters")).json()["data"])
+
+            await settle(running, 60, every=0.05)  # the traffic runs
             load = await c.post("/v1/adapters", json={"name": "hot", "path": str(extra)})
             hot = await ask("hot")
             unload = await c.delete("/v1/adapters/d1")
@@ -257,16 +261,16 @@ def start_ranks(model, tmp_path) -> tuple[list[subprocess.Popen], str]:
              "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
             env=env, stdout=(tmp_path / f"rank{rank}.log").open("w"), stderr=subprocess.STDOUT))
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return procs, url
-        except httpx.HTTPError:
-            pass
-        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
-            f"ranks did not start:\n{rank_logs(tmp_path)}"
-        time.sleep(0.3)
+
+    def healthy() -> bool:
+        assert all(p.poll() is None for p in procs), f"ranks did not start:\n{rank_logs(tmp_path)}"
+        return status_is(url + "/health", 200)
+
+    try:
+        wait_until(healthy, 180, "the ranks to start", every=0.3)
+    except TimeoutError as e:
+        raise AssertionError(f"{e}:\n{rank_logs(tmp_path)}") from None
+    return procs, url
 
 
 def rank_logs(tmp_path) -> str:
@@ -276,9 +280,11 @@ def rank_logs(tmp_path) -> str:
 def wait_for_health(url: str, status: int, within: float, tmp_path) -> float:
     """Seconds until /health answers ``status``; fails after ``within``."""
     t0 = time.monotonic()
-    while httpx.get(url + "/health", timeout=10).status_code != status:
-        assert time.monotonic() - t0 < within, f"/health did not turn {status} in {within} s:\n{rank_logs(tmp_path)}"
-        time.sleep(0.5)
+    try:
+        wait_until(lambda: httpx.get(url + "/health", timeout=10).status_code == status, within,
+                   f"/health to turn {status}", every=0.5)
+    except TimeoutError as e:
+        raise AssertionError(f"{e}:\n{rank_logs(tmp_path)}") from None
     return time.monotonic() - t0
 
 

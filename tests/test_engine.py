@@ -4,20 +4,11 @@ the forward pass itself is tests/test_runner.py)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from helpers import EngineRunner as Runner
 from helpers import ENGINE_QUESTIONS as QUESTIONS
 from helpers import ENGINE_MAX_TOKENS as MAX_TOKENS
-from helpers import greedy_tokens, merged_model
-
-@pytest.fixture(scope="module")
-def runner(tiny_model, adapters):
-    r = Runner(tiny_model, adapters=list(adapters.items()), max_tokens=MAX_TOKENS)
-    yield r
-    r.stop()
+from helpers import greedy_tokens, merged_model, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +32,7 @@ def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(runner):
 def test_abort_finishes_the_sequence_and_frees_its_row(runner):
     long = runner.submit(runner.prompt(QUESTIONS[1]), "a", max_tokens=1000)
     short = runner.submit(runner.prompt(QUESTIONS[0]), "b", max_tokens=5)
-    time.sleep(0.05)
+    runner.wait_decoding([long])
     runner.engine.abort(long.seq_id)
     runner.wait([long, short])
     assert long.finish_reason == "abort" and len(long.output) < 1000
@@ -94,9 +85,8 @@ def test_the_engine_publishes_an_immutable_snapshot(runner):
     after = runner.engine.snapshot
     assert after.num_steps > before.num_steps
     assert after.stats.decode_steps >= before.stats.decode_steps + 3
-    deadline = time.monotonic() + 10  # the finished row leaves the batch at the next step
-    while runner.engine.snapshot.num_running and time.monotonic() < deadline:
-        time.sleep(0.01)
+    # the finished row leaves the batch at the next step, and the snapshot after it says so
+    wait_until(lambda: runner.engine.snapshot.num_running == 0, 10, "an idle snapshot")
     idle = runner.engine.snapshot
     assert idle.num_running == idle.num_waiting == idle.num_prefilling == 0
     with pytest.raises(dataclasses.FrozenInstanceError):

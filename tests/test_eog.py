@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import mlx.core as mx
 import pytest
 from gguf import GGUFReader
@@ -177,12 +176,6 @@ def server(eog_model):
     handle = start_server(model=str(eog_model), served_model_name="eog")
     yield handle
     handle.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
 
 
 def chat(client, **extra) -> dict:

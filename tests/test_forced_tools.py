@@ -138,12 +138,6 @@ def server(plain_model, adapters):
     handle.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
-
-
 def body(question=QUESTIONS[0], model="plain", **extra):
     return {"model": model, "messages": [{"role": "user", "content": question}], "temperature": 0,
             "max_tokens": 300, "tools": TOOLS, **extra}

@@ -14,7 +14,7 @@ import pytest
 
 from mola.config import AdapterSpec
 
-from helpers import start_server, validate_schema
+from helpers import start_server, validate_schema, wait_until
 
 API, ADMIN = "api-key-123456", "admin-key-654321"
 MSG = [{"role": "user", "content": "Hello there"}]
@@ -102,14 +102,8 @@ def test_request_timeout_cuts_a_running_request(tiny_model):
         assert 0 < body["usage"]["completion_tokens"] < 1800  # cut by the timeout
         # The cut row leaves the batch at the engine's next step: read that
         # from the snapshot the engine publishes, not from its scheduler.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            snap = handle.engine.snapshot
-            if snap.num_running == snap.num_waiting == snap.num_prefilling == 0:
-                break
-            time.sleep(0.01)
-        else:
-            raise AssertionError(f"the timed-out row is still in the batch: {handle.engine.snapshot}")
+        wait_until(lambda: (s := handle.engine.snapshot).num_running == s.num_waiting == s.num_prefilling == 0,
+                   10, "the timed-out row to leave the batch")
     finally:
         handle.stop()
 

@@ -14,28 +14,18 @@ import httpx
 import numpy as np
 import pytest
 
+from mola.adapters.formats import read_adapter
+from mola.adapters.recipe import SlotRecipe
 from mola.engine.client import AsyncEngine
-from mola.engine.engine import Engine, EngineConfig
-from mola.models.loader import load_base_model
 from mola.engine.sequence import SamplingParams, Sequence
 from mola.errors import InvalidAdapter
-from mola.adapters.formats import read_adapter
 from mola.registry.host_tier import HostTier
-from mola.adapters.loader import AdapterLoader
-from mola.adapters.recipe import SlotRecipe
 from mola.registry.records import AdapterState
-from mola.registry.registry import AdapterRegistry
 from mola.testing.adapter import make_random_adapter
 
+from helpers import greedy_tokens, merged_model, run_registry, settle, start_server
+
 S = AdapterState
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    engine = Engine(lambda: load_base_model(str(tiny_model)), EngineConfig(max_loras=2, max_lora_rank=16))
-    engine.start()
-    yield engine
-    engine.stop()
 
 
 @pytest.fixture(scope="module")
@@ -45,25 +35,9 @@ def pool(tiny_model, tmp_path_factory):
     return [make_random_adapter(root / f"t{i}", tiny_model, rank=4, seed=300 + i) for i in range(6)]
 
 
-def run(engine, scenario, max_loras=2, tier=None, max_wait=float("inf")):
-    """Run ``scenario(registry, loader)`` on a fresh registry over the engine."""
-    async def main():
-        loader = AdapterLoader(AsyncEngine(engine), engine.loaded.config)
-        registry = AdapterRegistry("tiny", loader, max_loras, tier=tier, max_wait=max_wait)
-        try:
-            await asyncio.wait_for(scenario(registry, loader), timeout=60)
-        finally:
-            registry.close()
-            loader.close()
-    asyncio.run(main())
-
-
-async def settle(condition, timeout=10.0):
-    """Wait (bounded) until ``condition()`` holds."""
-    async def poll():
-        while not condition():
-            await asyncio.sleep(0.005)
-    await asyncio.wait_for(poll(), timeout)
+def run(engine, scenario, tier=None):
+    """Run ``scenario(registry)`` on a fresh registry of two slots over the engine."""
+    run_registry(engine, scenario, max_loras=2, tier=tier)
 
 
 def register_all(registry, paths):
@@ -78,7 +52,7 @@ async def slot_factors(engine, slot):
 
 
 def test_lru_by_count_never_drops_pinned_adapters(engine, pool):
-    async def scenario(registry, loader):
+    async def scenario(registry):
         recs = register_all(registry, pool[:4])
         leases = []
         for r in recs[:2]:  # two slots, both busy
@@ -108,7 +82,7 @@ def test_lru_by_count_never_drops_pinned_adapters(engine, pool):
 
 
 def test_a_cached_adapter_loads_with_no_read(engine, pool):
-    async def scenario(registry, loader):
+    async def scenario(registry):
         recs = register_all(registry, pool[:3])
         for r in recs:  # three adapters through two slots, one after the other
             (await registry.acquire(r.name)).release()
@@ -127,8 +101,8 @@ def test_a_cached_adapter_loads_with_no_read(engine, pool):
 
 
 def test_byte_limit(engine, pool):
-    async def scenario(registry, loader):
-        one = (await loader.prepare(SlotRecipe.single(str(pool[5])))).host_bytes
+    async def scenario(registry):
+        one = (await registry.loader.prepare(SlotRecipe.single(str(pool[5])))).host_bytes
         registry.tier.max_bytes = int(one * 2.5)  # room for two
         recs = register_all(registry, pool[:4])
         for r in recs:
@@ -138,7 +112,7 @@ def test_byte_limit(engine, pool):
 
 
 def test_without_a_tier_rows_live_only_while_requests_wait(engine, pool):
-    async def scenario(registry, loader):
+    async def scenario(registry):
         recs = register_all(registry, pool[:3])
         held = [await registry.acquire(r.name) for r in recs[:2]]
         assert len(registry.tier) == 0 and not registry.tier.enabled
@@ -155,7 +129,7 @@ def test_a_new_version_never_serves_the_old_rows(engine, pool, tiny_model, tmp_p
     path = tmp_path / "same-path"
     make_random_adapter(path, tiny_model, rank=4, seed=1)
 
-    async def scenario(registry, loader):
+    async def scenario(registry):
         v1 = await registry.load("x", str(path))
         assert v1.cached and v1.resident
         await registry.unload("x")
@@ -177,7 +151,7 @@ def test_a_failed_read_reaches_its_waiters_and_nobody_else(engine, pool, tmp_pat
     broken.mkdir()
     (broken / "adapter_config.json").write_text("{")
 
-    async def scenario(registry, loader):
+    async def scenario(registry):
         good = register_all(registry, pool[:3])
         bad = registry.register("bad", str(broken), "rest")
         held = [await registry.acquire(r.name) for r in good[:2]]
@@ -198,7 +172,7 @@ def test_a_failed_read_reaches_its_waiters_and_nobody_else(engine, pool, tmp_pat
 
 
 def test_waiters_of_one_adapter_share_one_read_and_one_load(engine, pool):
-    async def scenario(registry, loader):
+    async def scenario(registry):
         recs = register_all(registry, pool[:3])
         held = [await registry.acquire(r.name) for r in recs[:2]]
         loads, reads = registry.stats.loads, registry.tier.stats.reads
@@ -216,11 +190,11 @@ def test_waiters_of_one_adapter_share_one_read_and_one_load(engine, pool):
 def test_the_engine_decodes_while_the_reader_reads(engine, pool):
     """A read that cannot finish (the reader thread is held up) delays only
     the request that waits for it; the engine goes on decoding others."""
-    async def scenario(registry, loader):
+    async def scenario(registry):
         recs = register_all(registry, pool[:2])
         lease = await registry.acquire("t0")
         gate = threading.Event()
-        blocker = loader._reader.submit(gate.wait, 30)  # the reader thread is busy until the gate opens
+        blocker = registry.loader._reader.submit(gate.wait, 30)  # the reader thread is busy until the gate opens
         waiter = asyncio.ensure_future(registry.acquire("t1"))  # a free slot, but its read waits
         seq = Sequence(prompt=[1, 2, 3, 4], params=SamplingParams(max_tokens=12, temperature=0.0),
                        slot=lease.slot)
@@ -238,8 +212,6 @@ def test_the_server_reports_the_tier_and_serves_new_versions(tiny_model, pool, t
     /v1/adapters and /metrics; an adapter reloaded from a rewritten file
     answers as the new file does, never from the old rows."""
     from mola.config import AdapterSpec
-
-    from helpers import greedy_tokens, merged_model, start_server
 
     path = tmp_path / "x"
     make_random_adapter(path, tiny_model, rank=4, seed=11)

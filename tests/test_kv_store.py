@@ -5,8 +5,6 @@ and no prefix is ever shared across identities."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from mola.adapters.formats import read_adapter
@@ -68,7 +66,7 @@ def test_mixed_batch_of_adapters_from_the_cache(runner, models):
     before = runner.engine.snapshot
     # A long request decodes while the batch prefills beside it.
     busy = runner.submit(prompts[3], "b", max_tokens=40)
-    time.sleep(0.05)
+    runner.wait_decoding([busy])
     jobs = [(name, i) for i in range(len(prompts)) for name in models]
     seqs = [runner.submit(prompts[i], name) for name, i in jobs]
     runner.wait([busy, *seqs])

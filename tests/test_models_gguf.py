@@ -13,7 +13,7 @@ from gguf import GGUFValueType
 
 from mola.errors import ModelLoadError
 from mola.models.loader import load_base_model, resolve_model_path
-from mola.server.app import base_model_id
+from mola.server.startup import base_model_id
 from mola.config import ServeConfig
 from mola.testing.adapter import random_lora
 from mola.adapters.formats.gguf_writer import save_gguf_adapter

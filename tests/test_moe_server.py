@@ -52,12 +52,6 @@ def server(moe):
     handle.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
-
-
 def ask(client, model, **extra) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": MAX_TOKENS,
             "temperature": 0, "ignore_eos": True, **extra}

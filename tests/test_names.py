@@ -91,12 +91,6 @@ def server(tiny_model, adapters):
     handle.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
-
-
 def chat(model):
     return {"model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "temperature": 0}
 

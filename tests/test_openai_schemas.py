@@ -14,12 +14,6 @@ from helpers import sse_events, validate_schema
 MSG = [{"role": "user", "content": "Hello"}]
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
-
-
 def stream(client, path, body):
     with client.stream("POST", path, json={**body, "stream": True}) as r:
         assert r.status_code == 200

@@ -6,18 +6,9 @@ plain mlx-lm on merged weights)."""
 
 from __future__ import annotations
 
-import httpx
-import pytest
-
 from helpers import detokenize, merged_model, reference_decode, sse_events, validate_schema
 
 MAX_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
 
 
 def messages(text: str) -> list[dict]:

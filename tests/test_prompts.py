@@ -4,6 +4,7 @@ tokenizer run on the whole text, and through real servers on 127.0.0.1."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
@@ -163,6 +164,25 @@ def test_a_blocked_long_lane_does_not_hold_up_short_prompts(server_with_lanes):
     assert result["r"].status_code == 400 and "1000000 in the completion" in result["r"].text  # tokenized, then refused
 
 
+@contextlib.contextmanager
+def tokenizing(prompts):
+    """An event set when the long lane's tokenizer is first used (a large
+    prompt is being tokenized), for the time of the block."""
+    started = threading.Event()
+    lane = prompts.long
+
+    class Signalling:
+        def __getattr__(self, name):
+            started.set()
+            return getattr(lane[0], name)
+
+    prompts.long = (Signalling(), lane[1])
+    try:
+        yield started
+    finally:
+        prompts.long = lane
+
+
 def test_small_requests_while_large_prompts_are_tokenized(server_with_lanes):
     """Two prompts of a million characters each keep the long lane busy for
     a second or more; small requests meanwhile take about what they take alone."""
@@ -178,9 +198,10 @@ def test_small_requests_while_large_prompts_are_tokenized(server_with_lanes):
             done.append(time.perf_counter())
 
         bigs = [threading.Thread(target=big) for _ in range(2)]
-        for t in bigs:
-            t.start()
-        time.sleep(0.3)
+        with tokenizing(server_with_lanes.state.prompts) as started:
+            for t in bigs:
+                t.start()
+            assert started.wait(60), "no large prompt reached the long lane"
         loaded = [small_chat(c) for _ in range(5)]
         small_done = time.perf_counter()
         for t in bigs:
@@ -200,10 +221,10 @@ def test_a_huge_prompt_is_refused_fast_without_growing_memory(tiny_model):
     peak = {"rss": 0}
     stop = threading.Event()
 
-    def sample():
+    def sample():  # the peak RSS while a request is refused, sampled every 5 ms
         while not stop.is_set():
             peak["rss"] = max(peak["rss"], rss_bytes())
-            time.sleep(0.005)
+            stop.wait(0.005)
 
     try:
         with httpx.Client(base_url=handle.url, timeout=120) as c:

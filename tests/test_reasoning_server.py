@@ -43,7 +43,7 @@ THINKING_ON = {"chat_template_kwargs": {"enable_thinking": True}}  # the echo's 
 
 
 @pytest.fixture(scope="module")
-def echo(echo_demo, tmp_path_factory):
+def server(echo_demo, tmp_path_factory):
     base, _ = echo_demo
     model = with_chat_template(base, tmp_path_factory.mktemp("echo") / "qwen3",
                                (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text())
@@ -51,12 +51,6 @@ def echo(echo_demo, tmp_path_factory):
     assert handle.state.reasoning.name == "qwen3"  # auto, from the template
     yield handle
     handle.stop()
-
-
-@pytest.fixture(scope="module")
-def client(echo):
-    with httpx.Client(base_url=echo.url, timeout=120) as c:
-        yield c
 
 
 def chat(client, content=MESSAGE, **extra):

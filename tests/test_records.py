@@ -9,13 +9,10 @@ import itertools
 
 import pytest
 
-from mola.engine.client import AsyncEngine
-from mola.engine.engine import Engine, EngineConfig
-from mola.models.loader import load_base_model
 from mola.errors import InvalidAdapter, ModelNotFound
-from mola.adapters.loader import AdapterLoader
 from mola.registry.records import TRANSITIONS, AdapterRecord, AdapterState, InvalidTransition
-from mola.registry.registry import AdapterRegistry
+
+from helpers import run_registry, settle
 
 S = AdapterState
 ALLOWED = {
@@ -52,26 +49,13 @@ def test_the_table_is_the_documented_one():
     assert {(a, b) for a, targets in TRANSITIONS.items() for b in targets} == ALLOWED
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    engine = Engine(lambda: load_base_model(str(tiny_model)), EngineConfig(max_loras=1, max_lora_rank=16))
-    engine.start()
-    yield engine
-    engine.stop()
-
-
 def run(engine, scenario):
-    """Run ``scenario(registry)`` on a fresh registry with one slot."""
-    async def main():
-        loader = AdapterLoader(AsyncEngine(engine), engine.loaded.config)
-        try:
-            registry = AdapterRegistry("tiny", loader, max_loras=1)
-            await scenario(registry)
-            await asyncio.sleep(0.05)  # let spawned slot clears finish
-            assert registry.num_free_slots + registry.num_resident == 1
-        finally:
-            loader.close()
-    asyncio.run(main())
+    """Run ``scenario(registry)`` on a fresh registry with one slot; then its
+    slot is free or held, once the slot clears it spawned are done."""
+    async def checked(registry):
+        await scenario(registry)
+        await settle(lambda: registry.num_free_slots + registry.num_resident == 1)
+    run_registry(engine, checked)
 
 
 def test_load_evict_unload_walks_the_table(engine, adapters):
@@ -84,9 +68,9 @@ def test_load_evict_unload_walks_the_table(engine, adapters):
         assert (a.state, a.slot, b.state, b.slot) == (S.KNOWN, None, S.RESIDENT, 1)
         await registry.unload("b")  # a request still runs on it
         assert b.state is S.DRAINING and b.resident
-        lease.release()
-        await asyncio.sleep(0.05)
-        assert b.state is S.REMOVED and registry.num_free_slots == 1
+        lease.release()  # b drains: its slot is cleared on the engine, then freed
+        await settle(lambda: registry.num_free_slots == 1)
+        assert b.state is S.REMOVED
         await registry.unload("a")
         assert a.state is S.REMOVED
     run(engine, scenario)
@@ -112,8 +96,8 @@ def test_unloaded_while_waiting_for_a_slot_is_removed(engine, adapters):
         busy = await registry.acquire("a")  # the only slot is busy
         b = registry.register("b", str(adapters["b"]), "rest")
         waiter = asyncio.ensure_future(registry.acquire("b"))
-        await asyncio.sleep(0.1)
-        assert b.state is S.KNOWN and registry.queue.ordered() == [b]  # waiting for a slot
+        await settle(lambda: registry.queue.ordered() == [b])  # waiting for a slot
+        assert b.state is S.KNOWN
         await registry.unload("b")
         with pytest.raises(ModelNotFound):
             await waiter

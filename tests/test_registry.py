@@ -8,7 +8,6 @@ import asyncio
 import os
 import shutil
 import threading
-import time
 
 import httpx
 import mlx.core as mx
@@ -17,7 +16,7 @@ import pytest
 from mola.config import AdapterSpec
 from mola.testing.adapter import make_random_adapter
 
-from helpers import greedy_tokens, merged_model, runner_stats, start_server
+from helpers import greedy_tokens, merged_model, runner_stats, start_server, wait_until
 
 MAX_TOKENS = 8
 QUESTION = "Tell me about the sea."
@@ -50,12 +49,6 @@ def server(tiny_model, pool):
     )
     yield handle
     handle.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 def body(model, **extra):
@@ -110,10 +103,10 @@ def test_sixteen_adapters_through_four_slots(server, client, pool, tiny_model):
     peak = []
     stop = threading.Event()
 
-    def watch():
+    def watch():  # samples residency while the burst runs, every 2 ms
         while not stop.is_set():
             peak.append(server.state.registry.num_resident)
-            time.sleep(0.002)
+            stop.wait(0.002)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
@@ -151,10 +144,8 @@ def test_request_waits_when_every_slot_is_busy(server, client):
 
     t = threading.Thread(target=run_long)
     t.start()
-    deadline = time.monotonic() + 10
-    while sum(a["in_flight"] > 0 for a in adapters_state(client).values()) < 4:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: sum(a["in_flight"] > 0 for a in adapters_state(client).values()) == 4, 10,
+               "the four long requests to hold the four slots")
     r = client.post("/v1/chat/completions", json=body("p10"))
     t.join()
     assert r.status_code == 200
@@ -217,10 +208,7 @@ def test_reload_is_a_new_version_and_old_requests_finish_on_old_weights(server, 
 
     t = threading.Thread(target=old_request)
     t.start()
-    deadline = time.monotonic() + 10
-    while adapters_state(client)["ver"]["in_flight"] == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
+    wait_until(lambda: adapters_state(client)["ver"]["in_flight"], 10, "the old version's request to run")
     assert client.delete("/v1/adapters/ver").json()["in_flight"] == 1
     r = client.post("/v1/adapters", json={"name": "ver", "path": str(b)})
     assert r.status_code == 200 and r.json()["version"] == 2
@@ -231,7 +219,7 @@ def test_reload_is_a_new_version_and_old_requests_finish_on_old_weights(server, 
     client.delete("/v1/adapters/ver")
 
 
-def test_load_unload_cycles_return_memory(client, pool):
+def test_load_unload_cycles_return_memory(server, client, pool):
     path = str(pool["named"]["p7"])
 
     def cycle(i):
@@ -239,15 +227,17 @@ def test_load_unload_cycles_return_memory(client, pool):
         assert client.post("/v1/chat/completions", json=body(f"cyc{i}")).status_code == 200
         assert client.delete(f"/v1/adapters/cyc{i}").status_code == 200
 
+    def settled():  # every engine command queued so far (the slot clears) has run
+        server.engine.call(lambda: None).result(timeout=30)
+        mx.clear_cache()
+
     for i in range(5):  # warm up caches
         cycle(i)
-    time.sleep(0.2)
-    mx.clear_cache()
+    settled()
     before = mx.get_active_memory()
     for i in range(5, 45):
         cycle(i)
-    time.sleep(0.2)
-    mx.clear_cache()
+    settled()
     after = mx.get_active_memory()
     assert after <= before * 1.05 + (1 << 16), (before, after)
 

@@ -11,7 +11,6 @@ import itertools
 import os
 import shutil
 
-import httpx
 import pytest
 
 from mola.config import AdapterSpec
@@ -43,18 +42,12 @@ def tree(tmp_path_factory, adapters):
 
 
 @pytest.fixture(scope="module")
-def live(tiny_model, adapters, tree):
+def server(tiny_model, adapters, tree):
     """Adapters may come from allowed/ only; 'a' is named at start."""
     handle = start_server(model=str(tiny_model), served_model_name="tiny", max_loras=2, max_lora_rank=16,
                           adapters=(AdapterSpec("a", str(adapters["a"])),), adapter_dirs=(str(tree["allowed"]),))
     yield handle
     handle.stop()
-
-
-@pytest.fixture(scope="module")
-def client(live):
-    with httpx.Client(base_url=live.url, timeout=60) as c:
-        yield c
 
 
 def post(client, model="tiny", **extra):
@@ -69,20 +62,20 @@ def answer(client, model="tiny", **extra) -> tuple[str, str]:
     return r.json()["model"], r.json()["choices"][0]["message"]["content"]
 
 
-def expected(live, tiny_model, adapter_dirs=(), scales=None) -> str:
-    return merged_answer(live.state.tokenizer, tiny_model, QUESTION, MAX_TOKENS, adapter_dirs, scales)
+def expected(server, tiny_model, adapter_dirs=(), scales=None) -> str:
+    return merged_answer(server.state.tokenizer, tiny_model, QUESTION, MAX_TOKENS, adapter_dirs, scales)
 
 
 def path_records(client) -> list[dict]:
     return client.get("/v1/adapters").json()["path_adapters"]
 
 
-def test_a_path_inside_the_adapter_directories_is_served(live, client, tiny_model, adapters, tree):
+def test_a_path_inside_the_adapter_directories_is_served(server, client, tiny_model, adapters, tree):
     path = str(tree["allowed"] / "b")
     model, text = answer(client, adapters=[{"path": path}])
     assert model == f"tiny+path:{path}"  # the response names it
-    assert text == expected(live, tiny_model, [adapters["b"]])
-    assert text != expected(live, tiny_model)
+    assert text == expected(server, tiny_model, [adapters["b"]])
+    assert text != expected(server, tiny_model)
     (record,) = [r for r in path_records(client) if r["path"] == str((tree["allowed"] / "b").resolve())]
     assert record["id"] == f"path:{record['path']}" and record["version"] == 1 and record["source"] == "request"
     loads = record["loads"]
@@ -121,23 +114,23 @@ def test_the_policy_comes_before_existence(tree):
         s.resolve_request_path("org/name")
 
 
-def test_an_edited_adapter_is_a_new_version(live, client, tiny_model, adapters, tree):
+def test_an_edited_adapter_is_a_new_version(server, client, tiny_model, adapters, tree):
     path = tree["allowed"] / "edited"
     shutil.copytree(adapters["b"], path)
     before = content_version(path)
-    assert answer(client, adapters=[{"path": str(path)}])[1] == expected(live, tiny_model, [adapters["b"]])
+    assert answer(client, adapters=[{"path": str(path)}])[1] == expected(server, tiny_model, [adapters["b"]])
     for f in adapters["c"].iterdir():  # retrained in place: other weights, same files
         shutil.copyfile(f, path / f.name)
     assert content_version(path) != before
     model, text = answer(client, adapters=[{"path": str(path)}])
-    assert text == expected(live, tiny_model, [adapters["c"]])
+    assert text == expected(server, tiny_model, [adapters["c"]])
     (record,) = [r for r in path_records(client) if r["path"] == str(path.resolve())]
     assert record["version"] == 2 and record["rank"] == 16
 
 
-def test_a_stack_of_a_named_adapter_and_a_path(live, client, tiny_model, adapters, tree):
+def test_a_stack_of_a_named_adapter_and_a_path(server, client, tiny_model, adapters, tree):
     path = str(tree["allowed"] / "b")
-    want = expected(live, tiny_model, [adapters["a"], adapters["b"]], [0.7, 0.5])
+    want = expected(server, tiny_model, [adapters["a"], adapters["b"]], [0.7, 0.5])
     model, text = answer(client, "a", lora_scale=0.7, adapters=[{"path": path, "scale": 0.5}])
     assert text == want and model == f"a+path:{path}"
     assert answer(client, adapters=[{"name": "a", "scale": 0.7}, {"path": path, "scale": 0.5}])[1] == want

@@ -67,6 +67,7 @@ def live(tiny_model, lib):
 
 @pytest.fixture(scope="module")
 def client(live):
+    """A client of ``live`` (conftest's ``server``, without resolvers, is this module's other server)."""
     with httpx.Client(base_url=live.url, timeout=60) as c:
         yield c
 

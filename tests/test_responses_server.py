@@ -26,12 +26,6 @@ STORE_SIZE = 4
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def echo(tmp_path_factory):
     """The demo: the echo base (which answers a message with itself) and its
     adapters, with a small response store."""

@@ -4,8 +4,6 @@ base, against plain mlx-lm on merged weights (mola/engine/runner.py)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 from mlx_lm import load
 from mlx_lm.tuner.utils import load_adapters
@@ -14,12 +12,6 @@ from helpers import EngineRunner as Runner
 from helpers import ENGINE_QUESTIONS as QUESTIONS
 from helpers import ENGINE_MAX_TOKENS as MAX_TOKENS
 from helpers import greedy_tokens, merged_model
-
-@pytest.fixture(scope="module")
-def runner(tiny_model, adapters):
-    r = Runner(tiny_model, adapters=list(adapters.items()), max_tokens=MAX_TOKENS)
-    yield r
-    r.stop()
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +41,7 @@ def test_output_does_not_depend_on_the_batch(runner, adapters):
     # Staggered arrivals: the request joins a batch that is already decoding,
     # beside rows of every adapter and the base with other prompt lengths.
     crowd = [runner.submit(runner.prompt(q), n, max_tokens=30) for q in QUESTIONS for n in (None, "a", "c")]
-    time.sleep(0.05)
+    runner.wait_decoding(crowd)
     mine = runner.submit(prompt, "b")
     more = [runner.submit(runner.prompt(q), "a") for q in QUESTIONS[:2]]
     runner.wait([*crowd, mine, *more])

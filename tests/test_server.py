@@ -5,13 +5,13 @@ responses against OpenAI's official schemas (mola/server/)."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
 import pytest
 
-from helpers import greedy_tokens, merged_model, num_unfinished, runner_stats, sse_events, validate_schema
+from helpers import (greedy_tokens, merged_model, num_unfinished, runner_stats, sse_events, validate_schema,
+                     wait_until)
 from mola.blas import blas_in_use
 
 QUESTION = "What is the capital of France?"
@@ -26,12 +26,6 @@ def chat_body(model, question=QUESTION, **extra):
         "temperature": 0,
         **extra,
     }
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
@@ -251,10 +245,7 @@ def test_hot_load_use_unload(client, server, adapters, expected):
     assert_error(client.post("/v1/chat/completions", json=chat_body("hot")), 404, "model")
     assert "hot" not in {m["id"] for m in client.get("/v1/models").json()["data"]}
     assert_error(client.delete("/v1/adapters/hot"), 404)
-    deadline = time.monotonic() + 5
-    while client.get("/v1/adapters").json()["free_slots"] != free:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_until(lambda: client.get("/v1/adapters").json()["free_slots"] == free, 5, "the slot to be freed")
 
 
 def test_reloaded_name_serves_new_weights(client, adapters, expected):
@@ -308,10 +299,8 @@ def test_unload_drains_running_requests(server, client, adapters, tiny_model):
     finishes = [c["choices"][0]["finish_reason"] for c in events[:-1] if c["choices"]]
     assert finishes[-1] == finish
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in events[:-1] if c["choices"]) == text
-    deadline = time.monotonic() + 5
-    while any(a["name"] == "drain" for a in client.get("/v1/adapters").json()["data"]):
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_until(lambda: all(a["name"] != "drain" for a in client.get("/v1/adapters").json()["data"]), 5,
+               "the drained adapter to leave")
 
 
 # ---- bad input ---------------------------------------------------------------
@@ -396,10 +385,7 @@ def test_client_disconnect_frees_the_row(server):
             lines = (l for l in resp.iter_lines() if l.startswith("data: "))
             next(lines), next(lines)  # the role chunk, then generated text
             assert num_unfinished(server.engine) == 1
-    deadline = time.monotonic() + 5
-    while num_unfinished(server.engine):
-        assert time.monotonic() < deadline, "the row was not freed"
-        time.sleep(0.02)
+    wait_until(lambda: num_unfinished(server.engine) == 0, 5, "the row to be freed")
     assert runner_stats(server.engine).decode_steps - steps_before < 1500  # cut short
     assert server.state.registry.get("a").in_flight == 0
 

@@ -7,8 +7,6 @@ prompt cache and aborts, rows behave exactly as without speculation."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from mola.engine.config import SpeculativeConfig
@@ -71,7 +69,7 @@ def test_staggered_arrivals_join_a_speculating_batch(echo, echo_refs):
     """Rows join while others speculate, beside rows with no draft at all."""
     spec, _, _, _ = echo
     first = [spec.submit(spec.prompt(m), "title") for m in MESSAGES]
-    time.sleep(0.05)
+    spec.wait_decoding(first)
     later = [spec.submit(spec.prompt(m), name, lora_scale=s) for m in MESSAGES for name, s in
              [(None, 1.0), ("upper", 0.5)]]
     spec.wait(first + later)
@@ -180,7 +178,7 @@ def test_abort_during_speculation_frees_the_row(echo, echo_refs):
     spec, _, _, _ = echo
     long = spec.submit(spec.prompt(MESSAGES[1] * 3), None, max_tokens=2000)
     short = spec.submit(spec.prompt(MESSAGES[0]), "upper")
-    time.sleep(0.2)
+    spec.wait_decoding([long])
     spec.engine.abort(long.seq_id)
     spec.wait([long, short])
     assert long.finish_reason == "abort" and len(long.output) < 2000

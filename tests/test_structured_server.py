@@ -50,12 +50,6 @@ def sdk(server):
                          _strict_response_validation=True)
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
-
-
 def check_calls(calls, names=tuple(PARAMS)):
     assert calls
     for call in calls:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
 
 from mola.errors import InvalidRequest
@@ -20,12 +19,6 @@ MESSAGES = [{"role": "system", "content": "Be brief."},
             {"role": "assistant", "content": "To the sea."},
             {"role": "user", "content": "And then?"}]
 PROMPT = "The capital of France is <|im_end|> Paris"
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
-        yield c
 
 
 def tokenize(client, **body) -> dict:

@@ -72,6 +72,42 @@ class AdapterSpec:
 
 
 @dataclass(frozen=True)
+class ModelSpec:
+    """A base model declared by name (--model NAME=PATH, a [[models]] entry of
+    the config file), served beside the default one with adapters of its own;
+    loaded on its first request (mola/server/bases.py). Unset settings are the
+    server's."""
+
+    name: str  # the id clients use for it
+    model: str  # any source --model takes: an mlx-lm directory, a hub id, a GGUF file
+    adapters: tuple[AdapterSpec, ...] = ()
+    adapter_dirs: tuple[str, ...] = ()
+    dtype: str | None = None
+    max_loras: int | None = None
+    max_num_seqs: int | None = None
+    prompt_cache_bytes: int | str | None = None
+    keep_alive: float | None = None  # seconds idle before it unloads (None: the server's --keep-alive)
+    pin: bool = False  # loaded at start and never unloaded
+
+    def __post_init__(self):
+        try:
+            check_adapter_id(self.name)
+        except InvalidAdapterName as e:
+            raise ValueError(f"model name: {e.message}") from None
+        object.__setattr__(self, "adapters", tuple(
+            a if isinstance(a, AdapterSpec) else AdapterSpec(**a) for a in self.adapters))
+        object.__setattr__(self, "adapter_dirs", tuple(self.adapter_dirs))
+        if "/" in self.name or not self.model:
+            raise ValueError(f"a model is declared as NAME=PATH with no '/' in NAME; got {self.name!r}")
+        if isinstance(self.prompt_cache_bytes, str):
+            object.__setattr__(self, "prompt_cache_bytes", parse_bytes(self.prompt_cache_bytes))
+        if self.dtype is not None and self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"model '{self.name}': unknown dtype {self.dtype!r}")
+        if self.keep_alive is not None and not self.keep_alive > 0:
+            raise ValueError(f"model '{self.name}': keep_alive must be > 0 seconds, got {self.keep_alive}")
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     # The base model: a local directory, a Hugging Face hub id or a GGUF file.
     # None serves the embedded demo (mola.demo: SmolLM2-135M-Instruct, fetched
@@ -145,6 +181,16 @@ class ServeConfig:
     # Serve a base sharded over the ranks of an mx.distributed group (started
     # by mlx.launch); rank 0 serves HTTP, the others follow its steps.
     distributed: bool = False
+    # Further base models, each with its adapters, loaded on their first
+    # request; with no model, the first of them is the default base.
+    models: tuple[ModelSpec, ...] = ()
+    # What stays resident: at most this many bases loaded, and their weights
+    # and slot packs within this many bytes (None: no limit); reaching a limit
+    # unloads the least recently used idle base.
+    max_loaded_models: int | None = None
+    models_memory_bytes: int | str | None = None
+    # A base idle this many seconds unloads (None: never; a model's own keep_alive wins).
+    keep_alive: float | None = None
     # The engine: adapter slots and ranks, the batch, the prompt cache and
     # speculative decoding (ENGINE_SETTINGS, SPECULATIVE_SETTINGS).
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -153,6 +199,38 @@ class ServeConfig:
         self._check_server()
         self._check_adapters()
         self._check_choices()
+        self._check_models()
+
+    def _check_models(self) -> None:
+        """The declared bases: names unique, limits positive."""
+        object.__setattr__(self, "models", tuple(
+            m if isinstance(m, ModelSpec) else ModelSpec(**m) for m in self.models))
+        names = [m.name for m in self.models] + [self.served_model_name] * (self.served_model_name is not None)
+        adapters = [a.name for a in self.adapters] + [a.name for m in self.models for a in m.adapters]
+        clashes = sorted({n for n in names if names.count(n) > 1} | (set(names) & set(adapters))
+                         | {n for n in adapters if adapters.count(n) > 1})
+        if clashes:
+            raise ValueError(f"model or adapter names given more than once: {', '.join(clashes)}")
+        if isinstance(self.models_memory_bytes, str):
+            object.__setattr__(self, "models_memory_bytes", parse_bytes(self.models_memory_bytes))
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise ValueError(f"max_loaded_models must be at least 1, got {self.max_loaded_models}")
+        if self.keep_alive is not None and not self.keep_alive > 0:
+            raise ValueError(f"keep_alive must be > 0 seconds, got {self.keep_alive}")
+
+    def for_base(self, spec: ModelSpec, is_default: bool = False) -> ServeConfig:
+        """The settings one declared base is served with: this server's, with
+        the model's own (the default base also takes the top-level adapters)."""
+        own = {"max_loras": spec.max_loras, "max_num_seqs": spec.max_num_seqs,
+               "prompt_cache_bytes": spec.prompt_cache_bytes}
+        own = {k: v for k, v in own.items() if v is not None}
+        if "max_loras" in own:
+            own["expert_slots"] = min(self.engine.expert_slots, own["max_loras"])
+        top = (self.adapters, self.adapter_dirs) if is_default else ((), ())
+        return dataclasses.replace(
+            self, model=spec.model, served_model_name=spec.name, adapters=spec.adapters + top[0],
+            adapter_dirs=spec.adapter_dirs + top[1], dtype=spec.dtype or self.dtype, models=(),
+            keep_alive=spec.keep_alive or self.keep_alive, engine=dataclasses.replace(self.engine, **own))
 
     def _check_server(self) -> None:
         """The address, the limits, the timeouts and the keys."""

@@ -28,7 +28,7 @@ def setup_logging(level: str) -> None:
 
 def with_demo(config: ServeConfig) -> ServeConfig:
     """With no --model, the embedded demo model and its adapters (mola.demo)."""
-    if config.model is not None:
+    if config.model is not None or config.models:
         return config
     from .demo import ensure_demo
 
@@ -76,18 +76,12 @@ def follow(config: ServeConfig, group) -> int:
 
 
 def model_loader(config: ServeConfig, group=None):
-    """What the engine (or a follower) loads: the base model (this rank's
-    shard of it in a group), and beside it the whole --draft-model, if any."""
-    from .models.loader import load_base_model, load_draft_model
+    """What the engine (or a follower) loads: --model (this rank's shard of it
+    in a group) and the whole --draft-model, if any."""
+    from .models.loader import base_loader
 
-    def load():
-        loaded = load_base_model(config.model, group=group, dtype=config.dtype)
-        spec = config.engine.speculative
-        if spec is not None and spec.draft_model is not None:
-            loaded.draft = load_draft_model(spec.draft_model, loaded, dtype=config.dtype).model
-        return loaded
-
-    return load
+    spec = config.engine.speculative
+    return base_loader(config.model, config.dtype, spec.draft_model if spec is not None else None, group)
 
 
 def exposure_warning(config: ServeConfig) -> str | None:
@@ -111,6 +105,15 @@ def serve(config: ServeConfig) -> int:
 
     setup_logging(config.log_level)
     config = with_demo(config)
+    if config.models or config.keep_alive is not None:  # bases loaded and unloaded here
+        if config.distributed:
+            print("[mola] error: --distributed serves one base, loaded for good; it cannot go with "
+                  "--model NAME=PATH, [[models]] or --keep-alive", file=sys.stderr)
+            return 1
+        try:
+            return asyncio.run(_serve_bases(config))
+        except KeyboardInterrupt:
+            return 0
     group = None
     if config.distributed:
         group = join_group()
@@ -146,26 +149,50 @@ def serve(config: ServeConfig) -> int:
 
 
 async def _serve(config: ServeConfig, engine, loaded) -> int:
-    import uvicorn
-
     from .errors import MolaError
-    from .server.app import build_state, create_app
+    from .server.app import create_app
+    from .server.startup import build_state
 
     try:
         state = await build_state(config, engine, loaded)
     except MolaError as e:
         print(f"[mola] error: {e.message}", file=sys.stderr, flush=True)
         return 1
-    app = create_app(state)
+    return await _run(config, create_app(state))
+
+
+async def _serve_bases(config: ServeConfig) -> int:
+    """Several bases: the default (and the pinned ones) loaded now, the others on their first request."""
+    from .server.app import create_app
+    from .server.bases import Bases, BaseUnavailable
+    from .server.metrics import Metrics
+
+    bases = Bases.declared(config, Metrics())
+    names = ", ".join(b.name for b in bases)
+    print(f"[mola] bases: {names}; loading {bases.default.name} ...", file=sys.stderr, flush=True)
+    try:
+        await bases.preload()
+    except BaseUnavailable as e:
+        print(f"[mola] error: {e.message}", file=sys.stderr, flush=True)
+        await bases.close()
+        return 1
+    return await _run(config, create_app(bases.default.state, bases))
+
+
+async def _run(config: ServeConfig, app) -> int:
+    """Serve ``app`` until SIGTERM / SIGINT, then drain every base's engine."""
+    import uvicorn
+
+    bases = app.state.bases
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             # SIGTERM / SIGINT: take no new generations (503), let running
             # ones finish within --shutdown-timeout, then exit.
-            if not state.draining:
-                print(f"[mola] shutting down: draining {state.active_sequences} running "
+            if not bases.draining:
+                running = bases.drain()
+                print(f"[mola] shutting down: draining {running} running "
                       f"sequence(s) for up to {config.shutdown_timeout:g} s", file=sys.stderr, flush=True)
-            state.draining = True
             super().handle_exit(sig, frame)
             # uvicorn re-raises the signal once it has stopped, which would
             # end the process "killed by SIGTERM"; a drained stop exits 0.

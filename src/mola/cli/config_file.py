@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from ..config import SETTINGS, AdapterSpec
+from ..config import SETTINGS, AdapterSpec, ModelSpec
 from ..registry.resolvers import parse_resolver
 
 SUFFIXES = (".toml", ".yaml", ".yml", ".json")
@@ -72,6 +72,8 @@ def _resolve_paths(data: dict, base: Path) -> dict:
         if not isinstance(specs, list):
             raise ValueError("'adapter_resolvers' must be a list such as [\"dir:adapters\", \"hf:my-org/*\"]")
         data["adapter_resolvers"] = tuple(parse_resolver(spec, base) for spec in specs)
+    if "models" in data:
+        data["models"] = _models_from_file(data["models"], base)
     if "cache_dir" in data and data["cache_dir"] is not None:
         data["cache_dir"] = Path(_resolve_relative(str(data["cache_dir"]), base))
     return data
@@ -103,6 +105,24 @@ def _adapters_from_file(raw, base: Path) -> tuple[AdapterSpec, ...]:
         items.append(AdapterSpec(entry["name"], _resolve_relative(entry["path"], base),
                                  entry.get("scale", 1.0)))
     return tuple(items)
+
+
+MODEL_KEYS = {"name", "model", "adapters", "adapter_dirs", "dtype", "max_loras", "max_num_seqs",
+              "prompt_cache_bytes", "keep_alive", "pin"}
+
+
+def _models_from_file(raw, base: Path) -> tuple[ModelSpec, ...]:
+    """[[models]] entries: each a base with its own adapters and settings."""
+    if not isinstance(raw, list) or not all(isinstance(m, dict) for m in raw):
+        raise ValueError("'models' must be a list of tables ([[models]] with name, model, adapters, ...)")
+    specs = []
+    for entry in raw:
+        entry = {k.replace("-", "_"): v for k, v in entry.items()}
+        if set(entry) - MODEL_KEYS or not isinstance(entry.get("name"), str) or not isinstance(entry.get("model"), str):
+            raise ValueError(f"a [[models]] entry takes a name and a model, and {', '.join(sorted(MODEL_KEYS - {'name', 'model'}))}; got {entry!r}")
+        nested = _resolve_paths({k: entry.pop(k) for k in ("model", "adapters", "adapter_dirs") if k in entry}, base)
+        specs.append(ModelSpec(**entry, **nested))
+    return tuple(specs)
 
 
 def merge_adapters(first: tuple[AdapterSpec, ...], then: tuple[AdapterSpec, ...]) -> tuple[AdapterSpec, ...]:

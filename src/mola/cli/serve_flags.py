@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import DEMO_CHOICES, LOG_LEVELS, REASONING_PARSERS, AdapterSpec, parse_bytes
+import os
+
+from ..config import DEMO_CHOICES, LOG_LEVELS, REASONING_PARSERS, AdapterSpec, ModelSpec, parse_bytes
 from ..models import DTYPE_CHOICES
 
 
@@ -17,6 +19,21 @@ def adapter_arg(value: str) -> AdapterSpec:
         return AdapterSpec(name.strip(), path.strip())
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e))
+
+
+class ModelFlag(argparse.Action):
+    """--model PATH (the default base) or --model NAME=PATH (a further base; repeatable)."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        name, sep, path = value.partition("=")
+        if not sep or "/" in name or os.path.exists(value):  # a path or hub id, '=' and all
+            setattr(namespace, "model", value)
+            return
+        try:
+            spec = ModelSpec(name.strip(), path.strip())
+        except ValueError as e:
+            raise argparse.ArgumentError(self, str(e))
+        setattr(namespace, "models", [*getattr(namespace, "models", []), spec])
 
 
 def size_arg(value: str) -> int:
@@ -44,10 +61,21 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
 def _model_flags(serve: argparse.ArgumentParser) -> None:
     """Which model, in what dtype, under what id."""
     serve.add_argument("--config", help="a TOML or YAML file declaring the model, adapters and settings")
-    serve.add_argument("--model", help="base model: a local mlx-lm directory, a Hugging Face hub id, "
+    serve.add_argument("--model", action=ModelFlag, metavar="[NAME=]PATH",
+                       help="base model: a local mlx-lm directory, a Hugging Face hub id, "
                        "or a llama.cpp GGUF file (or a directory holding one) "
                        "(default: the demo, SmolLM2-135M-Instruct with three adapters, fetched on "
-                       "first run; offline, the echo demo)")
+                       "first run; offline, the echo demo). NAME=PATH declares a further base served "
+                       "as model id NAME, loaded on its first request (repeatable; the first is the "
+                       "default base when no plain --model is given)")
+    serve.add_argument("--max-loaded-models", type=int, metavar="N",
+                       help="bases loaded at once at most; loading another unloads the least recently "
+                       "used idle one (default: no limit)")
+    serve.add_argument("--models-memory-bytes", type=size_arg, metavar="SIZE",
+                       help="the loaded bases' weights and slot packs within SIZE, e.g. 16GB (default: no limit)")
+    serve.add_argument("--keep-alive", type=float, metavar="SECONDS",
+                       help="unload a base idle this long (default: never; a [[models]] entry's "
+                       "keep_alive wins); it loads again on its next request")
     serve.add_argument("--demo", choices=DEMO_CHOICES,
                        help="with no --model: chat (default; the echo demo when its model cannot be "
                        "fetched) or echo (a tiny base that echoes the message, built in seconds)")

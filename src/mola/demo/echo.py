@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..cache import default_cache_dir
-from . import echo_data
+from .echo_data import write_task_data
 from .common import BASE_HASH_FILE  # noqa: F401 (the committed hash's file name, named here too)
 from .common import adapters_are_built as _built, build_into, checkout_adapters_dir, read_base_hash
 from .common import stderr as _stderr
@@ -118,8 +118,8 @@ def build_demo(target: Path, log: Callable[[str], None] = _stderr,
         for step, (name, r) in enumerate(recipes.items(), start=2):
             log(f"[mola] building the echo demo ({step}/{total}): adapter '{name}' "
                 f"({r.task}: {r.iters} iterations of mola train)")
-            data = echo_data.write_task_data(r.task, data_root / name, r.train_examples, r.valid_examples,
-                                             seed=SEED + step)
+            data = write_task_data(r.task, data_root / name, r.train_examples, r.valid_examples,
+                                   seed=SEED + step)
             train_adapter(TrainConfig(
                 model=str(base), data=data, out=target / name, rank=r.rank, layers=r.layers,
                 targets=r.targets, iters=r.iters, batch_size=r.batch_size, learning_rate=r.learning_rate,

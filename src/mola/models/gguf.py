@@ -30,7 +30,8 @@ import mlx.nn as nn
 from ..errors import ModelLoadError
 from ..adapters.formats.gguf_names import ARCHITECTURES, block_tensors, hf_row_order
 from .codecs import GROUP_SIZE, KEPT, BFloat16, Quantized, UnsupportedTensor, codec_name, read_tensor
-from .metadata import GGUFFile, model_config, open_gguf
+from .gguf_file import GGUFFile, open_gguf
+from .metadata import model_config
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 

@@ -147,3 +147,17 @@ def load_draft_model(model: str, target: LoadedModel, revision: str | None = Non
             f"their vocabularies differ ({len(mine)} and {len(theirs)} tokens, {differ} entries not in "
             f"both); --draft-model needs a model with the same tokenizer")
     return draft
+
+
+def base_loader(model: str, dtype: str = "auto", draft_model: str | None = None, group=None):
+    """What an engine (or a follower) loads, on its own thread: the base model
+    (this rank's shard of it in a group), and beside it the whole draft
+    model, if any."""
+
+    def load() -> LoadedModel:
+        loaded = load_base_model(model, group=group, dtype=dtype)
+        if draft_model is not None:
+            loaded.draft = load_draft_model(draft_model, loaded, dtype=dtype).model
+        return loaded
+
+    return load

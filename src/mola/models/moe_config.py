@@ -25,13 +25,13 @@ import re
 
 from ..errors import ModelLoadError
 from ..adapters.formats.gguf_names import EXPERT_TENSORS
-from .metadata import _float, _int  # metadata.py imports this module lazily, in model_config
+from .gguf_file import GGUFFile, float32_decimal
 
 _EXPERT_NAME = re.compile(r"blk\.\d+\.(ffn_gate_inp|ffn_(?:gate_up|gate|up|down)_exps)\.(weight|bias)")
 _PER_EXPERT_NAME = re.compile(r"blk\.\d+\.ffn_(?:gate|up|down)\.\d+\.weight")
 
 
-def _counted(f) -> dict[str, tuple[int, list[int]]]:
+def _counted(f: GGUFFile) -> dict[str, tuple[int, list[int]]]:
     """{tensor: (the expert count it holds, its ne)} for the routers and experts."""
     out = {}
     for t in f.reader.tensors:
@@ -43,7 +43,7 @@ def _counted(f) -> dict[str, tuple[int, list[int]]]:
     return out
 
 
-def expert_counts(f) -> tuple[int, int]:
+def expert_counts(f: GGUFFile) -> tuple[int, int]:
     """(experts per layer, experts each token is routed to), checked against the tensors."""
     arch = f.arch.name
     legacy = [t.name for t in f.reader.tensors if _PER_EXPERT_NAME.fullmatch(t.name)]
@@ -53,7 +53,7 @@ def expert_counts(f) -> tuple[int, int]:
             "files converted before llama.cpp stacked them (ffn_*_exps); mola reads the stacked "
             "layout only: convert the model again with a current convert_hf_to_gguf.py.")
     counted = _counted(f)
-    n_expert = _int(f, ".expert_count", 0)
+    n_expert = f.get_int(".expert_count", 0)
     if not any(name.split(".")[2] in EXPERT_TENSORS + ("ffn_gate_up_exps",) for name in counted):
         raise ModelLoadError(
             f"{f.path} is a mixture-of-experts model ({arch}.expert_count = {n_expert}) but holds "
@@ -66,14 +66,14 @@ def expert_counts(f) -> tuple[int, int]:
             raise ModelLoadError(
                 f"{f.path}: {arch}.expert_count is {n_expert}, but {name} holds {count} experts "
                 f"(ne {ne}).")
-    n_used = _int(f, ".expert_used_count", 0)
+    n_used = f.get_int(".expert_used_count", 0)
     if not 0 < n_used <= n_expert:
         raise ModelLoadError(f"{f.path}: {arch}.expert_used_count is {n_used}; a token must be "
                              f"routed to between 1 and {n_expert} experts.")
     return n_expert, n_used
 
 
-def moe_config(f, config: dict) -> dict:
+def moe_config(f: GGUFFile, config: dict) -> dict:
     """The config keys of ``f``'s mixture of experts, for mlx-lm's f.arch.model_type;
     ``config`` is the dense part (its intermediate_size is feed_forward_length)."""
     n_expert, n_used = expert_counts(f)
@@ -85,10 +85,10 @@ def moe_config(f, config: dict) -> dict:
     model_type = f.arch.model_type
     if model_type in ("qwen3_moe", "qwen2_moe"):
         out = {"num_experts": n_expert, "num_experts_per_tok": n_used,
-               "moe_intermediate_size": _int(f, ".expert_feed_forward_length", n_ff // n_used)}
+               "moe_intermediate_size": f.get_int(".expert_feed_forward_length", n_ff // n_used)}
         if model_type == "qwen3_moe":  # every layer a mixture, renormalized (qwen3moe.cpp)
             return {**out, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True}
-        return {**out, "shared_expert_intermediate_size": _int(f, ".expert_shared_feed_forward_length", n_ff)}
+        return {**out, "shared_expert_intermediate_size": f.get_int(".expert_shared_feed_forward_length", n_ff)}
     if model_type == "mixtral":
         return {"num_local_experts": n_expert, "num_experts_per_tok": n_used}
     assert model_type == "gpt_oss", model_type
@@ -96,16 +96,16 @@ def moe_config(f, config: dict) -> dict:
     if base_swa is not None and base_swa != base:
         raise ModelLoadError(f"{f.path}: gpt-oss.rope.freq_base_swa ({base_swa}) differs from "
                              f"rope.freq_base ({base}); mlx-lm's gpt_oss model has one rope base.")
-    period = _int(f, ".attention.sliding_window_pattern", 2)
+    period = f.get_int(".attention.sliding_window_pattern", 2)
     layers = config["num_hidden_layers"]
     return {"num_local_experts": n_expert, "num_experts_per_tok": n_used,
-            "intermediate_size": _int(f, ".expert_feed_forward_length"),
-            "sliding_window": _int(f, ".attention.sliding_window"),
+            "intermediate_size": f.get_int(".expert_feed_forward_length"),
+            "sliding_window": f.get_int(".attention.sliding_window"),
             "layer_types": ["sliding_attention" if i % period < period - 1 else "full_attention"
                             for i in range(layers)]}
 
 
-def yarn_scaling(f, factor: float) -> dict:
+def yarn_scaling(f: GGUFFile, factor: float) -> dict:
     """mlx-lm's YarnRoPE config for llama.cpp's yarn keys (gguf-py Keys.Rope.SCALING_*).
     Both floor/ceil the correction range and scale q and k by 0.1 * ln(factor) + 1
     (ggml rope_yarn; mlx-lm rope_utils.YarnRoPE with mscale 1, mscale_all_dim 0), so
@@ -115,10 +115,10 @@ def yarn_scaling(f, factor: float) -> dict:
                          (".rope.scaling.yarn_log_multiplier", (0.0,)),
                          (".rope.scaling.attn_factor", (1.0,))):
         value = f.get(key)
-        if value is not None and _float(value) not in default:
-            raise ModelLoadError(f"{f.path}: {f.arch.name}{key} is {_float(value):g}, which mlx-lm's "
+        if value is not None and float32_decimal(value) not in default:
+            raise ModelLoadError(f"{f.path}: {f.arch.name}{key} is {float32_decimal(value):g}, which mlx-lm's "
                                  f"{f.arch.model_type} yarn rope does not apply.")
     return {"rope_type": "yarn", "factor": factor,
-            "original_max_position_embeddings": _int(f, ".rope.scaling.original_context_length"),
-            "beta_fast": _float(f.get(".rope.scaling.yarn_beta_fast", 32.0)),  # llama.cpp's defaults
-            "beta_slow": _float(f.get(".rope.scaling.yarn_beta_slow", 1.0))}
+            "original_max_position_embeddings": f.get_int(".rope.scaling.original_context_length"),
+            "beta_fast": f.get_float(".rope.scaling.yarn_beta_fast", 32.0),  # llama.cpp's defaults
+            "beta_slow": f.get_float(".rope.scaling.yarn_beta_slow", 1.0)}

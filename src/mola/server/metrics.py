@@ -35,16 +35,19 @@ def rss_bytes() -> int:
 
 
 class StateCollector:
-    """Gauges and counters read from the engine and registry at scrape time."""
+    """Gauges and counters read from the default base's engine and registry at
+    scrape time (none while it is not loaded)."""
 
-    def __init__(self, state):
-        self.state = state
+    def __init__(self, state_of):
+        self.state_of = state_of  # () -> the default base's ServerState, or None
         self.blas = blas_in_use()  # fixed for the process
 
     def collect(self):
         import mlx.core as mx
 
-        s = self.state
+        s = self.state_of()
+        if s is None:
+            return
         snap = s.engine.snapshot  # published by the engine thread after each step
         reg = s.registry
         g = GaugeMetricFamily
@@ -148,8 +151,40 @@ class Metrics:
         self.rejected = Counter("mola_rejected_requests", "Requests refused for load (429) or shutdown (503)",
                                 ["reason"], registry=r)
 
-    def watch(self, state) -> None:
-        self.registry.register(StateCollector(state))
+    def watch(self, state_of, bases=None) -> None:
+        """Read at scrape time: the default base's state (``state_of()``), and every base's rows."""
+        self.registry.register(StateCollector(state_of))
+        if bases is not None:
+            self.registry.register(BasesCollector(bases))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class BasesCollector:
+    """Per base (label ``base``): its status, requests in flight, running and
+    waiting sequences, size, loads and unloads."""
+
+    def __init__(self, bases):
+        self.bases = bases
+
+    def collect(self):
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        status = g("mola_base_status", "1 for each base's lifecycle status", labels=["base", "status"])
+        running = g("mola_base_running_requests", "Sequences in the base's decode batch", labels=["base"])
+        waiting = g("mola_base_waiting_requests", "Sequences queued or prefilled on the base", labels=["base"])
+        in_flight = g("mola_base_in_flight_requests", "HTTP requests on the base not yet answered", labels=["base"])
+        size = g("mola_base_bytes", "The base's weights and slot packs, as measured at its last load",
+                 labels=["base"])
+        loads = c("mola_base_loads", "Times the base was loaded", labels=["base"])
+        unloads = c("mola_base_unloads", "Times the base was unloaded", labels=["base"])
+        for b in self.bases:
+            status.add_metric([b.name, b.status.value], 1)
+            snap = b.state.engine.snapshot if b.state is not None else None
+            running.add_metric([b.name], snap.num_running if snap else 0)
+            waiting.add_metric([b.name], snap.num_waiting + snap.num_prefilling if snap else 0)
+            in_flight.add_metric([b.name], b.in_flight)
+            size.add_metric([b.name], b.nbytes)
+            loads.add_metric([b.name], b.num_loads)
+            unloads.add_metric([b.name], b.num_unloads)
+        yield from (status, running, waiting, in_flight, size, loads, unloads)

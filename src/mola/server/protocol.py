@@ -364,6 +364,7 @@ class LoadAdapterRequest(_Body):
     name: str
     path: str = Field(min_length=1)
     scale: float = Field(default=1.0, ge=-10.0, le=10.0)  # multiplies the adapter's own scale
+    base: str | None = None  # the base model it goes on (default: the server's default base)
 
 
 class VLLMLoadLoRARequest(_Body):

@@ -67,7 +67,8 @@ def _mlx_lm_shape(path: Path, max_rank: int, dtype: str, max_expert_rank: int) -
 def _gguf_shape(path: Path, max_rank: int, dtype: str, max_expert_rank: int) -> ModelShape:
     from ..models.codecs import codec_name
     from ..models.gguf import DTYPES, keep_dtype
-    from ..models.metadata import model_config, open_gguf
+    from ..models.gguf_file import open_gguf
+    from ..models.metadata import model_config
 
     f = open_gguf(path)
     tensors = {t.name: t for t in f.reader.tensors}

@@ -1,11 +1,12 @@
 """mola's adapter routes: list, hot-load and unload while traffic flows.
 
-    GET    /v1/adapters            every known adapter: resident or not, slot, rank,
+    GET    /v1/adapters[?base=B]   the default base's (or base B's) adapters: every known adapter: resident or not, slot, rank,
                                    scale, version, requests in flight, last use; stacks
                                    (stacks) and adapters named by path; the host
                                    tier's occupancy and hits; slot admission; and
                                    the prompt cache: size, entries, hits, misses, tokens saved
-    POST   /v1/adapters            {"name", "path", "scale"?}: check it now, serve it
+    POST   /v1/adapters            {"name", "path", "scale"?, "base"?}: check it against that base
+                                   (default: the default base) now, serve it
     DELETE /v1/adapters/{name}     stop serving it; its slot frees when in-flight requests end
 
 Names follow the adapter id grammar (mola/registry/names.py); one with '/' is
@@ -16,8 +17,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from ...errors import AdapterExists, ModelNotFound
 from ...registry.names import check_adapter_id
 from .. import protocol as p
+from ..bases import state_for
 from ..state import ServerState
 
 router = APIRouter()
@@ -28,8 +31,8 @@ def adapter_object(record) -> dict:
 
 
 @router.get("/v1/adapters")
-async def list_adapters(request: Request):
-    state: ServerState = request.app.state.mola
+async def list_adapters(request: Request, base: str | None = None):
+    state: ServerState = await state_for(request, _base_name(request, base))
     registry = state.registry
     return {
         "object": "list",
@@ -48,20 +51,31 @@ async def list_adapters(request: Request):
 
 @router.get("/v1/adapters/{name:path}")
 async def get_adapter(name: str, request: Request):
-    state: ServerState = request.app.state.mola
+    state: ServerState = await state_for(request, name)
     return adapter_object(state.registry.get(name))
 
 
 @router.post("/v1/adapters")
 async def load_adapter(body: p.LoadAdapterRequest, request: Request):
-    state: ServerState = request.app.state.mola
     check_adapter_id(body.name)
+    bases = request.app.state.bases
+    owner = bases.find(body.name)
+    if owner is not None and owner.name != (body.base or bases.default.name):
+        raise AdapterExists(body.name)  # a name is one model id, on one base
+    state: ServerState = await state_for(request, _base_name(request, body.base))
     record = await state.registry.load(body.name, body.path, body.scale)
     return adapter_object(record)
 
 
 @router.delete("/v1/adapters/{name:path}")
 async def unload_adapter(name: str, request: Request):
-    state: ServerState = request.app.state.mola
+    state: ServerState = await state_for(request, name)
     record = await state.registry.unload(name)
     return {"id": record.name, "object": "adapter", "deleted": True, "in_flight": record.in_flight}
+
+
+def _base_name(request: Request, base: str | None) -> str | None:
+    """``base`` if it names a declared base (None: the default one)."""
+    if base is not None and base not in request.app.state.bases.by_name:
+        raise ModelNotFound(base, param="base")
+    return base

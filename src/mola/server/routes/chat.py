@@ -15,6 +15,7 @@ from .. import completion_bodies as r
 from ..errors import error_payload
 from ..generation import Generation, merge, run_until_disconnect, start_generations, start_reasoning
 from ..protocol import ChatCompletionRequest
+from ..bases import state_for
 from ..state import ServerState
 from ..streaming import event_stream, sse, sse_done
 
@@ -23,7 +24,7 @@ router = APIRouter()
 
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
-    state: ServerState = request.app.state.mola
+    state: ServerState = await state_for(request, body.model, body.adapters)
     body.check_supported()
     # Templating and tokenizing a long prompt takes a while: off the event loop.
     prompt = await state.prompts.chat(body, reads_calls=bool(state.reasoning and state.reasoning.parses_tools))

@@ -14,6 +14,7 @@ from .. import completion_bodies as r
 from ..errors import error_payload
 from ..generation import Generation, merge, run_until_disconnect, start_generations
 from ..protocol import CompletionRequest
+from ..bases import state_for
 from ..state import ServerState
 from ..streaming import event_stream, sse, sse_done
 
@@ -22,7 +23,7 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, request: Request):
-    state: ServerState = request.app.state.mola
+    state: ServerState = await state_for(request, body.model, body.adapters)
     body.check_supported()
     prompts = await state.prompts.completion(body)
     grammar = await state.prompts.structured(state.structured.for_request, response_format=body.response_format)

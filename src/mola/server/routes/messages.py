@@ -24,6 +24,7 @@ from ..anthropic.errors import stream_error
 from ..anthropic.events import MessageBuilder, usage
 from ..anthropic.protocol import Conversation, CountTokensRequest, MessagesRequest
 from ..generation import Generation, run_until_disconnect, start_generations, start_reasoning
+from ..bases import state_for
 from ..state import ServerState
 from ..streaming import event_stream, sse_event
 
@@ -32,7 +33,7 @@ router = APIRouter()
 
 @router.post("/v1/messages")
 async def create_message(body: MessagesRequest, request: Request):
-    state: ServerState = request.app.state.mola
+    state: ServerState = await state_for(request, body.model)
     body.check_supported(state.vocab_size)
     prompt = await _prompt(state, body)
     tools = body.chat_tools()
@@ -54,7 +55,7 @@ async def create_message(body: MessagesRequest, request: Request):
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(body: CountTokensRequest, request: Request):
     """The prompt's tokens as /v1/messages would render them (system, messages, tools)."""
-    state: ServerState = request.app.state.mola
+    state: ServerState = await state_for(request, body.model)
     body.check_conversation()
     if body.model != state.base_id and await state.registry.catalog.find(body.model) is None:
         raise ModelNotFound(body.model)

@@ -1,33 +1,50 @@
-"""GET /v1/models and /v1/models/{id}: the base model (parent null) and every
-known adapter, resident or not (parent = the base id, root = its path), as
-vLLM reports them."""
+"""GET /v1/models and /v1/models/{id}: every declared base, loaded or not,
+with its status (parent null), and every adapter it serves, resident or not
+(parent = its base's id, root = its path), as vLLM reports them."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
 from ...errors import ModelNotFound
+from ...registry.sources import AdapterSources
 from .. import completion_bodies as p
-from ..state import ServerState
+from ..bases import Base
 
 router = APIRouter()
 
 
-def _cards(state: ServerState) -> list[dict]:
-    cards = [p.model_card(state.base_id, state.created, state.base_root, None, state.max_model_len)]
-    for record in state.registry.adapters():
-        cards.append(p.model_card(record.name, record.created, record.path, state.base_id, state.max_model_len))
-    return cards
+def _base_cards(base: Base, created: int) -> list[dict]:
+    """The base's card (with its status), then its adapters'."""
+    state = base.state
+    if state is not None:
+        card = p.model_card(state.base_id, state.created, state.base_root, None, state.max_model_len)
+        adapters = [(r.name, r.created, r.path) for r in state.registry.adapters()]
+        max_len = state.max_model_len
+    else:  # not loaded: what its settings declare
+        card, max_len = p.model_card(base.name, created, base.config.model, None, None), None
+        paths = {a.name: a.path for a in base.config.adapters}
+        paths.update({n: str(path) for n, path in AdapterSources(adapter_dirs=base.config.adapter_dirs).scan().items()
+                      if n not in paths})
+        adapters = [(n, created, path) for n, path in paths.items()]
+    card["status"] = base.status.value
+    return [card, *(p.model_card(n, c, path, card["id"], max_len) for n, c, path in adapters)]
+
+
+def _cards(request: Request) -> list[dict]:
+    bases = request.app.state.bases
+    created = request.app.state.mola.created if request.app.state.mola is not None else 0
+    return [card for base in bases for card in _base_cards(base, created)]
 
 
 @router.get("/v1/models")
 async def list_models(request: Request):
-    return {"object": "list", "data": _cards(request.app.state.mola)}
+    return {"object": "list", "data": _cards(request)}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request):
-    for card in _cards(request.app.state.mola):
+    for card in _cards(request):
         if card["id"] == model_id:
             return card
     raise ModelNotFound(model_id, param=None)

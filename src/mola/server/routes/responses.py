@@ -15,13 +15,14 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ...errors import MolaError
+from ...errors import MolaError, ResponseNotFound
 from ..generation import Generation, run_until_disconnect, start_generations, start_reasoning
 from ..responses_api.events import ResponseBuilder
 from ..responses_api.items import normalize_input, normalize_item, to_messages
 from ..responses_api.objects import request_fields
 from ..responses_api.protocol import ResponsesRequest, constrain
 from ..responses_api.store import StoredResponse
+from ..bases import state_for
 from ..state import ServerState
 from ..streaming import event_stream, sse_event
 
@@ -30,7 +31,7 @@ router = APIRouter()
 
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request):
-    state: ServerState = request.app.state.mola
+    state: ServerState = await state_for(request, body.model)
     body.check_supported()
     response_format, tool_choice = constrain(body)
     items = normalize_input(body.input)
@@ -57,8 +58,13 @@ async def create_response(body: ResponsesRequest, request: Request):
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request):
-    state: ServerState = request.app.state.mola
-    return JSONResponse(state.responses.get(response_id, param=None).response)
+    error = None
+    for state in request.app.state.bases.loaded_states():  # whichever base answered it
+        try:
+            return JSONResponse(state.responses.get(response_id, param=None).response)
+        except ResponseNotFound as e:
+            error = e
+    raise error or ResponseNotFound(f"No stored response has id '{response_id}'.")
 
 
 async def _complete(state: ServerState, gen: Generation, builder: ResponseBuilder,

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from ...errors import InvalidRequest, ModelNotFound
 from ..prompts import message_dicts, render_messages
 from ..protocol import DetokenizeRequest, TokenizeRequest
+from ..bases import state_for
 from ..state import ServerState
 
 router = APIRouter()
@@ -44,7 +45,7 @@ def _tokenize(tokenizer, body: TokenizeRequest, max_chars: int) -> list[int]:
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request):
-    state: ServerState = request.app.state.mola
+    state: ServerState = await state_for(request, body.model)
     body.check()
     await _check_model(state, body.model)
     tokens = await state.prompts.call(body.chars(), _tokenize, body, state.prompts.max_chars)
@@ -56,7 +57,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request):
-    state: ServerState = request.app.state.mola
+    state: ServerState = await state_for(request, body.model)
     await _check_model(state, body.model)
     for i, token in enumerate(body.tokens):
         if token >= state.vocab_size:

@@ -18,6 +18,7 @@ from ...errors import AdapterExists, AdapterNotFound
 from ...registry.names import check_adapter_id
 from .. import protocol as p
 from ..errors import error_response
+from ..bases import state_for
 from ..state import ServerState
 
 router = APIRouter()
@@ -25,7 +26,7 @@ router = APIRouter()
 
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: p.VLLMLoadLoRARequest, request: Request):
-    state: ServerState = request.app.state.mola
+    state: ServerState = await state_for(request, None)  # the default base
     check_adapter_id(body.lora_name, param="lora_name")
     try:
         await state.registry.load(body.lora_name, body.lora_path)
@@ -39,7 +40,7 @@ async def load_lora_adapter(body: p.VLLMLoadLoRARequest, request: Request):
 
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(body: p.VLLMUnloadLoRARequest, request: Request):
-    state: ServerState = request.app.state.mola
+    state: ServerState = await state_for(request, body.lora_name)
     try:
         await state.registry.unload(body.lora_name)
     except AdapterNotFound:

@@ -1,0 +1,98 @@
+"""A GGUF model file opened for its metadata: the architectures mola maps onto
+mlx-lm's models, and the typed reads of ``{arch}.key`` values that metadata.py
+(the dense config) and moe_config.py (the experts' keys) both make."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ModelLoadError
+
+
+@dataclass(frozen=True)
+class BaseArchitecture:
+    name: str  # general.architecture
+    model_type: str  # the mlx-lm model module
+    hf_class: str  # config.json "architectures", for `mola convert`
+    default_rope_theta: float  # llama.cpp's default when the file has none
+
+
+BASE_ARCHITECTURES = {
+    "llama": BaseArchitecture("llama", "llama", "LlamaForCausalLM", 10000.0),
+    "qwen2": BaseArchitecture("qwen2", "qwen2", "Qwen2ForCausalLM", 10000.0),
+    "qwen3": BaseArchitecture("qwen3", "qwen3", "Qwen3ForCausalLM", 10000.0),
+    "qwen2moe": BaseArchitecture("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM", 10000.0),
+    "qwen3moe": BaseArchitecture("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", 10000.0),
+    "gpt-oss": BaseArchitecture("gpt-oss", "gpt_oss", "GptOssForCausalLM", 10000.0),
+}
+# llama.cpp converts MixtralForCausalLM as "llama" with expert tensors (conversion/llama.py).
+MIXTRAL = BaseArchitecture("llama", "mixtral", "MixtralForCausalLM", 10000.0)
+
+
+@dataclass
+class GGUFFile:
+    path: Path
+    reader: object  # gguf.GGUFReader
+    metadata: dict  # key -> value (strings, numbers, lists)
+    arch: BaseArchitecture
+
+    def get(self, key: str, default=None):
+        """``{arch}.key`` when it starts with '.', else ``key``."""
+        return self.metadata.get(self.arch.name + key if key.startswith(".") else key, default)
+
+    def get_int(self, key: str, default=None) -> int:
+        """:meth:`get` as one int: refused by name when missing (and no
+        ``default``) or given per layer, which mlx-lm's models cannot hold."""
+        value = self.get(key, default)
+        if isinstance(value, list):
+            raise ModelLoadError(
+                f"{self.path}: {self.arch.name}{key} differs per layer ({value[:4]}...), which mlx-lm's "
+                f"{self.arch.model_type} model does not support.")
+        if value is None:
+            raise ModelLoadError(f"{self.path} has no {self.arch.name}{key}, which a {self.arch.name} model needs.")
+        return int(value)
+
+    def get_float(self, key: str, default=None) -> float:
+        """:meth:`get` as a float (see :func:`float32_decimal`)."""
+        return float32_decimal(self.get(key, default))
+
+
+def float32_decimal(value) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not
+    9.999999747378752e-06)."""
+    return float(str(np.float32(value)))
+
+
+def open_gguf(path: Path) -> GGUFFile:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # truncated, corrupt, unknown tensor types
+        raise ModelLoadError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from None
+    if getattr(reader, "byte_order", "I") != "I":
+        raise ModelLoadError(f"{path} is a big-endian GGUF file; mola reads little-endian ones.")
+    metadata = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    kind = metadata.get("general.type", "model")
+    if kind != "model":
+        raise ModelLoadError(
+            f"{path} has general.type '{kind}', not 'model'"
+            + (" (a LoRA adapter: serve it with --adapter NAME=PATH)" if kind == "adapter" else ""))
+    name = metadata.get("general.architecture")
+    if name not in BASE_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path} is a GGUF model of architecture '{name}', which mola cannot map onto an "
+            f"mlx-lm model (supported: {', '.join(BASE_ARCHITECTURES)}; llama with experts as "
+            "Mixtral).")
+    arch = BASE_ARCHITECTURES[name]
+    if name == "llama" and (metadata.get("llama.expert_count") or has_expert_tensors(reader)):
+        arch = MIXTRAL
+    return GGUFFile(path, reader, metadata, arch)
+
+
+def has_expert_tensors(reader) -> bool:
+    """Whether the file holds a router or expert tensors (blk.N.ffn_gate_inp / ffn_*_exps)."""
+    return any(".ffn_gate_inp." in t.name or "_exps." in t.name for t in reader.tensors)

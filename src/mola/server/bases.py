@@ -1,0 +1,344 @@
+"""Several base models in one server: each declared base, its lifecycle, and
+which of them are resident.
+
+Each loaded base is one :class:`ServerState` (its own engine thread and
+stream, scheduler, slot packs, registry, loader, tokenizer, prompt lanes and
+prompt cache) served exactly as a server of one base serves it. A request's
+``model`` names a base or one of its adapters; :meth:`Bases.enter` finds the
+base, loads it if it is not (the request waits), and counts the request in
+flight on it until its response ends (:class:`BaseLeases`). Reaching
+--max-loaded-models or --models-memory-bytes unloads the least recently used
+idle base; a base with requests in flight is never unloaded, and when none
+can be, the request gets a 503 with Retry-After. ``keep_alive`` unloads a
+base idle that long (:meth:`Bases.unload_idle` takes ``now``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import gc
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..config import ServeConfig
+from ..errors import EngineUnavailable, InvalidRequest, ShuttingDown
+from ..registry.sources import AdapterSources
+from .state import ServerState
+
+log = logging.getLogger("mola.bases")
+LEASES = "mola.bases"  # the ASGI scope key listing the bases a request is in flight on
+
+
+class BaseStatus(enum.Enum):
+    DECLARED = "declared"  # known, not loaded
+    LOADING = "loading"
+    LOADED = "loaded"
+    UNLOADING = "unloading"
+    FAILED = "failed"  # its load failed: its requests get a 503 naming why
+
+
+S = BaseStatus
+TRANSITIONS = {
+    S.DECLARED: {S.LOADING},
+    S.LOADING: {S.LOADED, S.FAILED},
+    S.LOADED: {S.UNLOADING},
+    S.UNLOADING: {S.DECLARED},
+    S.FAILED: set(),
+}
+
+
+class BaseUnavailable(EngineUnavailable):
+    """A base that failed to load, or one no room can be made for (503, Retry-After)."""
+
+
+@dataclass(eq=False)
+class Base:
+    """One declared base model and, while loaded, the state serving it."""
+
+    name: str
+    config: ServeConfig  # what it is served with (model, adapters, engine)
+    keep_alive: float | None = None  # seconds idle before it unloads
+    pin: bool = False  # never unloaded
+    status: BaseStatus = S.DECLARED
+    state: ServerState | None = None  # while loaded
+    in_flight: int = 0  # requests on it whose response has not ended
+    last_used: float = 0.0  # when a request last entered or left it (the clock's time)
+    nbytes: int = 0  # its weights and slot packs, as measured at its last load
+    error: str | None = None  # why it failed to load
+    num_loads: int = 0
+    num_unloads: int = 0
+
+    def move(self, to: BaseStatus) -> None:
+        if to not in TRANSITIONS[self.status]:
+            raise AssertionError(f"base '{self.name}': {self.status.value} -> {to.value} is not a transition")
+        self.status = to
+
+    def adapter_names(self) -> set[str]:
+        """The adapters it serves: named at start and in its adapter dirs, or in its registry while loaded."""
+        if self.state is not None:
+            return {r.name for r in self.state.registry.adapters()}
+        names = {a.name for a in self.config.adapters}
+        return names | set(AdapterSources(adapter_dirs=self.config.adapter_dirs).scan())
+
+
+def default_name(model: str) -> str:
+    """The id of a base named by its source only: a directory's name, a GGUF file's stem, a hub id's tail."""
+    path = Path(model).expanduser()
+    return path.stem if path.suffix == ".gguf" else path.name or model
+
+
+def weight_bytes(model) -> int:
+    """Bytes of a model's parameters (its slot packs included once installed)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def make_engine(config: ServeConfig):
+    from ..engine.engine import Engine
+    from ..models.loader import base_loader
+
+    spec = config.engine.speculative
+    return Engine(base_loader(config.model, config.dtype, spec.draft_model if spec is not None else None),
+                  config.engine)
+
+
+class Bases:
+    """Every declared base, the default first; loads and unloads them."""
+
+    def __init__(self, bases: list[Base], metrics, max_loaded: int | None = None,
+                 max_bytes: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 engine_factory: Callable = make_engine):
+        self.by_name = {b.name: b for b in bases}
+        self.default = bases[0]
+        self.metrics = metrics  # shared by every base's state
+        self.max_loaded, self.max_bytes = max_loaded, max_bytes
+        self.clock = clock
+        self.engine_factory = engine_factory
+        self.draining = False
+        self.handed: ServerState | None = None  # a state whose engine its starter stops, not this
+        self.app_state = None  # the app's state, whose .mola is the default base's state while loaded
+        self._lock = asyncio.Lock()  # one load or unload decision at a time
+
+    @classmethod
+    def serving(cls, state: ServerState, **kwargs) -> Bases:
+        """One base, loaded already as ``state`` (a server of one base). Its
+        starter holds its model, so it stays loaded (pinned): ``mola serve
+        --keep-alive`` serves one base through :meth:`declared` instead."""
+        base = Base(state.base_id, state.config, None, pin=True, status=S.LOADED, state=state)
+        base.nbytes, base.last_used = weight_bytes(state.engine.engine.loaded.model), time.monotonic()
+        bases = cls([base], state.metrics, state.config.max_loaded_models, state.config.models_memory_bytes,
+                    **kwargs)
+        bases.handed = state
+        return bases
+
+    @classmethod
+    def declared(cls, config: ServeConfig, metrics, **kwargs) -> Bases:
+        """Every base ``config`` declares, none loaded: the default first (its
+        --model, or the first of its models)."""
+        specs = list(config.models)
+        if config.model is not None:
+            name = config.served_model_name or default_name(config.model)
+            first = Base(name, dataclasses.replace(config, served_model_name=name, models=()), config.keep_alive)
+        else:
+            spec = specs.pop(0)
+            first = Base(spec.name, config.for_base(spec, is_default=True), spec.keep_alive or config.keep_alive,
+                         spec.pin)
+        others = [Base(m.name, config.for_base(m), m.keep_alive or config.keep_alive, m.pin) for m in specs]
+        return cls([first, *others], metrics, config.max_loaded_models, config.models_memory_bytes, **kwargs)
+
+    async def preload(self) -> None:
+        """Load the default base and the pinned ones (at start)."""
+        for base in self:
+            if base is self.default or base.pin:
+                await self._admit(base)
+
+    def __iter__(self):
+        return iter(self.by_name.values())
+
+    def loaded_states(self) -> list[ServerState]:
+        return [b.state for b in self if b.state is not None]
+
+    def find(self, model_id: str | None) -> Base | None:
+        """The base ``model_id`` names, or whose adapter it is (None: none declares it)."""
+        if model_id is None:
+            return self.default
+        if model_id in self.by_name:
+            return self.by_name[model_id]
+        return next((b for b in self if model_id in b.adapter_names()), None)
+
+    # ---- requests ----------------------------------------------------------
+
+    async def enter(self, model_id: str | None, scope: dict, stack: tuple[str, ...] = ()) -> ServerState:
+        """The state serving ``model_id`` (loaded now if need be), with this
+        request counted in flight on it until its response ends."""
+        base = self.find(model_id) or self.default  # an unknown id: the default base's 404
+        for name in stack:
+            other = self.find(name)
+            if other is not None and other is not base:
+                raise InvalidRequest(
+                    f"'{name}' is an adapter of base '{other.name}' and '{model_id}' is served by base "
+                    f"'{base.name}'; a stack holds adapters of one base.", param="adapters")
+        if self.draining:
+            raise ShuttingDown("The server is shutting down.")
+        base.in_flight += 1
+        base.last_used = self.clock()
+        scope.setdefault(LEASES, []).append(base)
+        if base.status is not S.LOADED:
+            await asyncio.shield(self._admit(base))  # a request that leaves lets the load finish
+        return base.state
+
+    def leave(self, base: Base) -> None:
+        base.in_flight -= 1
+        base.last_used = self.clock()
+
+    async def _admit(self, base: Base) -> None:
+        async with self._lock:
+            if base.status is S.FAILED:
+                raise BaseUnavailable(f"The model '{base.name}' failed to load: {base.error}")
+            if base.status is S.LOADED:
+                return
+            await self._make_room(base)
+            await self._load(base)
+
+    async def _make_room(self, base: Base) -> None:
+        while not self._fits(base):
+            idle = [b for b in self if b.status is S.LOADED and not b.pin and b.in_flight == 0]
+            if not idle:
+                raise BaseUnavailable(
+                    f"The model '{base.name}' cannot be loaded now: the loaded models are busy "
+                    f"(--max-loaded-models {self.max_loaded}, --models-memory-bytes {self.max_bytes}); "
+                    "retry later.")
+            await self._unload(min(idle, key=lambda b: b.last_used), "to make room for " + base.name)
+
+    def _fits(self, base: Base) -> bool:
+        loaded = [b for b in self if b.status is S.LOADED]
+        if self.max_loaded is not None and len(loaded) + 1 > self.max_loaded:
+            return False
+        # Its size as measured at its last load (unknown before its first).
+        return self.max_bytes is None or sum(b.nbytes for b in loaded) + base.nbytes <= self.max_bytes
+
+    # ---- loading and unloading ---------------------------------------------
+
+    async def _load(self, base: Base) -> None:
+        from .startup import build_state
+
+        base.move(S.LOADING)
+        t0 = time.perf_counter()
+        log.info("loading base %s from %s", base.name, base.config.model)
+        engine = self.engine_factory(base.config)
+        try:
+            loaded = await asyncio.to_thread(engine.start)
+            state = await build_state(base.config, engine, loaded, metrics=self.metrics)
+        except Exception as e:
+            await asyncio.to_thread(engine.stop)
+            base.error = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
+            base.move(S.FAILED)
+            log.error("base %s failed to load: %s", base.name, base.error)
+            raise BaseUnavailable(f"The model '{base.name}' failed to load: {base.error}") from None
+        state.draining = self.draining
+        base.state, base.nbytes, base.error = state, weight_bytes(loaded.model), None
+        base.num_loads += 1
+        base.move(S.LOADED)
+        self._published(base)
+        log.info("loaded base %s in %.2f s (%.1f MiB of weights and slot packs)",
+                 base.name, time.perf_counter() - t0, base.nbytes / 2**20)
+
+    async def _unload(self, base: Base, why: str) -> None:
+        import mlx.core as mx
+
+        base.move(S.UNLOADING)
+        t0, before = time.perf_counter(), mx.get_active_memory()
+        state, base.state = base.state, None
+        self._published(base)
+        await close_state(state)
+        del state
+        gc.collect()
+        mx.clear_cache()
+        base.num_unloads += 1
+        base.move(S.DECLARED)
+        log.info("unloaded base %s (%s) in %.2f s; %.1f MiB freed", base.name, why,
+                 time.perf_counter() - t0, (before - mx.get_active_memory()) / 2**20)
+
+    def _published(self, base: Base) -> None:
+        if base is self.default and self.app_state is not None:
+            self.app_state.mola = base.state
+
+    async def unload(self, name: str) -> bool:
+        """Unload the base ``name`` now if it is loaded and idle."""
+        async with self._lock:
+            base = self.by_name[name]
+            if base.status is not S.LOADED or base.in_flight:
+                return False
+            await self._unload(base, "asked")
+            return True
+
+    async def unload_idle(self, now: float) -> list[str]:
+        """Unload every base idle past its keep_alive at ``now``; their names."""
+        gone = []
+        async with self._lock:
+            for b in self:
+                if (b.status is S.LOADED and not b.pin and b.in_flight == 0 and b.keep_alive is not None
+                        and now - b.last_used >= b.keep_alive):
+                    await self._unload(b, f"idle {now - b.last_used:.0f} s")
+                    gone.append(b.name)
+        return gone
+
+    async def watch_idle(self, every: float = 1.0) -> None:
+        """Forever: unload the bases idle past their keep_alive (a task of the app's lifespan)."""
+        while True:
+            await asyncio.sleep(every)
+            await self.unload_idle(self.clock())
+
+    def drain(self) -> int:
+        """Shutting down: no new requests or loads; the sequences still running."""
+        self.draining = True
+        for state in self.loaded_states():
+            state.draining = True
+        return sum(s.active_sequences for s in self.loaded_states())
+
+    async def close(self) -> None:
+        """Stop every base's engine (at shutdown)."""
+        self.draining = True
+        for b in self:
+            if b.state is not None:
+                await close_state(b.state)
+
+
+async def close_state(state: ServerState) -> None:
+    """Stop serving ``state``: its registry, loader, prompt lanes and engine thread."""
+    state.draining = True
+    state.registry.close()
+    state.loader.close()
+    state.prompts.close()
+    await asyncio.to_thread(state.engine.engine.stop)
+
+
+class BaseLeases:
+    """ASGI middleware: a request stays in flight on the bases it entered
+    until its response (a stream too) has been sent."""
+
+    def __init__(self, app, bases: Bases):
+        self.app = app
+        self.bases = bases
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        scope[LEASES] = []
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            for base in scope.get(LEASES, ()):
+                self.bases.leave(base)
+
+
+async def state_for(request, model_id: str | None, stack=None) -> ServerState:
+    """The state serving ``model_id`` for this request (see Bases.enter)."""
+    names = tuple(a.name for a in stack or () if getattr(a, "name", None))
+    return await request.app.state.bases.enter(model_id, request.scope, names)

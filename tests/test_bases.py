@@ -1,0 +1,249 @@
+"""Several base models in one server (mola/server/bases.py): routing by model
+id, loading on demand, --max-loaded-models, keep_alive (with an explicit
+``now``), a base that fails to load, adapters checked against their own
+base, and memory over load/unload cycles. Two tiny random bases of
+different widths, each with an adapter; answers are checked against each
+base served alone by a server of one base."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from helpers import free_port, start_server
+from mola.config import AdapterSpec, ServeConfig
+from mola.server.app import create_app
+from mola.server.bases import Bases, BaseStatus
+from mola.server.metrics import Metrics, rss_bytes
+from mola.testing.adapter import make_random_adapter
+from mola.testing.model import TinyModelSpec, make_tiny_model
+
+PROMPT = [{"role": "user", "content": "tell me about the sea"}]
+
+
+@pytest.fixture(scope="module")
+def two_bases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bases")
+    a = make_tiny_model(root / "a", TinyModelSpec(hidden_size=64, seed=1))
+    b = make_tiny_model(root / "b", TinyModelSpec(hidden_size=96, intermediate_size=160, seed=2))
+    adapters = {"a1": make_random_adapter(root / "a1", a, seed=3), "b1": make_random_adapter(root / "b1", b, seed=4)}
+    broken = root / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    return {"a": str(a), "b": str(b), "broken": str(broken), **{k: str(v) for k, v in adapters.items()}}
+
+
+class Handle:
+    def __init__(self, url, bases, loop, server, thread):
+        self.url, self.bases, self.loop, self.server, self.thread = url, bases, loop, server, thread
+
+    def run(self, coro):
+        """Run ``coro`` on the server's event loop."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def serve_bases(paths, **settings) -> Handle:
+    """Bases A (default, adapter a1) and B (adapter b1), and any more in settings, on 127.0.0.1."""
+    models = [{"name": "B", "model": paths["b"], "adapters": [{"name": "b1", "path": paths["b1"]}],
+               "keep_alive": settings.pop("b_keep_alive", None)}, *settings.pop("models", [])]
+    config = ServeConfig.from_settings(
+        host="127.0.0.1", port=free_port(), log_level="warning", model=paths["a"], served_model_name="A",
+        adapters=[AdapterSpec("a1", paths["a1"])], models=models, max_lora_rank=8, max_loras=2, **settings)
+    box, started = {}, threading.Event()
+
+    async def main():
+        bases = Bases.declared(config, Metrics())
+        await bases.preload()
+        server = uvicorn.Server(uvicorn.Config(create_app(bases.default.state, bases), host="127.0.0.1",
+                                               port=config.port, log_level="warning"))
+        box.update(bases=bases, loop=asyncio.get_running_loop(), server=server)
+        started.set()
+        await server.serve()
+
+    thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
+    thread.start()
+    assert started.wait(60), "the server did not start"
+    while not box["server"].started:
+        time.sleep(0.01)  # uvicorn binds after serve() starts: no event to wait on
+    return Handle(f"http://127.0.0.1:{config.port}", box["bases"], box["loop"], box["server"], thread)
+
+
+def chat(url, model, max_tokens=8, **extra):
+    return httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0, **extra})
+
+
+def text(response) -> str:
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def alone(paths, base, adapter, name) -> dict[str, str]:
+    """Greedy answers of a server of one base: the reference."""
+    with_adapter = [AdapterSpec(adapter, paths[adapter])]
+    handle = start_server(model=paths[base], served_model_name=name, adapters=with_adapter, max_lora_rank=8,
+                          max_loras=2)
+    try:
+        return {name: text(chat(handle.url, name)), adapter: text(chat(handle.url, adapter))}
+    finally:
+        handle.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(two_bases):
+    return {**alone(two_bases, "a", "a1", "A"), **alone(two_bases, "b", "b1", "B")}
+
+
+def test_mixed_traffic_equals_each_base_alone(two_bases, reference):
+    h = serve_bases(two_bases)
+    try:
+        assert h.bases.by_name["B"].status is BaseStatus.DECLARED  # not loaded until asked for
+        ids = ["A", "b1", "a1", "B"] * 3
+        with concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
+            answers = list(pool.map(lambda m: text(chat(h.url, m)), ids))
+        assert answers == [reference[m] for m in ids]
+        assert h.bases.by_name["B"].status is BaseStatus.LOADED  # the request loaded it
+        cards = {c["id"]: c for c in httpx.get(h.url + "/v1/models").json()["data"]}
+        assert cards["B"]["status"] == "loaded" and cards["b1"]["parent"] == "B" and cards["a1"]["parent"] == "A"
+        metrics = httpx.get(h.url + "/metrics").text
+        assert 'mola_base_running_requests{base="B"}' in metrics
+        assert 'mola_base_status{base="B",status="loaded"} 1.0' in metrics
+        # A stack of adapters of two bases: a 400 naming both.
+        r = chat(h.url, "a1", adapters=[{"name": "b1"}])
+        assert r.status_code == 400 and "b1" in r.json()["error"]["message"]
+    finally:
+        h.stop()
+
+
+def test_models_lists_unloaded_bases(two_bases):
+    h = serve_bases(two_bases)
+    try:
+        cards = {c["id"]: c for c in httpx.get(h.url + "/v1/models").json()["data"]}
+        assert cards["A"]["status"] == "loaded" and cards["B"]["status"] == "declared"
+        assert cards["b1"]["parent"] == "B" and cards["b1"]["root"] == two_bases["b1"]
+    finally:
+        h.stop()
+
+
+def test_one_loaded_model_swaps_bases(two_bases, reference):
+    h = serve_bases(two_bases, max_loaded_models=1)
+    try:
+        for model in ["B", "a1", "b1", "A"]:
+            assert text(chat(h.url, model)) == reference[model]
+            loaded = [b.name for b in h.bases if b.status is BaseStatus.LOADED]
+            assert loaded == ["B" if model in ("B", "b1") else "A"]
+        assert (h.bases.by_name["A"].num_unloads, h.bases.by_name["B"].num_unloads) == (2, 2)
+        # A request in flight on A: B cannot be loaded, 503 with Retry-After, A untouched.
+        scope = {}
+        h.run(h.bases.enter("A", scope))
+        r = chat(h.url, "B")
+        assert r.status_code == 503 and "Retry-After" in r.headers and "busy" in r.json()["error"]["message"]
+        assert text(chat(h.url, "a1")) == reference["a1"]
+        for base in scope["mola.bases"]:
+            h.bases.leave(base)
+        # Alternating traffic at once: every answer is whole and right, or a 503 to retry.
+        ids = ["A", "B", "a1", "b1"] * 3
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            responses = list(pool.map(lambda m: chat(h.url, m), ids))
+        for model, r in zip(ids, responses):
+            assert r.status_code in (200, 503), r.text
+            if r.status_code == 200:
+                assert text(r) == reference[model]
+    finally:
+        h.stop()
+
+
+def test_keep_alive_unloads_when_idle_and_reloads(two_bases, reference):
+    h = serve_bases(two_bases, b_keep_alive=100.0)
+    try:
+        b = h.bases.by_name["B"]
+        assert text(chat(h.url, "b1")) == reference["b1"]
+        assert h.run(h.bases.unload_idle(b.last_used + 99)) == []
+        assert h.run(h.bases.unload_idle(b.last_used + 100)) == ["B"]  # A has no keep_alive
+        assert b.status is BaseStatus.DECLARED and b.state is None
+        assert text(chat(h.url, "B")) == reference["B"]
+        assert (b.num_loads, b.status) == (2, BaseStatus.LOADED)
+    finally:
+        h.stop()
+
+
+def test_adapter_for_another_base_is_a_400(two_bases):
+    h = serve_bases(two_bases, allow_any_adapter_path=True)
+    try:
+        r = httpx.post(h.url + "/v1/adapters", timeout=60,
+                       json={"name": "wrong", "path": two_bases["b1"], "base": "A"})
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert "shape" in message.lower() and "96" in message, message  # B's width, not A's 64
+        r = httpx.post(h.url + "/v1/adapters", timeout=60, json={"name": "b2", "path": two_bases["b1"], "base": "B"})
+        assert r.status_code == 200, r.text
+        cards = {c["id"]: c for c in httpx.get(h.url + "/v1/models").json()["data"]}
+        assert cards["b2"]["parent"] == "B"
+        r = httpx.post(h.url + "/v1/adapters", json={"name": "x", "path": two_bases["b1"], "base": "nope"})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "base"
+    finally:
+        h.stop()
+
+
+def test_base_that_fails_to_load(two_bases, reference):
+    h = serve_bases(two_bases, models=[{"name": "broken", "model": two_bases["broken"]}])
+    try:
+        r = chat(h.url, "broken")
+        assert r.status_code == 503, r.text
+        assert "'broken' failed to load" in r.json()["error"]["message"]
+        assert text(chat(h.url, "A")) == reference["A"]
+        assert text(chat(h.url, "b1")) == reference["b1"]
+        cards = {c["id"]: c for c in httpx.get(h.url + "/v1/models").json()["data"]}
+        assert cards["broken"]["status"] == "failed"
+        assert httpx.get(h.url + "/health").status_code == 200
+    finally:
+        h.stop()
+
+
+def test_memory_returns_after_load_unload_cycles(two_bases):
+    import mlx.core as mx
+
+    h = serve_bases(two_bases)
+    try:
+        def cycle():
+            assert chat(h.url, "b1").status_code == 200
+            assert h.run(h.bases.unload("B"))
+            return mx.get_active_memory(), rss_bytes()
+
+        first = cycle()
+        for _ in range(9):
+            last = cycle()
+        assert h.bases.by_name["B"].num_loads == 10
+        assert last[0] <= first[0] * 1.05, (first, last)
+        assert last[1] <= first[1] * 1.05, (first, last)
+    finally:
+        h.stop()
+
+
+def test_flags_and_config_file_declare_bases(tmp_path):
+    from mola.cli import build_parser, config_from_args
+
+    (tmp_path / "b").mkdir()
+    (tmp_path / "mola.toml").write_text(
+        'model = "a"\nkeep_alive = 60\n[[models]]\nname = "B"\nmodel = "./b"\nmax_loras = 2\npin = true\n'
+        'adapters = [{ name = "b1", path = "./b1" }]\n')
+    args = build_parser().parse_args(["serve", "--config", str(tmp_path / "mola.toml"), "--model", "C=org/c",
+                                      "--max-loaded-models", "2"])
+    config = config_from_args(args)
+    assert config.model == "a" and [m.name for m in config.models] == ["B", "C"]
+    b = config.for_base(config.models[0])
+    assert b.model == str(tmp_path / "b") and b.served_model_name == "B" and b.engine.max_loras == 2
+    assert [a.name for a in b.adapters] == ["b1"] and b.keep_alive == 60 and config.models[0].pin
+    assert config.max_loaded_models == 2 and config.for_base(config.models[1]).model == "org/c"
+    with pytest.raises(ValueError, match="more than once"):
+        ServeConfig(model="a", adapters=(AdapterSpec("B", "x"),), models=[{"name": "B", "model": "b"}])
