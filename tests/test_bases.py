@@ -10,13 +10,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-import time
 
 import httpx
 import pytest
 import uvicorn
 
-from helpers import free_port, start_server
+from helpers import free_port, start_server, wait_until
 from mola.config import AdapterSpec, ServeConfig
 from mola.server.app import create_app
 from mola.server.bases import Bases, BaseStatus
@@ -73,8 +72,8 @@ def serve_bases(paths, **settings) -> Handle:
     thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
     thread.start()
     assert started.wait(60), "the server did not start"
-    while not box["server"].started:
-        time.sleep(0.01)  # uvicorn binds after serve() starts: no event to wait on
+    # uvicorn binds after serve() starts, and signals nothing when it has
+    wait_until(lambda: box["server"].started, timeout=60, what="uvicorn to bind")
     return Handle(f"http://127.0.0.1:{config.port}", box["bases"], box["loop"], box["server"], thread)
 
 
