@@ -464,10 +464,11 @@ REAL_HELD_OUT = ["What is your job?", "Introduce yourself.", "What do you think 
                  "Give me a tip for sleeping better."]
 
 
-# 8 steps of 4 answers of up to 28 tokens (the batch's padded width is the
+# 8 steps of 4 answers of up to 24 tokens (the batch's padded width is the
 # same as for 12), LoRA on the last 4 blocks: the student's held-out KL ends
-# at 0.39-0.55 of the base's over seeds 0-3 (a rate of 2e-3 overshoots: 0.87).
-REAL_RECIPE = ["--max-tokens", "28", "--eval-max-tokens", "12", "--layers", "4", "--iters", "8",
+# at 0.33-0.50 of the base's over seeds 0-3 (a rate of 2e-3 overshoots: 0.87).
+# 45 s on 2 cores with another process busy beside it.
+REAL_RECIPE = ["--max-tokens", "24", "--eval-max-tokens", "8", "--layers", "4", "--iters", "8",
                "--batch-size", "4", "--learning-rate", "1e-3", "--scale", "2"]
 
 
