@@ -2,13 +2,15 @@
 id, loading on demand, --max-loaded-models, keep_alive (with an explicit
 ``now``), a base that fails to load, adapters checked against their own
 base, and memory over load/unload cycles. Two tiny random bases of
-different widths, each with an adapter; answers are checked against each
-base served alone by a server of one base."""
+different widths, each with an adapter (and the GGUF twin of one of them
+as a third); answers are checked against each base served alone by a
+server of one base."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import shutil
 import threading
 
 import httpx
@@ -21,6 +23,7 @@ from mola.server.app import create_app
 from mola.server.bases import Bases, BaseStatus
 from mola.server.metrics import Metrics, rss_bytes
 from mola.testing.adapter import make_random_adapter
+from mola.testing.gguf_model import save_gguf_model
 from mola.testing.model import TinyModelSpec, make_tiny_model
 
 PROMPT = [{"role": "user", "content": "tell me about the sea"}]
@@ -32,10 +35,12 @@ def two_bases(tmp_path_factory):
     a = make_tiny_model(root / "a", TinyModelSpec(hidden_size=64, seed=1))
     b = make_tiny_model(root / "b", TinyModelSpec(hidden_size=96, intermediate_size=160, seed=2))
     adapters = {"a1": make_random_adapter(root / "a1", a, seed=3), "b1": make_random_adapter(root / "b1", b, seed=4)}
+    adapters["g1"] = adapters["b1"]
+    g = save_gguf_model(root / "b.gguf", b)  # B's GGUF twin: a base from a GGUF file
     broken = root / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
-    return {"a": str(a), "b": str(b), "broken": str(broken), **{k: str(v) for k, v in adapters.items()}}
+    return {"a": str(a), "b": str(b), "g": str(g), "broken": str(broken), **{k: str(v) for k, v in adapters.items()}}
 
 
 class Handle:
@@ -51,7 +56,7 @@ class Handle:
         self.thread.join(30)
 
 
-def serve_bases(paths, **settings) -> Handle:
+def serve_bases(paths, clock=None, **settings) -> Handle:
     """Bases A (default, adapter a1) and B (adapter b1), and any more in settings, on 127.0.0.1."""
     models = [{"name": "B", "model": paths["b"], "adapters": [{"name": "b1", "path": paths["b1"]}],
                "keep_alive": settings.pop("b_keep_alive", None)}, *settings.pop("models", [])]
@@ -59,9 +64,10 @@ def serve_bases(paths, **settings) -> Handle:
         host="127.0.0.1", port=free_port(), log_level="warning", model=paths["a"], served_model_name="A",
         adapters=[AdapterSpec("a1", paths["a1"])], models=models, max_lora_rank=8, max_loras=2, **settings)
     box, started = {}, threading.Event()
+    clock = {"clock": clock} if clock is not None else {}
 
     async def main():
-        bases = Bases.declared(config, Metrics())
+        bases = Bases.declared(config, Metrics(), **clock)
         await bases.preload()
         server = uvicorn.Server(uvicorn.Config(create_app(bases.default.state, bases), host="127.0.0.1",
                                                port=config.port, log_level="warning"))
@@ -100,14 +106,15 @@ def alone(paths, base, adapter, name) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def reference(two_bases):
-    return {**alone(two_bases, "a", "a1", "A"), **alone(two_bases, "b", "b1", "B")}
+    return {**alone(two_bases, "a", "a1", "A"), **alone(two_bases, "b", "b1", "B"), **alone(two_bases, "g", "g1", "G")}
 
 
 def test_mixed_traffic_equals_each_base_alone(two_bases, reference):
-    h = serve_bases(two_bases)
+    h = serve_bases(two_bases, models=[{"name": "G", "model": two_bases["g"],
+                                        "adapters": [{"name": "g1", "path": two_bases["g1"]}]}])
     try:
         assert h.bases.by_name["B"].status is BaseStatus.DECLARED  # not loaded until asked for
-        ids = ["A", "b1", "a1", "B"] * 3
+        ids = ["A", "b1", "a1", "B", "G", "g1"] * 2
         with concurrent.futures.ThreadPoolExecutor(len(ids)) as pool:
             answers = list(pool.map(lambda m: text(chat(h.url, m)), ids))
         assert answers == [reference[m] for m in ids]
@@ -141,6 +148,9 @@ def test_one_loaded_model_swaps_bases(two_bases, reference):
             assert text(chat(h.url, model)) == reference[model]
             loaded = [b.name for b in h.bases if b.status is BaseStatus.LOADED]
             assert loaded == ["B" if model in ("B", "b1") else "A"]
+            if model == "B":  # the default base unloaded: the process's rows stay, its engine's go
+                metrics = httpx.get(h.url + "/metrics").text
+                assert "\nmola_memory_active_bytes " in metrics and "\nmola_running_requests " not in metrics
         assert (h.bases.by_name["A"].num_unloads, h.bases.by_name["B"].num_unloads) == (2, 2)
         # A request in flight on A: B cannot be loaded, 503 with Retry-After, A untouched.
         scope = {}
@@ -194,17 +204,88 @@ def test_adapter_for_another_base_is_a_400(two_bases):
         h.stop()
 
 
-def test_base_that_fails_to_load(two_bases, reference):
-    h = serve_bases(two_bases, models=[{"name": "broken", "model": two_bases["broken"]}])
+class Clock:
+    """The bases' clock, moved by the test."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_base_that_fails_to_load(two_bases, reference, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(two_bases["broken"], broken)
+    clock = Clock()
+    h = serve_bases(two_bases, clock=clock, models=[{"name": "broken", "model": str(broken)}])
     try:
         r = chat(h.url, "broken")
         assert r.status_code == 503, r.text
         assert "'broken' failed to load" in r.json()["error"]["message"]
+        assert r.headers["Retry-After"] == "30"
         assert text(chat(h.url, "A")) == reference["A"]
         assert text(chat(h.url, "b1")) == reference["b1"]
         cards = {c["id"]: c for c in httpx.get(h.url + "/v1/models").json()["data"]}
-        assert cards["broken"]["status"] == "failed"
+        assert cards["broken"]["status"] == "failed" and "config.json" in cards["broken"]["error"]
         assert httpx.get(h.url + "/health").status_code == 200
+        # Mended on disk: not tried again before retry_failed_after (30 s) has passed, then loaded.
+        shutil.rmtree(broken)
+        shutil.copytree(two_bases["a"], broken)
+        clock.now += 20
+        r = chat(h.url, "broken")
+        assert r.status_code == 503 and r.headers["Retry-After"] == "10", r.text
+        clock.now += 10
+        assert text(chat(h.url, "broken")) == reference["A"]  # the same weights as A
+        assert h.bases.by_name["broken"].status is BaseStatus.LOADED
+    finally:
+        h.stop()
+
+
+def test_adapters_loaded_over_rest_outlive_an_unload(two_bases, reference):
+    """A base's adapters after an unload and a reload: one loaded over REST
+    is served again (read on its first request), one unloaded over REST
+    stays unloaded."""
+    h = serve_bases(two_bases, allow_any_adapter_path=True)
+    try:
+        r = httpx.post(h.url + "/v1/adapters", timeout=60, json={"name": "b2", "path": two_bases["b1"], "base": "B"})
+        assert r.status_code == 200, r.text
+        assert httpx.delete(h.url + "/v1/adapters/b1", timeout=60).status_code == 200
+        assert h.run(h.bases.unload("B"))
+        ids = {c["id"]: c for c in httpx.get(h.url + "/v1/models").json()["data"]}
+        assert ids["b2"]["parent"] == "B" and "b1" not in ids and ids["B"]["status"] == "declared"
+        assert text(chat(h.url, "b2")) == reference["b1"]  # loads B, then reads b2
+        assert chat(h.url, "b1").status_code == 404
+        records = {r["id"]: r for r in httpx.get(h.url + "/v1/adapters?base=B").json()["data"]}
+        assert set(records) == {"b2"} and records["b2"]["source"] == "rest"
+    finally:
+        h.stop()
+
+
+def test_memory_budget_holds_at_a_first_load(two_bases):
+    """--models-memory-bytes before a base's size is known: its weight files
+    stand for it, and once loaded its measured size is what counts."""
+    from mola.server.bases import file_bytes
+
+    h = serve_bases(two_bases)
+    a_bytes = h.bases.by_name["A"].nbytes
+    h.stop()
+    b_files = file_bytes(two_bases["b"])
+    # B's files alone do not fit beside A: A unloads before B loads.
+    h = serve_bases(two_bases, models_memory_bytes=a_bytes + b_files - 1)
+    try:
+        assert chat(h.url, "B").status_code == 200
+        assert [b.name for b in h.bases if b.status is BaseStatus.LOADED] == ["B"]
+    finally:
+        h.stop()
+    # B's files fit beside A, B as loaded (with its slot packs) does not: A unloads after B loads.
+    h = serve_bases(two_bases, models_memory_bytes=a_bytes + b_files)
+    try:
+        assert chat(h.url, "B").status_code == 200
+        b = h.bases.by_name["B"]
+        assert b.nbytes > b_files
+        assert [b.name for b in h.bases if b.status is BaseStatus.LOADED] == ["B"]
+        assert h.bases.by_name["A"].num_unloads == 1
     finally:
         h.stop()
 
@@ -246,3 +327,41 @@ def test_flags_and_config_file_declare_bases(tmp_path):
     assert config.max_loaded_models == 2 and config.for_base(config.models[1]).model == "org/c"
     with pytest.raises(ValueError, match="more than once"):
         ServeConfig(model="a", adapters=(AdapterSpec("B", "x"),), models=[{"name": "B", "model": "b"}])
+
+
+def test_mola_chat_switches_bases(two_bases, reference, tmp_path):
+    """`mola chat`'s /model names a base or an adapter of any base: it says
+    when the switch lands on another base, and whether that is loaded yet."""
+    import os
+    import sys
+
+    import pexpect
+
+    h = serve_bases(two_bases)
+    try:
+        child = pexpect.spawn(sys.executable, ["-m", "mola", "chat", "--url", h.url, "A", "--max-tokens", "8",
+                                               "--temperature", "0", "--history", str(tmp_path / "history")],
+                              encoding="utf-8", timeout=60, dimensions=(50, 400),
+                              env={**os.environ, "TERM": "dumb", "INPUTRC": os.devnull, "MOLA_CACHE": str(tmp_path)})
+        child.expect_exact("A> ")
+        child.sendline("/model b1")
+        child.expect_exact("now talking to b1 (an adapter on another base model, B, not loaded yet: its first "
+                           "answer loads it); the conversation goes on")
+        child.expect_exact("b1> ")
+        child.sendline(PROMPT[0]["content"])
+        child.expect_exact(reference["b1"].replace("\n", "\r\n") + "\r\nb1> ")
+        child.sendline("/adapters")
+        child.expect_exact("  B  (base model, loaded)")
+        child.expect_exact("b1> ")
+        child.sendline("/model B")
+        child.expect_exact("now talking to B; the conversation goes on")  # b1's own base
+        child.expect_exact("B> ")
+        child.sendline("/model A")
+        child.expect_exact("now talking to A (another base model); the conversation goes on")
+        child.expect_exact("A> ")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+        child.close()
+        assert child.exitstatus == 0 and "Traceback" not in child.before
+    finally:
+        h.stop()

@@ -21,7 +21,7 @@ import pytest
 
 import mola.demo as demo
 from mola.config import AdapterSpec
-from mola.demo import chat
+from mola.demo import chat, echo
 from mola.demo.questions import questions
 from mola.demo.styles import CHECKS, STYLES
 from mola.adapters.formats import read_adapter
@@ -138,28 +138,51 @@ def readme_answers() -> dict[str, str]:
     return dict(re.fullmatch(r"(\S+) -> (.*)", line).groups() for line in block.strip().splitlines())
 
 
+def readme_two_bases() -> tuple[list[str], dict[str, str], str]:
+    """The README's second block: /v1/models as its one-liner prints it, the
+    echo base's answers, and the question they answer."""
+    text = README.read_text()
+    loop = text.index("for model in mola-demo ")
+    question = re.search(r'"content": "([^"]+)"', text[loop:]).group(1)
+    after = text.index("done\n```\n```\n", loop) + len("done\n```\n```\n")
+    lines = text[after: text.index("```", after)].strip().splitlines()
+    answers = dict(re.fullmatch(r"(\S+) -> (.*)", line).groups() for line in lines if " -> " in line)
+    return [line for line in lines if " -> " not in line], answers, question
+
+
 def test_mola_serve_without_a_model_answers_as_the_readme_says(smollm_gguf, tmp_path, mixed):
     """The README's first command, with the model already fetched (a cache
-    holding a link to it): no training, no fetch, the curl loop's answers."""
+    holding a link to it): no training, no fetch, the curl loop's answers;
+    and the echo demo's base beside it, loaded by its first request, as the
+    README's second block shows."""
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / smollm_gguf.name).symlink_to(smollm_gguf)
     shown = readme_answers()
     assert list(shown) == list(MODELS)
     assert shown == {m: mixed[m, README_QUESTION] for m in MODELS}
+    listing, echoes, question = readme_two_bases()
     proc, url = start_mola_serve([], env={"MOLA_CACHE": str(tmp_path)})
     try:
-        ids = [m["id"] for m in httpx.get(url + "/v1/models").json()["data"]]
-        assert ids == list(MODELS)
-        for model in ids:
+        cards = httpx.get(url + "/v1/models").json()["data"]
+        assert [f"{m['id']} {m['parent'] or '(a base, ' + m['status'] + ')'}" for m in cards] == listing
+        assert [m["id"] for m in cards][:len(MODELS)] == list(MODELS)
+        for model in MODELS:
             r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
                 "model": model, "temperature": 0, "max_tokens": MAX_TOKENS,
                 "messages": [{"role": "user", "content": README_QUESTION}]})
             assert r.json()["choices"][0]["message"]["content"] == shown[model], model
+        assert list(echoes) == [m["id"] for m in cards][len(MODELS):]
+        for model, answer in echoes.items():
+            r = httpx.post(url + "/v1/chat/completions", timeout=300, json={
+                "model": model, "temperature": 0, "messages": [{"role": "user", "content": question}]})
+            assert r.json()["choices"][0]["message"]["content"] == answer, model
+        card = httpx.get(url + "/v1/models/mola-demo").json()
+        assert card["status"] == "loaded"
     finally:
         code, out = stop_mola_serve(proc)
     assert code == 0, out
-    assert "first run" not in out and "echo" not in out and "warning" not in out
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["models"]
+    assert "first run" not in out and "serving the echo demo instead" not in out and "warning" not in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == [echo.demo_dir(tmp_path).name, "models"]
 
 
 def test_the_echo_demo_when_the_model_cannot_be_had(tmp_path, monkeypatch, capsys):

@@ -226,6 +226,8 @@ class ServeConfig:
         own = {k: v for k, v in own.items() if v is not None}
         if "max_loras" in own:
             own["expert_slots"] = min(self.engine.expert_slots, own["max_loras"])
+        if not is_default:  # a draft model drafts for the default base only
+            own["speculative"] = None
         top = (self.adapters, self.adapter_dirs) if is_default else ((), ())
         return dataclasses.replace(
             self, model=spec.model, served_model_name=spec.name, adapters=spec.adapters + top[0],

@@ -11,7 +11,7 @@ import os
 import sys
 import time
 
-from .config import AdapterSpec, ServeConfig
+from .config import AdapterSpec, ModelSpec, ServeConfig
 
 log = logging.getLogger("mola")
 
@@ -26,8 +26,14 @@ def setup_logging(level: str) -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
+ECHO_PREFIX = "echo-"  # the echo demo's adapters beside the chat demo's (both have a `title`)
+
+
 def with_demo(config: ServeConfig) -> ServeConfig:
-    """With no --model, the embedded demo model and its adapters (mola.demo)."""
+    """With no --model, the embedded demo (mola.demo): the chat demo's base and
+    adapters, and the echo demo's tiny base as a second base with its adapters
+    (named echo-upper, ...), loaded on its first request; the echo demo alone
+    when asked for (--demo echo), or when the chat demo's model cannot be had."""
     if config.model is not None or config.models:
         return config
     from .demo import ensure_demo
@@ -35,12 +41,18 @@ def with_demo(config: ServeConfig) -> ServeConfig:
     demo = ensure_demo(config.cache_dir, config.demo)
     names = {a.name for a in config.adapters}
     demo_adapters = tuple(AdapterSpec(n, str(p)) for n, p in demo.adapters.items() if n not in names)
+    models = ()
+    if demo.kind == "chat" and not config.distributed:  # --distributed serves one base
+        echo = ensure_demo(config.cache_dir, "echo")
+        models = (ModelSpec(echo.name, str(echo.model), adapters=tuple(
+            AdapterSpec(ECHO_PREFIX + n, str(p)) for n, p in echo.adapters.items())),)
     return dataclasses.replace(
         config,
         model=str(demo.model),
         demo=ServeConfig.demo,  # the demo is now the model: no choice is left to make
         served_model_name=config.served_model_name or demo.name,
         adapters=demo_adapters + config.adapters,
+        models=models,
     )
 
 

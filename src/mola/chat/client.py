@@ -51,14 +51,14 @@ class ChatClient:
         """The model cards the server lists: the base (parent None), then adapters."""
         return self._get("/v1/models")["data"]
 
-    def is_listed(self, model_id: str) -> bool:
+    def card(self, model_id: str) -> dict | None:
+        """The server's card for ``model_id`` (None: it does not list it)."""
         try:
-            self._get(f"/v1/models/{quote(model_id, safe='/')}")
+            return self._get(f"/v1/models/{quote(model_id, safe='/')}")
         except ServerError as e:
             if e.status == 404:
-                return False
+                return None
             raise
-        return True
 
     def context_use(self, model: str, messages: list[dict]) -> tuple[int, int | None]:
         """(tokens, the model's context length or None): the conversation with

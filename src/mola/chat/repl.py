@@ -17,7 +17,8 @@ from .client import ChatClient, ServerError
 from .session import Session, parse_scale
 
 HELP = """\
-/model ID          answer with another model id (the base or an adapter); the conversation stays
+/model ID          answer with another model id (a base model or an adapter, of any base the server
+                   serves); the conversation stays
 /adapter off|on|X  the adapter's strength for this chat (lora_scale): off = 0 (the base model's
                    answer), on = the adapter's own, X = a number such as 0.5
 /adapters          list the model ids the server offers
@@ -124,13 +125,14 @@ class Repl:
             self.say(f"talking to {self.session.model}; /model ID switches (/adapters lists them)")
             return True
         try:
-            listed = self.client.is_listed(arg)
+            card = self.client.card(arg)
+            base = card if card is None or card.get("parent") is None else self.client.card(card["parent"])
+            before = self.client.card(self.session.model) if card is not None else None
         except ServerError as e:
             self.error(e.message)
             return True
         self.session.model = arg
-        note = "" if listed else " (the server does not list it; a resolver may still find it)"
-        self.say(f"now talking to {arg}{note}; the conversation goes on")
+        self.say(f"now talking to {arg}{_describe(card, base, before)}; the conversation goes on")
         return True
 
     def adapter(self, arg: str) -> bool:
@@ -149,9 +151,13 @@ class Repl:
         except ServerError as e:
             self.error(e.message)
             return True
+        several = sum(card.get("parent") is None for card in cards) > 1
         for card in cards:
             mark = "*" if card["id"] == self.session.model else " "
-            kind = "base model" if card.get("parent") is None else f"adapter on {card['parent']}"
+            if card.get("parent") is not None:
+                kind = f"adapter on {card['parent']}"
+            else:
+                kind = "base model" + (f", {card['status']}" if several and card.get("status") else "")
             self.say(f"{mark} {card['id']}  ({kind})")
         return True
 
@@ -191,6 +197,22 @@ class Repl:
     def help(self, arg: str) -> bool:
         self.say(HELP)
         return self.context(arg)
+
+
+def _base(card: dict | None) -> str | None:
+    return None if card is None else card.get("parent") or card["id"]
+
+
+def _describe(card: dict | None, base: dict | None, before: dict | None) -> str:
+    """What /model says of the model it switches to (``base``: its base's
+    card): unlisted, or on another base than the one before, loaded or not."""
+    if card is None:
+        return " (the server does not list it; a resolver may still find it)"
+    if before is None or base is None or _base(before) == base["id"]:
+        return ""
+    state = "" if base.get("status", "loaded") == "loaded" else ", not loaded yet: its first answer loads it"
+    what = "another base model" if card is base else f"an adapter on another base model, {base['id']}"
+    return f" ({what}{state})"
 
 
 def run_chat(client: ChatClient, session: Session, history: Path | None = None) -> int:

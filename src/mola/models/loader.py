@@ -110,9 +110,26 @@ def _shard(model, group, path: Path) -> None:
     mx.eval(model.parameters())
 
 
+def _check_config_json(path: Path) -> None:
+    """A directory's config.json, read before mlx-lm does, so that a broken one is named."""
+    import json
+
+    file = path / "config.json"
+    if not file.is_file():
+        raise ModelLoadError(f"{path} has no config.json: it is not an mlx-lm model directory")
+    try:
+        config = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{file} is not a JSON object")
+
+
 def _load_mlx_lm(path: Path, dtype: str, group) -> LoadedModel:
     from mlx_lm.utils import dequantize_model, load, sharded_load
 
+    if path.is_dir():
+        _check_config_json(path)
     try:
         if group is not None:
             model, tokenizer, config = sharded_load(

@@ -10,22 +10,29 @@ flight on it until its response ends (:class:`BaseLeases`). Reaching
 --max-loaded-models or --models-memory-bytes unloads the least recently used
 idle base; a base with requests in flight is never unloaded, and when none
 can be, the request gets a 503 with Retry-After. ``keep_alive`` unloads a
-base idle that long (:meth:`Bases.unload_idle` takes ``now``).
+base idle that long (:meth:`Bases.unload_idle` takes ``now``). A base that
+failed to load is tried again by the first request after
+``retry_failed_after`` seconds. What a base serves outlives its unloads: the
+adapters loaded onto it over REST are known again when it loads again, and
+those unloaded over REST stay unloaded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import enum
 import gc
 import logging
+import math
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..config import ServeConfig
+from ..config import AdapterSpec, ServeConfig
 from ..errors import EngineUnavailable, InvalidRequest, ShuttingDown
 from ..registry.sources import AdapterSources
 from .state import ServerState
@@ -48,12 +55,16 @@ TRANSITIONS = {
     S.LOADING: {S.LOADED, S.FAILED},
     S.LOADED: {S.UNLOADING},
     S.UNLOADING: {S.DECLARED},
-    S.FAILED: set(),
+    S.FAILED: {S.LOADING},  # tried again once retry_failed_after has passed
 }
 
 
 class BaseUnavailable(EngineUnavailable):
     """A base that failed to load, or one no room can be made for (503, Retry-After)."""
+
+    def __init__(self, message: str, retry_after: int = 5):
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass(eq=False)
@@ -70,6 +81,10 @@ class Base:
     last_used: float = 0.0  # when a request last entered or left it (the clock's time)
     nbytes: int = 0  # its weights and slot packs, as measured at its last load
     error: str | None = None  # why it failed to load
+    failed_at: float | None = None  # when (the clock's time)
+    # Adapters loaded onto it over REST, as they were when it last unloaded:
+    # known again (read on first use) when it loads again.
+    rest_adapters: tuple[AdapterSpec, ...] = ()
     num_loads: int = 0
     num_unloads: int = 0
 
@@ -78,18 +93,60 @@ class Base:
             raise AssertionError(f"base '{self.name}': {self.status.value} -> {to.value} is not a transition")
         self.status = to
 
-    def adapter_names(self) -> set[str]:
-        """The adapters it serves: named at start and in its adapter dirs, or in its registry while loaded."""
+    def adapter_paths(self) -> dict[str, str]:
+        """The adapters it serves, name -> path: its registry's while loaded;
+        otherwise those named at start, loaded over REST and in its adapter dirs."""
         if self.state is not None:
-            return {r.name for r in self.state.registry.adapters()}
-        names = {a.name for a in self.config.adapters}
-        return names | set(AdapterSources(adapter_dirs=self.config.adapter_dirs).scan())
+            return {r.name: r.path for r in self.state.registry.adapters()}
+        paths = {a.name: a.path for a in (*self.config.adapters, *self.rest_adapters)}
+        found = AdapterSources(adapter_dirs=self.config.adapter_dirs).scan()
+        return paths | {n: str(p) for n, p in found.items() if n not in paths}
+
+    def adapter_names(self) -> set[str]:
+        return set(self.adapter_paths())
+
+    def size_guess(self) -> int:
+        """Its bytes as measured at its last load; before its first, those of
+        its weight files (a lower bound: a quantized file served dequantized
+        grows, and slot packs come on top; the load's measure corrects it)."""
+        return self.nbytes or file_bytes(self.config.model)
+
+    def remember_adapters(self, records) -> None:
+        """On unloading: keep what its registry serves by name for the next
+        load (start adapters unloaded over REST are dropped from it)."""
+        kept = {r.name for r in records if r.source == "start"}
+        self.config = dataclasses.replace(self.config, adapters=tuple(a for a in self.config.adapters if a.name in kept))
+        self.rest_adapters = tuple(AdapterSpec(r.name, r.path, r.slot_scale) for r in records if r.source == "rest")
 
 
 def default_name(model: str) -> str:
     """The id of a base named by its source only: a directory's name, a GGUF file's stem, a hub id's tail."""
     path = Path(model).expanduser()
     return path.stem if path.suffix == ".gguf" else path.name or model
+
+
+def file_bytes(model: str) -> int:
+    """Bytes of a local model's weight files (0 for a hub id)."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        return path.stat().st_size
+    if path.is_dir():
+        return sum(f.stat().st_size for pattern in ("*.safetensors", "*.gguf") for f in path.glob(pattern))
+    return 0
+
+
+def trim_heap() -> None:
+    """Give the heap's free pages back to the system (glibc's malloc_trim; a
+    no-op elsewhere). An unloaded base's host buffers (a GGUF file's
+    dequantization, its tokenizer) are freed on its engine thread's malloc
+    arena, which the next engine thread does not reuse: without this, RSS
+    grows by hundreds of MB a load/unload cycle of a real model."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        pass
 
 
 def weight_bytes(model) -> int:
@@ -113,13 +170,14 @@ class Bases:
 
     def __init__(self, bases: list[Base], metrics, max_loaded: int | None = None,
                  max_bytes: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 engine_factory: Callable = make_engine):
+                 engine_factory: Callable = make_engine, retry_failed_after: float = 30.0):
         self.by_name = {b.name: b for b in bases}
         self.default = bases[0]
         self.metrics = metrics  # shared by every base's state
         self.max_loaded, self.max_bytes = max_loaded, max_bytes
         self.clock = clock
         self.engine_factory = engine_factory
+        self.retry_failed_after = retry_failed_after  # seconds before a failed base is tried again
         self.draining = False
         self.handed: ServerState | None = None  # a state whose engine its starter stops, not this
         self.app_state = None  # the app's state, whose .mola is the default base's state while loaded
@@ -200,15 +258,26 @@ class Bases:
     async def _admit(self, base: Base) -> None:
         async with self._lock:
             if base.status is S.FAILED:
-                raise BaseUnavailable(f"The model '{base.name}' failed to load: {base.error}")
+                wait = base.failed_at + self.retry_failed_after - self.clock()
+                if wait > 0:
+                    raise BaseUnavailable(f"The model '{base.name}' failed to load: {base.error} "
+                                          f"(tried again in {math.ceil(wait)} s)", retry_after=math.ceil(wait))
             if base.status is S.LOADED:
                 return
             await self._make_room(base)
             await self._load(base)
+            await self._make_room(base, loaded=True)  # now that its size is known
 
-    async def _make_room(self, base: Base) -> None:
-        while not self._fits(base):
-            idle = [b for b in self if b.status is S.LOADED and not b.pin and b.in_flight == 0]
+    async def _make_room(self, base: Base, loaded: bool = False) -> None:
+        """Unload idle bases, least recently used first, until ``base`` fits
+        (``loaded``: it is loaded already, and goes on serving if nothing
+        more can be freed)."""
+        while not self._fits(base, loaded):
+            idle = [b for b in self if b.status is S.LOADED and not b.pin and b.in_flight == 0 and b is not base]
+            if not idle and loaded:
+                log.warning("base %s is loaded at %.1f MiB and the loaded models are over --models-memory-bytes "
+                            "%d; the busy ones unload when idle", base.name, base.nbytes / 2**20, self.max_bytes)
+                return
             if not idle:
                 raise BaseUnavailable(
                     f"The model '{base.name}' cannot be loaded now: the loaded models are busy "
@@ -216,12 +285,12 @@ class Bases:
                     "retry later.")
             await self._unload(min(idle, key=lambda b: b.last_used), "to make room for " + base.name)
 
-    def _fits(self, base: Base) -> bool:
-        loaded = [b for b in self if b.status is S.LOADED]
-        if self.max_loaded is not None and len(loaded) + 1 > self.max_loaded:
+    def _fits(self, base: Base, loaded: bool = False) -> bool:
+        others = [b for b in self if b.status is S.LOADED and b is not base]
+        if self.max_loaded is not None and len(others) + 1 > self.max_loaded:
             return False
-        # Its size as measured at its last load (unknown before its first).
-        return self.max_bytes is None or sum(b.nbytes for b in loaded) + base.nbytes <= self.max_bytes
+        size = base.nbytes if loaded else base.size_guess()
+        return self.max_bytes is None or sum(b.nbytes for b in others) + size <= self.max_bytes
 
     # ---- loading and unloading ---------------------------------------------
 
@@ -234,13 +303,17 @@ class Bases:
         engine = self.engine_factory(base.config)
         try:
             loaded = await asyncio.to_thread(engine.start)
-            state = await build_state(base.config, engine, loaded, metrics=self.metrics)
+            state = await build_state(base.config, engine, loaded, metrics=self.metrics,
+                                      registered=base.rest_adapters)
         except Exception as e:
             await asyncio.to_thread(engine.stop)
             base.error = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
+            base.failed_at = self.clock()
             base.move(S.FAILED)
             log.error("base %s failed to load: %s", base.name, base.error)
-            raise BaseUnavailable(f"The model '{base.name}' failed to load: {base.error}") from None
+            raise BaseUnavailable(f"The model '{base.name}' failed to load: {base.error} (tried again in "
+                                  f"{math.ceil(self.retry_failed_after)} s)",
+                                  retry_after=math.ceil(self.retry_failed_after)) from None
         state.draining = self.draining
         base.state, base.nbytes, base.error = state, weight_bytes(loaded.model), None
         base.num_loads += 1
@@ -255,11 +328,13 @@ class Bases:
         base.move(S.UNLOADING)
         t0, before = time.perf_counter(), mx.get_active_memory()
         state, base.state = base.state, None
+        base.remember_adapters(state.registry.adapters())
         self._published(base)
         await close_state(state)
         del state
         gc.collect()
         mx.clear_cache()
+        trim_heap()
         base.num_unloads += 1
         base.move(S.DECLARED)
         log.info("unloaded base %s (%s) in %.2f s; %.1f MiB freed", base.name, why,

@@ -79,7 +79,7 @@ def error_payload(exc: MolaError) -> dict:
 def mola_error_response(exc: MolaError) -> JSONResponse:
     status, type_, code = status_of(exc)
     headers = None
-    if isinstance(exc, Overloaded):
+    if getattr(exc, "retry_after", None) is not None:  # Overloaded, a base that cannot load now
         headers = {"Retry-After": str(exc.retry_after)}
     elif isinstance(exc, (ShuttingDown, EngineUnavailable)):
         headers = {"Retry-After": "5"}

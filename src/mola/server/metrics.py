@@ -35,16 +35,28 @@ def rss_bytes() -> int:
 
 
 class StateCollector:
-    """Gauges and counters read from the default base's engine and registry at
-    scrape time (none while it is not loaded)."""
+    """Gauges and counters read at scrape time: the process's, and those of the
+    default base's engine and registry (none while it is not loaded)."""
 
     def __init__(self, state_of):
         self.state_of = state_of  # () -> the default base's ServerState, or None
         self.blas = blas_in_use()  # fixed for the process
 
-    def collect(self):
+    def process(self):
+        """The process's: what matmuls run on, MLX's memory and the RSS (every base's together)."""
         import mlx.core as mx
 
+        g = GaugeMetricFamily
+        blas = g("mola_blas", "What CPU matmuls run on (1 for the one in use): openblas, reference (MLX's "
+                 "bundled BLAS, ~30x slower), accelerate, or gpu", labels=["blas"])
+        blas.add_metric([self.blas], 1)
+        yield blas
+        yield g("mola_memory_active_bytes", "MLX memory in use", value=mx.get_active_memory())
+        yield g("mola_memory_peak_bytes", "MLX peak memory", value=mx.get_peak_memory())
+        yield g("mola_process_resident_bytes", "Resident memory of the process", value=rss_bytes())
+
+    def collect(self):
+        yield from self.process()
         s = self.state_of()
         if s is None:
             return
@@ -55,10 +67,6 @@ class StateCollector:
         yield g("mola_waiting_requests", "Sequences queued or being prefilled",
                 value=snap.num_waiting + snap.num_prefilling)
         yield g("mola_engine_alive", "1 while the engine thread runs", value=float(s.engine.is_alive))
-        blas = g("mola_blas", "What CPU matmuls run on (1 for the one in use): openblas, reference (MLX's "
-                 "bundled BLAS, ~30x slower), accelerate, or gpu", labels=["blas"])
-        blas.add_metric([self.blas], 1)
-        yield blas
         yield g("mola_adapters_known", "Adapters that can be requested", value=len(reg.adapters()))
         yield g("mola_adapters_resident", "Adapters (and stacks) in slots", value=reg.num_resident)
         yield g("mola_adapter_slots", "Adapter slots (--max-loras)", value=reg.max_loras)
@@ -78,9 +86,6 @@ class StateCollector:
                 sizes.add_metric([record.name, "dense"], record.nbytes - experts)
                 sizes.add_metric([record.name, "experts"], experts)
         yield sizes
-        yield g("mola_memory_active_bytes", "MLX memory in use", value=mx.get_active_memory())
-        yield g("mola_memory_peak_bytes", "MLX peak memory", value=mx.get_peak_memory())
-        yield g("mola_process_resident_bytes", "Resident memory of the process", value=rss_bytes())
         st, c = snap.stats, CounterMetricFamily
         yield c("mola_decode_steps", "Decode steps run", value=st.decode_steps)
         yield c("mola_decode_rows", "Rows decoded, summed over steps (rows / steps = mean batch size)",

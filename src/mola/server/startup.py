@@ -8,7 +8,7 @@ import logging
 from pathlib import Path
 
 from ..adapters.loader import AdapterLoader
-from ..config import ServeConfig
+from ..config import AdapterSpec, ServeConfig
 from ..engine.client import AsyncEngine
 from ..engine.engine import Engine, LoadedModel
 from ..errors import MolaError
@@ -34,10 +34,12 @@ def base_model_id(config: ServeConfig, loaded: LoadedModel) -> str:
 
 
 async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel,
-                      metrics: Metrics | None = None) -> ServerState:
+                      metrics: Metrics | None = None, registered: tuple[AdapterSpec, ...] = ()) -> ServerState:
     """Everything the routes share, on the running event loop; checks and
     loads the adapters named at start (raising MolaError for a bad one) and
-    registers every entry of the adapter directories."""
+    registers every entry of the adapter directories, and the ``registered``
+    adapters (loaded over REST before the base last unloaded: read on first
+    use, so that one whose file has gone fails its own requests only)."""
     async_engine = AsyncEngine(engine)
     loader = AdapterLoader(port=async_engine, model_config=loaded.config)  # the engine is its SlotPort
     base_id = base_model_id(config, loaded)
@@ -77,10 +79,14 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel,
             except MolaError as e:
                 raise type(e)(f"could not load adapter '{spec.name}' from {spec.path}: {e.message}") from e
             log.info("serving adapter %s (rank %s) from %s", spec.name, record.rank, record.path)
+        named = {a.name for a in (*config.adapters, *registered)}
         for name, path in sources.scan().items():
-            if name in (a.name for a in config.adapters) or name == base_id:
+            if name in named or name == base_id:
                 continue
             registry.register(name, path, "dir")
+        for spec in registered:
+            sources.allow(spec.path)
+            registry.register(spec.name, spec.path, "rest", spec.scale)
     except BaseException:
         loader.close()
         raise

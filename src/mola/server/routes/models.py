@@ -7,7 +7,6 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from ...errors import ModelNotFound
-from ...registry.sources import AdapterSources
 from .. import completion_bodies as p
 from ..bases import Base
 
@@ -23,11 +22,10 @@ def _base_cards(base: Base, created: int) -> list[dict]:
         max_len = state.max_model_len
     else:  # not loaded: what its settings declare
         card, max_len = p.model_card(base.name, created, base.config.model, None, None), None
-        paths = {a.name: a.path for a in base.config.adapters}
-        paths.update({n: str(path) for n, path in AdapterSources(adapter_dirs=base.config.adapter_dirs).scan().items()
-                      if n not in paths})
-        adapters = [(n, created, path) for n, path in paths.items()]
+        adapters = [(n, created, path) for n, path in base.adapter_paths().items()]
     card["status"] = base.status.value
+    if base.error is not None and base.status.value == "failed":
+        card["error"] = base.error
     return [card, *(p.model_card(n, c, path, card["id"], max_len) for n, c, path in adapters)]
 
 
