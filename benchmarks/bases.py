@@ -125,12 +125,63 @@ def load_times(log: Path) -> dict[str, list[float]]:
     return out
 
 
+def run_alone(models, eos, n, c, t) -> dict[str, float]:
+    alone = {}
+    for base in BASES:
+        server = start(base, [(base, *models[base])], RESULTS / f"bases-alone-{base}.log", c)
+        try:
+            load(server.url, bodies([base], min(n, 8), t, eos), c)  # warm-up
+            alone[base] = load(server.url, bodies([base], n, t, eos), c)[base].tok_s
+        finally:
+            server.stop()
+        print(f"{base} alone: {alone[base]:.1f} tok/s", flush=True)
+    return alone
+
+
+def run_both(models, eos, n, c, t) -> dict:
+    log = RESULTS / "bases-both.log"
+    server = start("both", [("bench", *models["bench"]), ("real", *models["real"])], log, c)
+    try:
+        cold = one_request(server.url, bodies(["real"], 1, t, eos)[0][1])
+        warm = one_request(server.url, bodies(["real"], 2, t, eos)[1][1])
+        load(server.url, bodies(["real", "bench"], min(2 * n, 16), t, eos), c)  # warm-up
+        both = load(server.url, bodies(["real", "bench"], 2 * n, t, eos), c)
+    finally:
+        server.stop()
+    out = {"both_tok_s": {b: both[b].tok_s for b in BASES}, "cold_real_ttft_s": cold, "warm_real_ttft_s": warm,
+           "load_s": load_times(log)}
+    print("both: " + ", ".join(f"{b} {both[b].tok_s:.1f} tok/s" for b in BASES))
+    print(f"the real base cold: TTFT {cold:.2f} s (warm {warm:.2f} s); loads {out['load_s']}", flush=True)
+    return out
+
+
+def run_cycles(models, eos, c, cycles: int) -> dict:
+    server = start("cycles", [("bench", *models["bench"]), ("real", *models["real"])], RESULTS / "bases-cycles.log",
+                   c, extra=("--max-loaded-models", "1"))
+    try:
+        memory = []
+        for i in range(2 * cycles + 1):  # request i loads the base request i - 1 did not use
+            base = BASES[i % 2]
+            one_request(server.url, bodies([base], 1, 2, eos)[0][1])
+            memory.append({"base": base, "active_bytes": metric(server.url, "mola_memory_active_bytes"),
+                           "rss_bytes": metric(server.url, "mola_process_resident_bytes")})
+    finally:
+        server.stop()
+    first, last = memory[2], memory[-1]  # the real base loaded again after 1 cycle, and after `cycles`
+    out = {"cycles": cycles, "memory": memory, "active_ratio": last["active_bytes"] / first["active_bytes"],
+           "rss_ratio": last["rss_bytes"] / first["rss_bytes"]}
+    print(f"memory, {first['base']} loaded after 1 cycle and after {cycles}: active × "
+          f"{out['active_ratio']:.3f}, RSS × {out['rss_ratio']:.3f}")
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=32, help="requests per base in each run")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--cycles", type=int, default=10, help="load/unload cycles of each base")
+    p.add_argument("--parts", nargs="+", default=["throughput", "cycles"], choices=["throughput", "cycles"])
     p.add_argument("--out", type=Path, default=RESULTS / "bases.json")
     args = p.parse_args()
     RESULTS.mkdir(exist_ok=True)
@@ -143,51 +194,13 @@ def main() -> int:
     eos = {"real": eos_id(converted), "bench": eos_id(bench)}
     n, c, t = args.requests, args.concurrency, args.max_tokens
     out: dict = {"requests_per_base": n, "max_tokens": t, "concurrency": c, "load_before": _load_avg()}
-
-    alone = {}
-    for base in BASES:
-        server = start(base, [(base, *models[base])], RESULTS / f"bases-alone-{base}.log", c)
-        try:
-            load(server.url, bodies([base], min(n, 8), t, eos), c)  # warm-up
-            alone[base] = load(server.url, bodies([base], n, t, eos), c)[base].tok_s
-        finally:
-            server.stop()
-        print(f"{base} alone: {alone[base]:.1f} tok/s", flush=True)
-
-    server = start("both", [("bench", *models["bench"]), ("real", *models["real"])], RESULTS / "bases-both.log", c)
-    try:
-        cold = one_request(server.url, bodies(["real"], 1, t, eos)[0][1])
-        warm = one_request(server.url, bodies(["real"], 2, t, eos)[1][1])
-        load(server.url, bodies(["real", "bench"], min(2 * n, 16), t, eos), c)  # warm-up
-        both = load(server.url, bodies(["real", "bench"], 2 * n, t, eos), c)
-    finally:
-        server.stop()
-    loads = load_times(RESULTS / "bases-both.log")
-    out["alone_tok_s"] = alone
-    out["both_tok_s"] = {b: both[b].tok_s for b in BASES}
-    out["ratio"] = {b: both[b].tok_s / alone[b] for b in BASES}
-    out["cold_real_ttft_s"], out["warm_real_ttft_s"] = cold, warm
-    out["load_s"] = loads
-    print("both: " + ", ".join(f"{b} {both[b].tok_s:.1f} tok/s ({out['ratio'][b]:.2f} of alone)" for b in BASES))
-    print(f"the real base cold: TTFT {cold:.2f} s (warm {warm:.2f} s); loads {loads}", flush=True)
-
-    server = start("cycles", [("bench", *models["bench"]), ("real", *models["real"])], RESULTS / "bases-cycles.log", c,
-                   extra=("--max-loaded-models", "1"))
-    try:
-        memory = []
-        for i in range(2 * args.cycles + 1):  # request i loads the base request i - 1 did not use
-            base = BASES[i % 2]
-            one_request(server.url, bodies([base], 1, 2, eos)[0][1])
-            memory.append({"base": base, "active_bytes": metric(server.url, "mola_memory_active_bytes"),
-                           "rss_bytes": metric(server.url, "mola_process_resident_bytes")})
-    finally:
-        server.stop()
-    first, last = memory[2], memory[-1]  # the default base loaded again after 1 cycle, and after --cycles
-    out["cycles"] = {"cycles": args.cycles, "memory": memory,
-                     "active_ratio": last["active_bytes"] / first["active_bytes"],
-                     "rss_ratio": last["rss_bytes"] / first["rss_bytes"]}
-    print(f"memory, {first['base']} loaded after 1 cycle and after {args.cycles}: active × "
-          f"{out['cycles']['active_ratio']:.3f}, RSS × {out['cycles']['rss_ratio']:.3f}")
+    if "throughput" in args.parts:
+        out["alone_tok_s"] = run_alone(models, eos, n, c, t)
+        out.update(run_both(models, eos, n, c, t))
+        out["ratio"] = {b: out["both_tok_s"][b] / out["alone_tok_s"][b] for b in BASES}
+        print("of alone: " + ", ".join(f"{b} {r:.2f}" for b, r in out["ratio"].items()))
+    if "cycles" in args.parts:
+        out["cycles"] = run_cycles(models, eos, c, args.cycles)
     out["load_after"] = _load_avg()
     args.out.write_text(json.dumps(out, indent=1))
     print(f"wrote {args.out}")

@@ -265,7 +265,7 @@ def test_adapters_loaded_over_rest_outlive_an_unload(two_bases, reference):
 def test_memory_budget_holds_at_a_first_load(two_bases):
     """--models-memory-bytes before a base's size is known: its weight files
     stand for it, and once loaded its measured size is what counts."""
-    from mola.server.bases import file_bytes
+    from mola.server.host_memory import file_bytes
 
     h = serve_bases(two_bases)
     a_bytes = h.bases.by_name["A"].nbytes

@@ -177,7 +177,10 @@ async def _serve_bases(config: ServeConfig) -> int:
     """Several bases: the default (and the pinned ones) loaded now, the others on their first request."""
     from .server.app import create_app
     from .server.bases import Bases, BaseUnavailable
+    from .server.host_memory import limit_malloc_arenas
     from .server.metrics import Metrics
+
+    limit_malloc_arenas()  # engines come and go: keep what they free reusable
 
     bases = Bases.declared(config, Metrics())
     names = ", ".join(b.name for b in bases)

@@ -12,7 +12,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..blas import blas_in_use
-from .bases import BaseLeases, Bases
+from .base_leases import BaseLeases
+from .bases import Bases
 from .anthropic.errors import AnthropicErrorsMiddleware
 from .errors import error_response, install_error_handlers
 from .middleware import AuthMiddleware, BodyLimitMiddleware, HTTPMetricsMiddleware, RequestIdMiddleware

@@ -6,7 +6,7 @@ stream, scheduler, slot packs, registry, loader, tokenizer, prompt lanes and
 prompt cache) served exactly as a server of one base serves it. A request's
 ``model`` names a base or one of its adapters; :meth:`Bases.enter` finds the
 base, loads it if it is not (the request waits), and counts the request in
-flight on it until its response ends (:class:`BaseLeases`). Reaching
+flight on it until its response ends (base_leases.py). Reaching
 --max-loaded-models or --models-memory-bytes unloads the least recently used
 idle base; a base with requests in flight is never unloaded, and when none
 can be, the request gets a 503 with Retry-After. ``keep_alive`` unloads a
@@ -20,140 +20,22 @@ those unloaded over REST stay unloaded.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
-import enum
 import gc
 import logging
 import math
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
-from ..config import AdapterSpec, ServeConfig
-from ..errors import EngineUnavailable, InvalidRequest, ShuttingDown
-from ..registry.sources import AdapterSources
+from ..config import ServeConfig
+from ..errors import InvalidRequest, ShuttingDown
+from .base_record import Base, BaseStatus, BaseUnavailable, default_name
+from .host_memory import trim_heap, weight_bytes
 from .state import ServerState
 
 log = logging.getLogger("mola.bases")
 LEASES = "mola.bases"  # the ASGI scope key listing the bases a request is in flight on
-
-
-class BaseStatus(enum.Enum):
-    DECLARED = "declared"  # known, not loaded
-    LOADING = "loading"
-    LOADED = "loaded"
-    UNLOADING = "unloading"
-    FAILED = "failed"  # its load failed: its requests get a 503 naming why
-
-
 S = BaseStatus
-TRANSITIONS = {
-    S.DECLARED: {S.LOADING},
-    S.LOADING: {S.LOADED, S.FAILED},
-    S.LOADED: {S.UNLOADING},
-    S.UNLOADING: {S.DECLARED},
-    S.FAILED: {S.LOADING},  # tried again once retry_failed_after has passed
-}
-
-
-class BaseUnavailable(EngineUnavailable):
-    """A base that failed to load, or one no room can be made for (503, Retry-After)."""
-
-    def __init__(self, message: str, retry_after: int = 5):
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-@dataclass(eq=False)
-class Base:
-    """One declared base model and, while loaded, the state serving it."""
-
-    name: str
-    config: ServeConfig  # what it is served with (model, adapters, engine)
-    keep_alive: float | None = None  # seconds idle before it unloads
-    pin: bool = False  # never unloaded
-    status: BaseStatus = S.DECLARED
-    state: ServerState | None = None  # while loaded
-    in_flight: int = 0  # requests on it whose response has not ended
-    last_used: float = 0.0  # when a request last entered or left it (the clock's time)
-    nbytes: int = 0  # its weights and slot packs, as measured at its last load
-    error: str | None = None  # why it failed to load
-    failed_at: float | None = None  # when (the clock's time)
-    # Adapters loaded onto it over REST, as they were when it last unloaded:
-    # known again (read on first use) when it loads again.
-    rest_adapters: tuple[AdapterSpec, ...] = ()
-    num_loads: int = 0
-    num_unloads: int = 0
-
-    def move(self, to: BaseStatus) -> None:
-        if to not in TRANSITIONS[self.status]:
-            raise AssertionError(f"base '{self.name}': {self.status.value} -> {to.value} is not a transition")
-        self.status = to
-
-    def adapter_paths(self) -> dict[str, str]:
-        """The adapters it serves, name -> path: its registry's while loaded;
-        otherwise those named at start, loaded over REST and in its adapter dirs."""
-        if self.state is not None:
-            return {r.name: r.path for r in self.state.registry.adapters()}
-        paths = {a.name: a.path for a in (*self.config.adapters, *self.rest_adapters)}
-        found = AdapterSources(adapter_dirs=self.config.adapter_dirs).scan()
-        return paths | {n: str(p) for n, p in found.items() if n not in paths}
-
-    def adapter_names(self) -> set[str]:
-        return set(self.adapter_paths())
-
-    def size_guess(self) -> int:
-        """Its bytes as measured at its last load; before its first, those of
-        its weight files (a lower bound: a quantized file served dequantized
-        grows, and slot packs come on top; the load's measure corrects it)."""
-        return self.nbytes or file_bytes(self.config.model)
-
-    def remember_adapters(self, records) -> None:
-        """On unloading: keep what its registry serves by name for the next
-        load (start adapters unloaded over REST are dropped from it)."""
-        kept = {r.name for r in records if r.source == "start"}
-        self.config = dataclasses.replace(self.config, adapters=tuple(a for a in self.config.adapters if a.name in kept))
-        self.rest_adapters = tuple(AdapterSpec(r.name, r.path, r.slot_scale) for r in records if r.source == "rest")
-
-
-def default_name(model: str) -> str:
-    """The id of a base named by its source only: a directory's name, a GGUF file's stem, a hub id's tail."""
-    path = Path(model).expanduser()
-    return path.stem if path.suffix == ".gguf" else path.name or model
-
-
-def file_bytes(model: str) -> int:
-    """Bytes of a local model's weight files (0 for a hub id)."""
-    path = Path(model).expanduser()
-    if path.is_file():
-        return path.stat().st_size
-    if path.is_dir():
-        return sum(f.stat().st_size for pattern in ("*.safetensors", "*.gguf") for f in path.glob(pattern))
-    return 0
-
-
-def trim_heap() -> None:
-    """Give the heap's free pages back to the system (glibc's malloc_trim; a
-    no-op elsewhere). An unloaded base's host buffers (a GGUF file's
-    dequantization, its tokenizer) are freed on its engine thread's malloc
-    arena, which the next engine thread does not reuse: without this, RSS
-    grows by hundreds of MB a load/unload cycle of a real model."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-        pass
-
-
-def weight_bytes(model) -> int:
-    """Bytes of a model's parameters (its slot packs included once installed)."""
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
 def make_engine(config: ServeConfig):
@@ -392,28 +274,3 @@ async def close_state(state: ServerState) -> None:
     state.loader.close()
     state.prompts.close()
     await asyncio.to_thread(state.engine.engine.stop)
-
-
-class BaseLeases:
-    """ASGI middleware: a request stays in flight on the bases it entered
-    until its response (a stream too) has been sent."""
-
-    def __init__(self, app, bases: Bases):
-        self.app = app
-        self.bases = bases
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        scope[LEASES] = []
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            for base in scope.get(LEASES, ()):
-                self.bases.leave(base)
-
-
-async def state_for(request, model_id: str | None, stack=None) -> ServerState:
-    """The state serving ``model_id`` for this request (see Bases.enter)."""
-    names = tuple(a.name for a in stack or () if getattr(a, "name", None))
-    return await request.app.state.bases.enter(model_id, request.scope, names)

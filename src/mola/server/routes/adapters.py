@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from ...errors import AdapterExists, ModelNotFound
 from ...registry.names import check_adapter_id
 from .. import protocol as p
-from ..bases import state_for
+from ..base_leases import state_for
 from ..state import ServerState
 
 router = APIRouter()

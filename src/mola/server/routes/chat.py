@@ -15,7 +15,7 @@ from .. import completion_bodies as r
 from ..errors import error_payload
 from ..generation import Generation, merge, run_until_disconnect, start_generations, start_reasoning
 from ..protocol import ChatCompletionRequest
-from ..bases import state_for
+from ..base_leases import state_for
 from ..state import ServerState
 from ..streaming import event_stream, sse, sse_done
 

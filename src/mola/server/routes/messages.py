@@ -24,7 +24,7 @@ from ..anthropic.errors import stream_error
 from ..anthropic.events import MessageBuilder, usage
 from ..anthropic.protocol import Conversation, CountTokensRequest, MessagesRequest
 from ..generation import Generation, run_until_disconnect, start_generations, start_reasoning
-from ..bases import state_for
+from ..base_leases import state_for
 from ..state import ServerState
 from ..streaming import event_stream, sse_event
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request
 
 from ...errors import ModelNotFound
 from .. import completion_bodies as p
-from ..bases import Base
+from ..base_record import Base
 
 router = APIRouter()
 

@@ -22,7 +22,7 @@ from ..responses_api.items import normalize_input, normalize_item, to_messages
 from ..responses_api.objects import request_fields
 from ..responses_api.protocol import ResponsesRequest, constrain
 from ..responses_api.store import StoredResponse
-from ..bases import state_for
+from ..base_leases import state_for
 from ..state import ServerState
 from ..streaming import event_stream, sse_event
 

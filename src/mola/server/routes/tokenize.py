@@ -18,7 +18,7 @@ from fastapi import APIRouter, Request
 from ...errors import InvalidRequest, ModelNotFound
 from ..prompts import message_dicts, render_messages
 from ..protocol import DetokenizeRequest, TokenizeRequest
-from ..bases import state_for
+from ..base_leases import state_for
 from ..state import ServerState
 
 router = APIRouter()

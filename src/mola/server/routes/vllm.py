@@ -18,7 +18,7 @@ from ...errors import AdapterExists, AdapterNotFound
 from ...registry.names import check_adapter_id
 from .. import protocol as p
 from ..errors import error_response
-from ..bases import state_for
+from ..base_leases import state_for
 from ..state import ServerState
 
 router = APIRouter()
