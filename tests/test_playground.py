@@ -418,3 +418,37 @@ def test_the_page_is_open_and_no_ui_leaves_it_out(server, echo_demo):
         assert httpx.get(handle.url + "/health").status_code == 200
     finally:
         handle.stop()
+
+
+def test_two_bases_side_by_side(browser, echo_demo, tiny_model, tmp_path):
+    """A server of two bases: the echo demo's (the default) and a tiny
+    random one with an adapter loaded onto it over REST. A column on the
+    second base takes no lora_scale, its adapter's does, and every column
+    answers as the HTTP API does (the second base loaded by its first request)."""
+    from helpers import start_mola_serve, stop_mola_serve
+    from mola.testing.adapter import make_random_adapter
+
+    model_dir, adapters = echo_demo
+    o1 = make_random_adapter(tmp_path / "o1", tiny_model, seed=7)
+    proc, url = start_mola_serve(["--model", str(model_dir), "--served-model-name", BASE,
+                                  "--adapter", f"upper={adapters['upper']}", "--model", f"other={tiny_model}",
+                                  "--allow-any-adapter-path", "--max-lora-rank", "16"])
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    try:
+        r = httpx.post(url + "/v1/adapters", json={"name": "o1", "path": str(o1), "base": "other"}, timeout=60)
+        assert r.status_code == 200, r.text
+        page = context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(url + "/")
+        expect(page.locator("#model-ids option")).to_have_count(4)
+        cols = columns(page, ["other", "o1", "upper"])
+        expect(cols.nth(0).get_by_label("lora_scale", exact=True)).to_be_disabled()  # a base, not the default
+        expect(cols.nth(1).get_by_label("lora_scale", exact=True)).to_be_enabled()
+        page.get_by_role("button", name="Send to all columns").click()
+        for i, model in enumerate(("other", "o1", "upper")):
+            expect(cols.nth(i)).to_have_attribute("aria-busy", "false")
+            expect(cols.nth(i).locator(".answer")).to_have_text(ask(url, model, MESSAGE))
+        assert ask(url, "upper", MESSAGE) == MESSAGE.upper()
+    finally:
+        context.close()
+        stop_mola_serve(proc)

@@ -110,21 +110,21 @@ export async function streamAnswer(api, body, signal, onText) {
 }
 
 // The request fields that pick a model: an id ("upper"), or a stack of
-// adapters ("title*0.5+upper"), sent as the base plus `adapters`. `scale`
+// adapters ("title*0.5+upper"), sent as their base plus `adapters`. `scale`
 // (lora_scale, null: none) multiplies the adapter, or each part of a stack;
-// the base model takes none.
-export function modelFields(text, scale, baseId) {
+// a base model takes none. `models`: the ids' bases (app.js's Models).
+export function modelFields(text, scale, models) {
   const parts = text.split("+").map((part) => part.trim()).filter(Boolean);
   if (parts.length > 1) {
     const k = scale === null ? 1 : scale;
     return {
-      model: baseId,
+      model: models.baseOf(parts[0].split("*")[0].trim()),
       adapters: parts.map((part) => {
         const [name, weight] = part.split("*");
         return { name: name.trim(), scale: (weight === undefined ? 1 : Number(weight)) * k };
       }),
     };
   }
-  const model = parts[0] || baseId;
-  return model === baseId || scale === null ? { model } : { model, lora_scale: scale };
+  const model = parts[0] || models.baseId;
+  return models.isBase(model) || scale === null ? { model } : { model, lora_scale: scale };
 }

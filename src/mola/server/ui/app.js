@@ -8,23 +8,35 @@ import { Live } from "./live.js";
 
 const $ = (selector) => document.querySelector(selector);
 
-// The model ids the server serves (GET /v1/models): the base, then the adapters.
+// The model ids the server serves (GET /v1/models): the default base, then
+// the other ids (adapters, and further bases with their adapters).
 class Models {
   constructor(api) {
     this.api = api;
     this.baseId = "";
     this.adapterIds = [];
+    this.parents = new Map(); // model id -> its base's id (a base: itself)
   }
 
   async refresh() {
     const cards = (await this.api.json("GET", "/v1/models")).data;
     this.baseId = (cards.find((card) => card.parent === null) || cards[0]).id;
     this.adapterIds = cards.map((card) => card.id).filter((id) => id !== this.baseId);
+    this.parents = new Map(cards.map((card) => [card.id, card.parent ?? card.id]));
     $("#model-ids").replaceChildren(...[this.baseId, ...this.adapterIds].map((id) => {
       const option = document.createElement("option");
       option.value = id;
       return option;
     }));
+  }
+
+  isBase(id) {
+    return id === this.baseId || this.parents.get(id) === id;
+  }
+
+  // The base a model id (or a stack's first part) is served by.
+  baseOf(id) {
+    return this.parents.get(id) || this.baseId;
   }
 }
 

@@ -75,7 +75,7 @@ export class Chat {
     const model = this.model.value.trim() || this.models.baseId;
     const system = $("#chat-system").value.trim();
     const body = {
-      ...modelFields(model, null, this.models.baseId),
+      ...modelFields(model, null, this.models),
       messages: [...(system ? [{ role: "system", content: system }] : []), ...this.messages],
       temperature: Number($("#chat-temperature").value),
       max_tokens: Number($("#chat-max-tokens").value),

@@ -47,16 +47,16 @@ class Column {
     this.syncScale();
   }
 
-  // The base model takes no lora_scale.
+  // A base model takes no lora_scale.
   syncScale() {
-    this.scale.disabled = this.model.value.trim() === this.compare.models.baseId;
+    this.scale.disabled = this.compare.models.isBase(this.model.value.trim());
   }
 
   body(common) {
     const scale = this.scale.disabled ? null : Number(this.scale.value);
     return {
       ...common,
-      ...modelFields(this.model.value, scale, this.compare.models.baseId),
+      ...modelFields(this.model.value, scale, this.compare.models),
       temperature: Number(this.find(".temperature").value),
       max_tokens: Number(this.find(".max-tokens").value),
     };
