@@ -134,8 +134,10 @@ def test_a_warning_when_listening_beyond_loopback_without_an_api_key(tmp_path):
         assert exposure_warning(ServeConfig(host=host, api_key="k" * 16)) is None
     for host in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"):
         assert exposure_warning(ServeConfig(host=host)) is None, host
-    # mola serve prints it at start, before loading the model (which is missing here: nothing binds).
-    r = subprocess.run([sys.executable, "-m", "mola", "serve", "--host", "0.0.0.0", "--model", str(tmp_path / "m")],
-                       capture_output=True, text=True, timeout=60)
-    assert r.returncode == 1
-    assert "[mola] warning: listening on 0.0.0.0, beyond this machine, with no --api-key" in r.stderr
+    # mola serve prints it at start, before loading the model (which is missing here: nothing binds),
+    # serving one base or several.
+    for more in ([], ["--model", f"other={tmp_path / 'o'}"]):
+        r = subprocess.run([sys.executable, "-m", "mola", "serve", "--host", "0.0.0.0", "--model", str(tmp_path / "m"),
+                            *more], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1, r.stderr
+        assert "[mola] warning: listening on 0.0.0.0, beyond this machine, with no --api-key" in r.stderr, more

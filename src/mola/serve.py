@@ -117,7 +117,10 @@ def serve(config: ServeConfig) -> int:
 
     setup_logging(config.log_level)
     config = with_demo(config)
+    warning = exposure_warning(config)
     if config.models or config.keep_alive is not None:  # bases loaded and unloaded here
+        if warning:  # printed whatever --log-level says
+            print(f"[mola] warning: {warning}", file=sys.stderr, flush=True)
         if config.distributed:
             print("[mola] error: --distributed serves one base, loaded for good; it cannot go with "
                   "--model NAME=PATH, [[models]] or --keep-alive", file=sys.stderr)
@@ -133,8 +136,7 @@ def serve(config: ServeConfig) -> int:
             return 1
         if not group.is_leader:
             return follow(config, group)
-    warning = exposure_warning(config)  # rank 0 alone listens
-    if warning:  # printed whatever --log-level says
+    if warning:  # printed whatever --log-level says, by rank 0 alone (it alone listens)
         print(f"[mola] warning: {warning}", file=sys.stderr, flush=True)
     print(f"[mola] loading {config.model} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
