@@ -20,7 +20,7 @@ import uvicorn
 from helpers import free_port, start_server, wait_until
 from mola.config import AdapterSpec, ServeConfig
 from mola.server.app import create_app
-from mola.server.bases import Bases, BaseStatus
+from mola.server.bases import Bases, BaseStatus, make_engine
 from mola.server.metrics import Metrics, rss_bytes
 from mola.testing.adapter import make_random_adapter
 from mola.testing.gguf_model import save_gguf_model
@@ -56,7 +56,7 @@ class Handle:
         self.thread.join(30)
 
 
-def serve_bases(paths, clock=None, **settings) -> Handle:
+def serve_bases(paths, clock=None, engine_factory=None, **settings) -> Handle:
     """Bases A (default, adapter a1) and B (adapter b1), and any more in settings, on 127.0.0.1."""
     models = [{"name": "B", "model": paths["b"], "adapters": [{"name": "b1", "path": paths["b1"]}],
                "keep_alive": settings.pop("b_keep_alive", None)}, *settings.pop("models", [])]
@@ -64,10 +64,11 @@ def serve_bases(paths, clock=None, **settings) -> Handle:
         host="127.0.0.1", port=free_port(), log_level="warning", model=paths["a"], served_model_name="A",
         adapters=[AdapterSpec("a1", paths["a1"])], models=models, max_lora_rank=8, max_loras=2, **settings)
     box, started = {}, threading.Event()
-    clock = {"clock": clock} if clock is not None else {}
+    given = {"clock": clock, "engine_factory": engine_factory}
+    given = {k: v for k, v in given.items() if v is not None}
 
     async def main():
-        bases = Bases.declared(config, Metrics(), **clock)
+        bases = Bases.declared(config, Metrics(), **given)
         await bases.preload()
         server = uvicorn.Server(uvicorn.Config(create_app(bases.default.state, bases), host="127.0.0.1",
                                                port=config.port, log_level="warning"))
@@ -128,6 +129,33 @@ def test_mixed_traffic_equals_each_base_alone(two_bases, reference):
         r = chat(h.url, "a1", adapters=[{"name": "b1"}])
         assert r.status_code == 400 and "b1" in r.json()["error"]["message"]
     finally:
+        h.stop()
+
+
+def test_models_shows_a_base_while_it_loads(two_bases, reference):
+    """The request that loads B waits, streaming nothing, while /v1/models says B is loading."""
+    gate = threading.Event()
+
+    def factory(config):
+        engine = make_engine(config)
+        if config.served_model_name == "B":
+            start = engine.start
+            engine.start = lambda: gate.wait(60) and start()
+        return engine
+
+    h = serve_bases(two_bases, engine_factory=factory)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(chat, h.url, "b1")
+            status = lambda: {c["id"]: c for c in httpx.get(h.url + "/v1/models").json()["data"]}["B"]["status"]
+            wait_until(lambda: status() == "loading", timeout=30, what="B to be loading")
+            assert text(chat(h.url, "a1")) == reference["a1"]  # A serves meanwhile
+            assert not answer.done()
+            gate.set()
+            assert text(answer.result(60)) == reference["b1"]
+        assert status() == "loaded"
+    finally:
+        gate.set()
         h.stop()
 
 
