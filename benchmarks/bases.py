@@ -1,25 +1,27 @@
 """Two base models in one mola (issue 27): the real SmolLM2-135M-Instruct and
-the 88M bench model, each with 8 random rank-8 adapters, against each served
-alone by a mola of its own; the cold load of a base; and memory over
-load/unload cycles.
+the 88M bench model, each with 8 random rank-8 adapters: each base's
+throughput while both take traffic against its throughput alone; the cold
+load of a base; and memory over load/unload cycles.
 
-    python benchmarks/bases.py [--requests 32] [--max-tokens 16] [--concurrency 8] [--cycles 10]
+    python benchmarks/bases.py [--requests 32] [--max-tokens 16] [--concurrency 8] [--repeats 3] [--cycles 10]
+                               [--parts throughput cycles]
 
-Runs, one after another, each on a fresh server on 127.0.0.1 (OpenBLAS
-preloaded, as `mola serve` does by itself):
+Runs, each on a fresh server on 127.0.0.1 (OpenBLAS preloaded, as `mola
+serve` does by itself):
 
-1. alone: each base served by a mola of its own, its requests round robin over
-   its 8 adapters at --concurrency;
-2. both: one mola declaring both bases ([[models]], the bench model the default,
-   so the real model is cold), the same requests of both bases interleaved
-   (even: real, odd: bench) at --concurrency. First the cold request: one
-   request to the real model, whose TTFT is its load; then a warm one; then the
-   load. Each base's throughput is its tokens over the run's wall time, and its
-   ratio is that over its throughput alone (two bases sharing the CPU: 0.5 is
-   the ceiling when each alone already fills it);
-3. cycles: --max-loaded-models 1, requests alternating between the bases, so
+1. throughput: one mola declaring both bases ([[models]], the bench model the
+   default, so the real model is cold). First the cold request: one request to
+   the real model, whose TTFT is its load; then a warm one. Then --repeats
+   interleaved rounds of: the real base alone (the bench base loaded and idle),
+   the bench base alone, and both at once (the same requests of both bases
+   interleaved: even real, odd bench), each at --concurrency, its requests
+   round robin over the base's 8 adapters. In the mixed run each base's
+   throughput is its tokens over the run's wall time; its ratio is that over
+   its throughput alone (medians over rounds). Two bases sharing the CPU: 0.5
+   is the ceiling when each alone already fills it;
+2. cycles: --max-loaded-models 1, requests alternating between the bases, so
    every request swaps them: MLX's active memory and the process's RSS (from
-   /metrics) after the first swap and after --cycles of them.
+   /metrics) after the first cycle and after --cycles of them.
 
 EOS is banned (logit_bias), so every request decodes --max-tokens tokens.
 Writes benchmarks/results/bases.json (the servers' logs: results/bases-*.log).
@@ -31,6 +33,7 @@ import argparse
 import asyncio
 import json
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -125,32 +128,32 @@ def load_times(log: Path) -> dict[str, list[float]]:
     return out
 
 
-def run_alone(models, eos, n, c, t) -> dict[str, float]:
-    alone = {}
-    for base in BASES:
-        server = start(base, [(base, *models[base])], RESULTS / f"bases-alone-{base}.log", c)
-        try:
-            load(server.url, bodies([base], min(n, 8), t, eos), c)  # warm-up
-            alone[base] = load(server.url, bodies([base], n, t, eos), c)[base].tok_s
-        finally:
-            server.stop()
-        print(f"{base} alone: {alone[base]:.1f} tok/s", flush=True)
-    return alone
-
-
-def run_both(models, eos, n, c, t) -> dict:
+def run_throughput(models, eos, n, c, t, repeats: int) -> dict:
+    """One mola declaring both bases: the real one's cold first request, then
+    ``repeats`` interleaved rounds of: each base alone (the other idle), both
+    at once."""
     log = RESULTS / "bases-both.log"
     server = start("both", [("bench", *models["bench"]), ("real", *models["real"])], log, c)
+    runs: dict[str, list[float]] = {"real alone": [], "bench alone": [], "real both": [], "bench both": []}
     try:
         cold = one_request(server.url, bodies(["real"], 1, t, eos)[0][1])
         warm = one_request(server.url, bodies(["real"], 2, t, eos)[1][1])
         load(server.url, bodies(["real", "bench"], min(2 * n, 16), t, eos), c)  # warm-up
-        both = load(server.url, bodies(["real", "bench"], 2 * n, t, eos), c)
+        for r in range(repeats):
+            for base in BASES:
+                runs[f"{base} alone"].append(load(server.url, bodies([base], n, t, eos), c)[base].tok_s)
+            both = load(server.url, bodies(["real", "bench"], 2 * n, t, eos), c)
+            for base in BASES:
+                runs[f"{base} both"].append(both[base].tok_s)
+            print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()) + " tok/s", flush=True)
     finally:
         server.stop()
-    out = {"both_tok_s": {b: both[b].tok_s for b in BASES}, "cold_real_ttft_s": cold, "warm_real_ttft_s": warm,
-           "load_s": load_times(log)}
-    print("both: " + ", ".join(f"{b} {both[b].tok_s:.1f} tok/s" for b in BASES))
+    median = {k: statistics.median(v) for k, v in runs.items()}
+    out = {"runs_tok_s": runs, "alone_tok_s": {b: median[f"{b} alone"] for b in BASES},
+           "both_tok_s": {b: median[f"{b} both"] for b in BASES},
+           "ratio": {b: median[f"{b} both"] / median[f"{b} alone"] for b in BASES},
+           "cold_real_ttft_s": cold, "warm_real_ttft_s": warm, "load_s": load_times(log)}
+    print("both ÷ alone (medians): " + ", ".join(f"{b} {r:.2f}" for b, r in out["ratio"].items()))
     print(f"the real base cold: TTFT {cold:.2f} s (warm {warm:.2f} s); loads {out['load_s']}", flush=True)
     return out
 
@@ -180,6 +183,7 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=32, help="requests per base in each run")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds of alone, alone, both")
     p.add_argument("--cycles", type=int, default=10, help="load/unload cycles of each base")
     p.add_argument("--parts", nargs="+", default=["throughput", "cycles"], choices=["throughput", "cycles"])
     p.add_argument("--out", type=Path, default=RESULTS / "bases.json")
@@ -195,10 +199,7 @@ def main() -> int:
     n, c, t = args.requests, args.concurrency, args.max_tokens
     out: dict = {"requests_per_base": n, "max_tokens": t, "concurrency": c, "load_before": _load_avg()}
     if "throughput" in args.parts:
-        out["alone_tok_s"] = run_alone(models, eos, n, c, t)
-        out.update(run_both(models, eos, n, c, t))
-        out["ratio"] = {b: out["both_tok_s"][b] / out["alone_tok_s"][b] for b in BASES}
-        print("of alone: " + ", ".join(f"{b} {r:.2f}" for b, r in out["ratio"].items()))
+        out.update(run_throughput(models, eos, n, c, t, args.repeats))
     if "cycles" in args.parts:
         out["cycles"] = run_cycles(models, eos, c, args.cycles)
     out["load_after"] = _load_avg()
