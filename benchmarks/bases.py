@@ -3,7 +3,8 @@ the 88M bench model, each with 8 random rank-8 adapters: each base's
 throughput while both take traffic against its throughput alone; the cold
 load of a base; and memory over load/unload cycles.
 
-    python benchmarks/bases.py [--requests 32] [--max-tokens 16] [--concurrency 8] [--repeats 3] [--cycles 10]
+    python benchmarks/bases.py [--requests 64] [--seconds 20] [--max-tokens 16] [--concurrency 8] [--repeats 3]
+                               [--cycles 10]
                                [--parts throughput cycles]
 
 Runs, each on a fresh server on 127.0.0.1 (OpenBLAS preloaded, as `mola
@@ -12,13 +13,14 @@ serve` does by itself):
 1. throughput: one mola declaring both bases ([[models]], the bench model the
    default, so the real model is cold). First the cold request: one request to
    the real model, whose TTFT is its load; then a warm one. Then --repeats
-   interleaved rounds of: the real base alone (the bench base loaded and idle),
-   the bench base alone, and both at once (the same requests of both bases
-   interleaved: even real, odd bench), each at --concurrency, its requests
-   round robin over the base's 8 adapters. In the mixed run each base's
-   throughput is its tokens over the run's wall time; its ratio is that over
-   its throughput alone (medians over rounds). Two bases sharing the CPU: 0.5
-   is the ceiling when each alone already fills it;
+   interleaved rounds of: each base alone at --concurrency c (the other base
+   loaded and idle), each alone at c/2, and both at once with c/2 clients each
+   (c in all), every run's requests round robin over its base's 8 adapters,
+   no new request after --seconds. A base's throughput is its tokens over its
+   own wall time; its ratio is that, both at once, over its throughput alone
+   at c (the issue's), and alone at c/2 (the same clients: the CPU's share
+   alone, without the smaller batch). Medians over rounds. Two bases sharing
+   the CPU: 0.5 is the ceiling when each alone already fills it;
 2. cycles: --max-loaded-models 1, requests alternating between the bases, so
    every request swaps them: MLX's active memory and the process's RSS (from
    /metrics) after the first cycle and after --cycles of them.
@@ -80,29 +82,24 @@ def bodies(bases: list[str], n: int, max_tokens: int, eos: dict) -> list[tuple[s
     return out
 
 
-def load(url: str, jobs: list[tuple[str, dict]], concurrency: int) -> dict[str, RunResult]:
-    """Run ``jobs`` at ``concurrency``; one RunResult per base (sharing the
-    run's wall time; every request decodes its max_tokens, EOS being banned)."""
-    per_base = {b: RunResult("mola", b, concurrency) for b in {b for b, _ in jobs}}
-    everything = RunResult("mola", "all", concurrency)
+def streams(url: str, per_base: dict[str, tuple[list[dict], int]], seconds: float) -> dict[str, RunResult]:
+    """Each base's requests from clients of its own (base -> (bodies, clients)),
+    all bases at once, no new request after ``seconds``: each base's tokens
+    over its own wall time (every request decodes its max_tokens, EOS being banned)."""
+    results = {b: RunResult("mola", b, c) for b, (_, c) in per_base.items()}
+    requests = {b: [Request(body) for _, body in jobs] for b, (jobs, _) in per_base.items()}
 
     async def go():
-        requests = [Request(body) for _, body in jobs]
-        await run_load(url, requests, concurrency, everything, max_seconds=600)
-        for (base, _), req in zip(jobs, requests):
-            r = per_base[base]
-            r.requests += 1
-            if req.timeline and req.end:
-                r.completed += 1
-                r.output_tokens += req.body["max_tokens"]
-                r.ttft.append(req.timeline[0] - req.start)
+        await asyncio.gather(*(run_load(url, requests[b], per_base[b][1], results[b], max_seconds=seconds)
+                               for b in per_base))
 
     asyncio.run(go())
-    for r in per_base.values():
-        r.wall_s = everything.wall_s
-    if everything.errors:
-        raise RuntimeError(f"{everything.errors} requests failed")
-    return per_base
+    for b, r in results.items():
+        done = [q for q in requests[b] if q.timeline and q.end]
+        r.output_tokens = sum(q.body["max_tokens"] for q in done)
+        if r.errors:
+            raise RuntimeError(f"{r.errors} requests to {b} failed")
+    return results
 
 
 def one_request(url: str, body: dict) -> float:
@@ -128,32 +125,36 @@ def load_times(log: Path) -> dict[str, list[float]]:
     return out
 
 
-def run_throughput(models, eos, n, c, t, repeats: int) -> dict:
+def run_throughput(models, eos, n, c, t, seconds: float, repeats: int) -> dict:
     """One mola declaring both bases: the real one's cold first request, then
-    ``repeats`` interleaved rounds of: each base alone (the other idle), both
-    at once."""
+    ``repeats`` interleaved rounds of: each base alone at c (the other loaded
+    and idle), each alone at c/2, and both at once, c/2 clients each."""
     log = RESULTS / "bases-both.log"
     server = start("both", [("bench", *models["bench"]), ("real", *models["real"])], log, c)
-    runs: dict[str, list[float]] = {"real alone": [], "bench alone": [], "real both": [], "bench both": []}
+    half = max(1, c // 2)
+    runs: dict[str, list[float]] = {f"{b} {k}": [] for k in ("alone", "alone c/2", "both") for b in BASES}
     try:
         cold = one_request(server.url, bodies(["real"], 1, t, eos)[0][1])
         warm = one_request(server.url, bodies(["real"], 2, t, eos)[1][1])
-        load(server.url, bodies(["real", "bench"], min(2 * n, 16), t, eos), c)  # warm-up
+        streams(server.url, {b: (bodies([b], c, t, eos), c) for b in BASES}, seconds)  # warm-up
         for r in range(repeats):
             for base in BASES:
-                runs[f"{base} alone"].append(load(server.url, bodies([base], n, t, eos), c)[base].tok_s)
-            both = load(server.url, bodies(["real", "bench"], 2 * n, t, eos), c)
+                for kind, clients in (("alone", c), ("alone c/2", half)):
+                    run = streams(server.url, {base: (bodies([base], n, t, eos), clients)}, seconds)
+                    runs[f"{base} {kind}"].append(run[base].tok_s)
+            both = streams(server.url, {b: (bodies([b], n, t, eos), half) for b in BASES}, seconds)
             for base in BASES:
                 runs[f"{base} both"].append(both[base].tok_s)
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()) + " tok/s", flush=True)
     finally:
         server.stop()
     median = {k: statistics.median(v) for k, v in runs.items()}
-    out = {"runs_tok_s": runs, "alone_tok_s": {b: median[f"{b} alone"] for b in BASES},
-           "both_tok_s": {b: median[f"{b} both"] for b in BASES},
+    out = {"runs_tok_s": runs, "median_tok_s": median,
            "ratio": {b: median[f"{b} both"] / median[f"{b} alone"] for b in BASES},
+           "ratio_same_clients": {b: median[f"{b} both"] / median[f"{b} alone c/2"] for b in BASES},
            "cold_real_ttft_s": cold, "warm_real_ttft_s": warm, "load_s": load_times(log)}
-    print("both ÷ alone (medians): " + ", ".join(f"{b} {r:.2f}" for b, r in out["ratio"].items()))
+    print("both ÷ alone at c (medians): " + ", ".join(f"{b} {r:.2f}" for b, r in out["ratio"].items()))
+    print("both ÷ alone at c/2: " + ", ".join(f"{b} {r:.2f}" for b, r in out["ratio_same_clients"].items()))
     print(f"the real base cold: TTFT {cold:.2f} s (warm {warm:.2f} s); loads {out['load_s']}", flush=True)
     return out
 
@@ -180,7 +181,8 @@ def run_cycles(models, eos, c, cycles: int) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=32, help="requests per base in each run")
+    p.add_argument("--requests", type=int, default=64, help="at most this many requests per base in a run")
+    p.add_argument("--seconds", type=float, default=20, help="no new request after this, per run")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds of alone, alone, both")
@@ -199,7 +201,7 @@ def main() -> int:
     n, c, t = args.requests, args.concurrency, args.max_tokens
     out: dict = {"requests_per_base": n, "max_tokens": t, "concurrency": c, "load_before": _load_avg()}
     if "throughput" in args.parts:
-        out.update(run_throughput(models, eos, n, c, t, args.repeats))
+        out.update(run_throughput(models, eos, n, c, t, args.seconds, args.repeats))
     if "cycles" in args.parts:
         out["cycles"] = run_cycles(models, eos, c, args.cycles)
     out["load_after"] = _load_avg()

@@ -36,6 +36,7 @@ class RunResult:
     itl: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
     errors: int = 0
+    retries: int = 0  # requests sent again on a fresh connection (see send)
 
     @property
     def tok_s(self) -> float:
@@ -62,24 +63,33 @@ def pct(values: list[float], q: float) -> float:
 async def send(client: httpx.AsyncClient, req: Request, result: RunResult) -> None:
     req.start = time.perf_counter()
     tokens = 0
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json=req.body) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                result.errors += 1
-                return
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-                choices = chunk.get("choices") or []
-                if choices and choices[0].get("delta", {}).get("content"):
-                    req.timeline.append(time.perf_counter())
-    except httpx.HTTPError:
-        result.errors += 1
-        return
+    for attempt in range(2):
+        answered = False
+        try:
+            async with client.stream("POST", "/v1/chat/completions", json=req.body) as resp:
+                answered = True
+                if resp.status_code != 200:
+                    await resp.aread()
+                    result.errors += 1
+                    return
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+                    choices = chunk.get("choices") or []
+                    if choices and choices[0].get("delta", {}).get("content"):
+                        req.timeline.append(time.perf_counter())
+            break
+        except httpx.HTTPError as e:
+            # a pooled keep-alive connection the server had closed (llama-server
+            # closes one after a few requests): nothing was sent, so send again, once
+            if attempt == 0 and not answered and isinstance(e, (httpx.RemoteProtocolError, httpx.ConnectError)):
+                result.retries += 1
+                continue
+            result.errors += 1
+            return
     req.end = time.perf_counter()
     result.completed += 1
     result.output_tokens += tokens
@@ -121,6 +131,7 @@ def summarize(results: list[RunResult]) -> list[dict]:
             "tok_s": med(r.tok_s for r in runs),
             "tok_s_runs": [round(r.tok_s, 1) for r in runs],
             "ttft_p50": med(pct(r.ttft, 0.5) for r in runs),
+            "ttft_p90": med(pct(r.ttft, 0.9) for r in runs),
             "ttft_p95": med(pct(r.ttft, 0.95) for r in runs),
             "itl_p50": med(pct(r.itl, 0.5) for r in runs),
             "itl_p95": med(pct(r.itl, 0.95) for r in runs),
@@ -128,6 +139,7 @@ def summarize(results: list[RunResult]) -> list[dict]:
             "e2e_p95": med(pct(r.e2e, 0.95) for r in runs),
             "completed": sum(r.completed for r in runs),
             "errors": sum(r.errors for r in runs),
+            "retries": sum(r.retries for r in runs),
         })
     return table
 

@@ -2,8 +2,13 @@
 with its prompt cache, without it (--prompt-cache-bytes 0), and mlx_lm.server
 with its own prompt cache, side by side in one run.
 
-    python benchmarks/prompt_cache.py [--clients 8] [--turns 4] [--conversations 2]
+    python benchmarks/prompt_cache.py [--model real|DIR] [--clients 8] [--turns 4] [--conversations 2]
                                       [--system-tokens 400] [--max-tokens 32] [--repeats 2]
+
+--model real: SmolLM2-135M-Instruct, its Q4_1 GGUF served by mola as the file
+(as `serve.py --model real` does) and its `mola convert` output by
+mlx_lm.server, with 8 random rank-8 adapters on every linear (the first 8 of
+serve.py's); default: the 88M bench model with rank-16 adapters.
 
 Each of --clients clients holds --conversations conversations one after the
 other, each of --turns turns: the whole conversation so far (one ~400-token
@@ -37,7 +42,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import WORDS, pct  # noqa: E402
-from systems import HERE, bench_adapters, bench_model, eos_id, start_mlx_lm, start_mola  # noqa: E402
+from systems import HERE, ban_eos, bench_adapters, bench_model, eos_id, real_model, start_mlx_lm, start_mola  # noqa: E402
 
 SYSTEMS = ("mola", "mola-nocache", "mlx_lm.server")
 
@@ -133,7 +138,7 @@ def bodies(system: str, workload: str, model: Path, adapters: list[Path], max_to
 
     def body_for(who: int, messages: list[dict]) -> dict:
         body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}, "logit_bias": {str(eos): -100}}
+                "stream_options": {"include_usage": True}, "logit_bias": ban_eos(eos)}
         if system.startswith("mola"):
             return {**body, "model": f"a{adapter_of(who)}"}
         return {**body, "model": str(model), "adapters": str(adapters[adapter_of(who)])}
@@ -214,17 +219,18 @@ def format_table(table: list[dict], turns: int) -> str:
     return "\n".join(lines)
 
 
-def start(name: str, model: Path, adapters: list[Path], clients: int, out: Path, blas: bool):
+def start(name: str, model: Path, mlx_model: Path, adapters: list[Path], rank: int, clients: int, out: Path,
+          blas: bool):
     log = out.with_suffix(f".{name}.log")
     if name == "mlx_lm.server":  # its own prompt cache, room for every conversation
-        return start_mlx_lm(model, clients, log, blas, extra=("--prompt-cache-size", str(4 * clients)))
+        return start_mlx_lm(mlx_model, clients, log, blas, extra=("--prompt-cache-size", str(4 * clients)))
     extra = ("--prompt-cache-bytes", "0") if name == "mola-nocache" else ()
-    return start_mola(model, adapters, len(adapters), 16, clients, log, blas, extra)
+    return start_mola(model, adapters, len(adapters), rank, clients, log, blas, extra)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", type=Path, help="model directory (default: the 88M bench model)")
+    p.add_argument("--model", help="real (SmolLM2-135M-Instruct) or a model directory (default: the 88M bench model)")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--conversations", type=int, default=2, help="conversations per client, one after another")
@@ -237,19 +243,23 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=HERE / "results" / "prompt_cache.json")
     a = p.parse_args()
 
-    model = a.model or bench_model()
-    adapters = bench_adapters(model, 8, 16)
-    eos, system = eos_id(model), system_prompt(model, a.system_tokens)
+    if a.model == "real":  # mola serves the GGUF itself, mlx_lm.server its conversion
+        model, mlx_model = real_model()
+        rank, adapters = 8, bench_adapters(mlx_model, 8, 8, prefix="smollm2-adapter")
+    else:
+        model = mlx_model = Path(a.model) if a.model else bench_model()
+        rank, adapters = 16, bench_adapters(model, 8, 16)
+    eos, system = eos_id(mlx_model), system_prompt(mlx_model, a.system_tokens)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     servers, runs = {}, []
     try:
         for name in a.systems:
-            servers[name] = start(name, model, adapters, a.clients, a.out, not a.no_openblas)
+            servers[name] = start(name, model, mlx_model, adapters, rank, a.clients, a.out, not a.no_openblas)
         offset = 0
         for rep in range(a.repeats + 1):  # repeat 0 warms up
             for wl in a.workloads:
                 for name, server in servers.items():
-                    body_for = bodies(name, wl, model, adapters, a.max_tokens, eos)
+                    body_for = bodies(name, wl, mlx_model, adapters, a.max_tokens, eos)
                     before = mixed_steps(server.url) if name.startswith("mola") else None
                     turns, wall = asyncio.run(run_workload(server.url, body_for, system, a.clients,
                                                            1 if rep == 0 else a.conversations, a.turns, offset))

@@ -3,6 +3,8 @@ batch_generate, side by side in one run, on the same model and adapters.
 
     python benchmarks/serve.py [--model synthetic|real|qwen0.5b|llama1b|DIR] [--concurrency 1 8 32] [--repeats 3]
                                [--max-tokens 32]
+    python benchmarks/serve.py --model real --adapters demo --systems mola llama-server \
+                               [--llama-server PATH]
 
 --model synthetic (default) builds (once, into benchmarks/.cache) a float32
 llama of ~88M parameters with random weights and 64 random rank-16 adapters.
@@ -12,6 +14,13 @@ auto` picks (float32 on a CPU), and to mlx_lm.server and batch_generate as its
 `mola convert` output in that dtype (the same weights), with 64 random
 rank-8 adapters on every linear of all 30 layers; its defaults are workloads
 base, one, mixed8, mixed64 at concurrency 8 and 32.
+--adapters demo (with --model real) serves the demo's three adapters trained on
+that GGUF (adapters/smollm2/{title,json,pirate}) instead, with workloads base,
+one (title) and mixed (title, json, pirate, base, round robin) at concurrency
+1, 8 and 32; it is how llama.cpp's llama-server (--systems llama-server, a
+binary built beforehand) is compared: it serves the same GGUF with the
+adapters' GGUF LoRA twins, each request naming every adapter's scale, on 2
+threads, beside mola on 2 BLAS threads.
 
 It starts the servers on 127.0.0.1 (OpenBLAS preloaded for all, as `mola
 serve` does by itself), drives them with streaming chat requests (greedy, EOS
@@ -22,7 +31,8 @@ measurement. JSON (the summary, and every request's timeline in *.runs.json)
 and a PNG plot are written beside (benchmarks/results/).
 
 Workloads: base (every request on the base model), one (every request on
-adapter a0), mixed8 (round robin over 8 adapters), zipf8 (Zipf popularity over
+adapter a0), mixed (adapters 0, 1, 2 and the base, round robin), mixed8
+(round robin over 8 adapters), zipf8 (Zipf popularity over
 8 adapters), mixed64 (round robin over 64 adapters, all resident in mola).
 """
 
@@ -31,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -42,8 +53,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import Request, RunResult, format_table, prompt_for, run_load, summarize  # noqa: E402
-from systems import (HERE, SHAPED, bench_adapters, bench_model, eos_id, mlx_lm_body, mola_body,  # noqa: E402
-                     real_model, run_batch_generate, shaped_model, start_mlx_lm, start_mola)
+from systems import (HERE, SHAPED, bench_adapters, bench_model, demo_adapters, eos_id, gguf_adapters,  # noqa: E402
+                     llama_body, llama_server_binary, mlx_lm_body, mola_body, real_model, run_batch_generate,
+                     shaped_model, start_llama_server, start_mlx_lm, start_mola)
 
 K_MAX = 64
 
@@ -54,6 +66,8 @@ def workload_adapters(workload: str, n: int) -> list[int | None]:
         return [None] * n
     if workload == "one":
         return [0] * n
+    if workload == "mixed":
+        return [(0, 1, 2, None)[i % 4] for i in range(n)]
     if workload == "mixed8":
         return [i % 8 for i in range(n)]
     if workload == "mixed64":
@@ -72,6 +86,8 @@ def requests_for(system: str, workload: str, n: int, max_tokens: int, model: Pat
         prompt = prompt_for(offset + i)
         if system == "mola":
             body = mola_body("base" if k is None else f"a{k}", prompt, max_tokens, eos)
+        elif system == "llama-server":
+            body = llama_body(prompt, max_tokens, k, len(adapters))
         else:
             body = mlx_lm_body(model, None if k is None else adapters[k], prompt, max_tokens, eos)
         out.append(Request(body))
@@ -201,6 +217,18 @@ def ratios(table: list[dict], hot: dict | None) -> list[dict]:
             get("batch_generate", "base", c))
         add(f"5. mola mixed8 / mlx_lm.server one, c={c}", 0.95, get("mola", "mixed8", c),
             get("mlx_lm.server", "one", c))
+    for c in concs:  # llama.cpp's server beside mola (no targets: reported)
+        for system in ("mola", "llama-server"):
+            for name, num, den in (("one / base", "one", "base"), ("mixed / one", "mixed", "one")):
+                n, d = get(system, num, c), get(system, den, c)
+                if n is not None and d:
+                    out.append({"target": f"{system} {name}, c={c}", "value": round(n / d, 3), "goal": "reported",
+                                "met": None})
+        for wl in ("base", "one", "mixed"):
+            n, d = get("mola", wl, c), get("llama-server", wl, c)
+            if n is not None and d:
+                out.append({"target": f"mola / llama-server tok/s, {wl}, c={c}", "value": round(n / d, 3),
+                            "goal": "reported", "met": None})
     if 1 in concs:
         for w in ("base", "one"):
             add(f"7. e2e latency mola / mlx_lm.server, c=1, {w}", 1.0, get("mola", w, 1, "e2e_p50"),
@@ -245,11 +273,19 @@ DEFAULTS = {  # what --model changes: its settings, unless given
     # random models in the shapes of Qwen2.5-0.5B and Llama-3.2-1B (systems.SHAPED, issue 26)
     **{name: dict(concurrency=[8, 32], workloads=["base", "one", "mixed8", "mixed64"], rank=8,
                   out=HERE / "results" / f"serve_{name}.json") for name in SHAPED},
+    # --model real --adapters demo: the demo's three adapters, beside llama-server (issue 26)
+    "demo": dict(concurrency=[1, 8, 32], workloads=["base", "one", "mixed"], mlx_lm_workloads=["base", "one", "mixed"],
+                 systems=["mola", "llama-server"], rank=8, out=HERE / "results" / "serve_real_llama.json"),
 }
 
 
 def models(a) -> tuple[Path, Path, list[Path], str]:
     """(what mola serves, what mlx-lm serves, the adapters, a title)."""
+    if a.model == "real" and a.adapters == "demo":
+        gguf, converted = real_model()
+        return gguf, converted, demo_adapters(), "SmolLM2-135M-Instruct Q4_1 GGUF, the demo's 3 rank-8 adapters"
+    if a.adapters == "demo":
+        raise SystemExit("--adapters demo needs --model real")
     if a.model == "real":
         gguf, converted = real_model()
         adapters = bench_adapters(converted, K_MAX + 1, a.rank, prefix="smollm2-adapter")
@@ -271,8 +307,15 @@ def main() -> int:
                    "qwen0.5b or llama1b (random models in those shapes), or a model directory")
     p.add_argument("--concurrency", type=int, nargs="+")
     p.add_argument("--workloads", nargs="+")
-    p.add_argument("--mlx-lm-workloads", nargs="+", default=["base", "one", "mixed8"])
-    p.add_argument("--systems", nargs="+", default=["mola", "mlx_lm.server", "batch_generate"])
+    p.add_argument("--adapters", choices=["random", "demo"], default="random",
+                   help="random (K_MAX random adapters, default) or demo (--model real: adapters/smollm2/*)")
+    p.add_argument("--mlx-lm-workloads", nargs="+")
+    p.add_argument("--systems", nargs="+",
+                   help="of mola, mlx_lm.server, batch_generate, llama-server (default: the first three; "
+                   "with --adapters demo: mola llama-server)")
+    p.add_argument("--llama-server", help="the llama-server binary (default: $LLAMA_SERVER, else on PATH)")
+    p.add_argument("--threads", type=int, default=2,
+                   help="llama-server's -t/-tb, and OPENBLAS_NUM_THREADS for the others when llama-server runs")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--requests-per-slot", type=int, default=2, help="requests per run = this x concurrency (>= 4)")
     p.add_argument("--max-seconds", type=float, default=45, help="no new request after this, per run")
@@ -282,9 +325,15 @@ def main() -> int:
     p.add_argument("--no-openblas", action="store_true", help="the reference BLAS of MLX's wheel")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
-    for key, value in DEFAULTS[a.model if a.model in DEFAULTS else "synthetic"].items():
+    defaults = {"mlx_lm_workloads": ["base", "one", "mixed8"], "systems": ["mola", "mlx_lm.server", "batch_generate"],
+                **DEFAULTS["demo" if a.adapters == "demo" else a.model if a.model in DEFAULTS else "synthetic"]}
+    for key, value in defaults.items():
         if getattr(a, key) is None:
             setattr(a, key, value)
+    if a.adapters == "demo":
+        a.no_hot_load = True  # the hot load uses the 65th random adapter
+    if "llama-server" in a.systems:  # both sides on the same number of threads
+        os.environ["OPENBLAS_NUM_THREADS"] = str(a.threads)
 
     model, mlx_model, adapters, title = models(a)  # one more adapter than K_MAX: the hot load
     eos = eos_id(mlx_model)
@@ -302,15 +351,23 @@ def main() -> int:
         if "mlx_lm.server" in a.systems:
             servers["mlx_lm.server"] = start_mlx_lm(mlx_model, max(a.concurrency), a.out.with_suffix(".mlx_lm.log"),
                                                     blas)
+        if "llama-server" in a.systems:
+            if a.model != "real":
+                raise SystemExit("llama-server serves the real model's GGUF only (--model real)")
+            loras = gguf_adapters(adapters, model)
+            servers["llama-server"] = start_llama_server(
+                llama_server_binary(a.llama_server), model, loras, max(a.concurrency), 128 + 2 * a.max_tokens,
+                a.out.with_suffix(".llama-server.log"), a.threads)
+        warm = "mixed8" if len(adapters) >= 8 else "mixed"
         for name, server in servers.items():  # warm-up, not measured
-            asyncio.run(run_load(server.url, requests_for(name, "mixed8", 8, 8, mlx_model, adapters, eos, 50_000),
+            asyncio.run(run_load(server.url, requests_for(name, warm, 8, 8, mlx_model, adapters, eos, 50_000),
                                  8, RunResult(name, "warmup", 8), 120))
         offset = 0
         for rep in range(a.repeats):
             for conc in a.concurrency:
                 n = max(4, a.requests_per_slot * conc)
                 for name, server in servers.items():
-                    for wl in (a.workloads if name == "mola" else a.mlx_lm_workloads):
+                    for wl in (a.mlx_lm_workloads if name == "mlx_lm.server" else a.workloads):
                         reqs = requests_for(name, wl, n, a.max_tokens, mlx_model, adapters, eos, offset)
                         offset += n
                         r = asyncio.run(run_load(server.url, reqs, conc, RunResult(name, wl, conc), a.max_seconds))
@@ -330,10 +387,15 @@ def main() -> int:
 
     table = summarize(results)
     print(format_table(table))
+    if any(r["system"] == "llama-server" for r in table):
+        print("\np90 TTFT (ms, median over repeats):")
+        for r in table:
+            print(f"  {r['system']:<14} {r['workload']:<8} c={r['concurrency']:<3} {r['ttft_p90'] * 1e3:8.0f}")
     targets = ratios(table, hot)
     print("\nTargets (ratios of medians from this run):")
     for t in targets:
-        print(f"  {t['target']:<48} {t['value']:>8}  (goal {t['goal']}) {'met' if t['met'] else 'MISSED'}")
+        verdict = "" if t["goal"] == "reported" else f"(goal {t['goal']}) {'met' if t['met'] else 'MISSED'}"
+        print(f"  {t['target']:<48} {t['value']:>8}  {verdict}")
     if hot:
         print(f"\nHot load: {hot}")
     a.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "table": table,

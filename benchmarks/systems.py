@@ -1,11 +1,13 @@
 """The systems a benchmark compares, each started on 127.0.0.1 by the
-benchmark itself: mola, mlx-lm's own server, and mlx-lm's in-process
-batch_generate; plus the bench model and adapters they share."""
+benchmark itself: mola, mlx-lm's own server, mlx-lm's in-process
+batch_generate and llama.cpp's llama-server (a binary built beforehand, see
+start_llama_server); plus the bench model and adapters they share."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -75,6 +77,29 @@ def real_model(cache: Path = CACHE) -> tuple[Path, Path]:
     return gguf, out
 
 
+DEMO_ADAPTERS = ("title", "json", "pirate")  # adapters/smollm2/*: trained on the real model's GGUF
+
+
+def demo_adapters() -> list[Path]:
+    """The three adapters trained on SmolLM2-135M-Instruct's Q4_1 GGUF that the demo serves."""
+    root = HERE.parent / "adapters" / "smollm2"
+    return [root / name for name in DEMO_ADAPTERS]
+
+
+def gguf_adapters(adapters: list[Path], base_gguf: Path, cache: Path = CACHE) -> list[Path]:
+    """llama.cpp GGUF LoRA twins of mlx-lm adapters (devtools/convert_mlx_lm_to_gguf.py,
+    written once into the cache): the same weights, llama.cpp's names and q/k row order."""
+    out = []
+    for a in adapters:
+        path = cache / "gguf-lora" / f"{a.parent.name}-{a.name}.gguf"
+        if not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            subprocess.run([sys.executable, str(HERE.parent / "devtools" / "convert_mlx_lm_to_gguf.py"), str(a),
+                            str(path), "--model", str(base_gguf)], check=True, capture_output=True)
+        out.append(path)
+    return out
+
+
 def bench_adapters(model: Path, k: int, rank: int, cache: Path = CACHE, prefix: str = "adapter") -> list[Path]:
     """K random adapters of ``rank`` on every linear of every block."""
     from mola.testing.adapter import make_random_adapter
@@ -88,8 +113,13 @@ def bench_adapters(model: Path, k: int, rank: int, cache: Path = CACHE, prefix: 
     return out
 
 
-def eos_id(model: Path) -> int:
+def eos_id(model: Path) -> int | list[int]:
     return json.loads((model / "config.json").read_text())["eos_token_id"]
+
+
+def ban_eos(eos: int | list[int]) -> dict[str, int]:
+    """logit_bias banning the end-of-sequence token(s) (config.json may list several)."""
+    return {str(e): -100 for e in (eos if isinstance(eos, list) else [eos])}
 
 
 def free_port() -> int:
@@ -165,10 +195,51 @@ def start_mlx_lm(model: Path, max_num_seqs: int, log: Path, openblas: bool = Tru
     return Server("mlx_lm.server", url, proc)
 
 
+def llama_server_binary(given: str | None = None) -> Path:
+    """llama.cpp's llama-server: ``given``, else $LLAMA_SERVER, else on PATH. It is
+    never built here (benchmarks only, never CI): see the build steps in
+    benchmarks/README.md ("llama.cpp's server beside mola")."""
+    found = given or os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
+    if not found or not Path(found).is_file():
+        raise SystemExit("llama-server not found: pass --llama-server PATH or set $LLAMA_SERVER "
+                         "(build steps: benchmarks/README.md, \"llama.cpp's server beside mola\")")
+    return Path(found)
+
+
+def start_llama_server(binary: Path, model_gguf: Path, loras: list[Path], slots: int, ctx_per_slot: int,
+                       log: Path, threads: int = 2) -> Server:
+    """llama-server on ``model_gguf`` with ``loras`` loaded but not applied (each
+    request names every adapter's scale, see llama_body), ``slots`` parallel
+    sequences of ``ctx_per_slot`` tokens each, continuous batching, ``threads``
+    threads for decode and prompt. --no-repack: on these x86 machines the
+    repacked Q4_1 weights take an AMX path that dies with SIGILL."""
+    port = free_port()
+    args = [str(binary), "-m", str(model_gguf), "--host", "127.0.0.1", "--port", str(port),
+            "-np", str(slots), "-c", str(slots * ctx_per_slot), "-cb", "-t", str(threads), "-tb", str(threads),
+            "--no-repack", "--no-webui"]
+    if loras:  # once, comma-separated: repeated --lora flags keep only the last
+        args += ["--lora", ",".join(str(p) for p in loras), "--lora-init-without-apply"]
+    env = bench_env(openblas=False)
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [str(binary.parent), env.get("LD_LIBRARY_PATH")]))
+    proc = subprocess.Popen(args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    _wait(url, proc, "/health")
+    return Server("llama-server", url, proc)
+
+
+def llama_body(prompt: str, max_tokens: int, adapter: int | None, num_adapters: int) -> dict:
+    """A llama-server chat request on adapter ``adapter`` (None: the base). Every
+    adapter's scale is set, 0 for all but the chosen one: `"lora": []` does not
+    zero adapters loaded at start (llama.cpp issue). ignore_eos: exactly max_tokens."""
+    return {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True,
+            "lora": [{"id": i, "scale": 1.0 if i == adapter else 0.0} for i in range(num_adapters)]}
+
+
 def mola_body(model_id: str, prompt: str, max_tokens: int, eos: int) -> dict:
     return {"model": model_id, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "logit_bias": {str(eos): -100}}
+            "stream_options": {"include_usage": True}, "logit_bias": ban_eos(eos)}
 
 
 def mlx_lm_body(model: Path, adapter: Path | None, prompt: str, max_tokens: int, eos: int) -> dict:
@@ -176,7 +247,7 @@ def mlx_lm_body(model: Path, adapter: Path | None, prompt: str, max_tokens: int,
     when they change; "default_model" would ignore the adapter."""
     body = {"model": str(model), "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}, "logit_bias": {str(eos): -100}}
+            "stream_options": {"include_usage": True}, "logit_bias": ban_eos(eos)}
     if adapter is not None:
         body["adapters"] = str(adapter)
     return body
