@@ -158,7 +158,8 @@ class Bases:
             idle = [b for b in self if b.status is S.LOADED and not b.pin and b.in_flight == 0 and b is not base]
             if not idle and loaded:
                 log.warning("base %s is loaded at %.1f MiB and the loaded models are over --models-memory-bytes "
-                            "%d; the busy ones unload when idle", base.name, base.nbytes / 2**20, self.max_bytes)
+                            "%d: the others are busy; the next load makes room again", base.name,
+                            base.nbytes / 2**20, self.max_bytes)
                 return
             if not idle:
                 raise BaseUnavailable(
