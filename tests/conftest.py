@@ -34,6 +34,30 @@ ADAPTER_SPECS = {
 }
 
 
+TEMPLATE_DATE = (2026, 12, 1)  # the day chat templates see (below)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fixed_template_date():
+    """Chat templates that print today's date (gpt-oss's harmony: "Current
+    date: ...", through transformers' strftime_now) see TEMPLATE_DATE, so
+    that a prompt, and what a random model answers to it, is the same on
+    every day. (In-process servers only: a `mola serve` process sees the day.)"""
+    from datetime import datetime
+
+    import transformers.utils.chat_template_utils as templates
+
+    class Fixed(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(*TEMPLATE_DATE, tzinfo=tz)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(templates, "datetime", Fixed)
+    yield
+    patch.undo()
+
+
 def pytest_sessionfinish(session, exitstatus):
     # MLX wants every thread's streams cleared before the process exits.
     mx.clear_streams()
