@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import sys
 import tempfile
@@ -21,6 +20,7 @@ from typing import Callable
 from ..errors import DistillError, TrainError
 from ..train.output import check_output, hot_load, place
 from ..train.progress import Progress
+from ..train.run import run_command
 from .config import DistillConfig
 from .data import Example, build_examples
 from .evaluate import evaluate, table
@@ -196,13 +196,7 @@ def _place(config: DistillConfig, base, tmp: Path) -> None:
 def run(config: DistillConfig) -> int:
     """`mola distill`'s exit status: 0 when the adapter is written and
     evaluated (and loaded), 130 after Ctrl-C, 1 with a message otherwise."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    try:
-        result = distill(config)
-    except TrainError as e:
-        print(f"[mola] error: {e.message}", file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        print("[mola] interrupted; no adapter was written", file=sys.stderr, flush=True)
-        return 130
+    status, result = run_command(lambda: distill(config))
+    if status:
+        return status
     return 130 if result.interrupted_after is not None else 0

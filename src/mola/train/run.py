@@ -300,16 +300,22 @@ def adam(learning_rate, grad_clip: float | None):
     return ClippedAdam(learning_rate=learning_rate)
 
 
+def run_command(work):
+    """Run a command that writes an adapter, as `mola train` and `mola distill`
+    do: (0, what ``work()`` returns), or (1, None) with its TrainError's
+    message on stderr, or (130, None) after Ctrl-C."""
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        return 0, work()
+    except TrainError as e:
+        print(f"[mola] error: {e.message}", file=sys.stderr, flush=True)
+        return 1, None
+    except KeyboardInterrupt:
+        print("[mola] interrupted; no adapter was written", file=sys.stderr, flush=True)
+        return 130, None
+
+
 def run(config: TrainConfig) -> int:
     """`mola train`'s exit status: 0 when the adapter is written (and, with
     --serve-url, loaded), 1 with a message on stderr otherwise."""
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    try:
-        train_adapter(config)
-    except TrainError as e:
-        print(f"[mola] error: {e.message}", file=sys.stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        print("[mola] interrupted; no adapter was written", file=sys.stderr, flush=True)
-        return 130
-    return 0
+    return run_command(lambda: train_adapter(config))[0]
