@@ -26,8 +26,11 @@ per second for the workloads base / one / mixed8 / mixed64, and the LoRA's
 share of a step (1 - base / workload).
 
 Workloads: one (every row on slot 1), mixed8 (rows round robin over 8 slots),
-mixed64 (over 64). Every figure is the median of --repeats interleaved rounds;
-ratios are taken within a round. Results: benchmarks/results/profile_step.json.
+mixed64 (over 64), each routed as the routing's default has it. Where that
+default never sorts (a CPU) and the batch has SORT_THRESHOLD rows or more, also
+"mixed8 sorted" and "mixed64 sorted": the rows sorted by slot, as a GPU runs
+them and as the CPU did before issue 26. Every figure is the median of
+--repeats interleaved rounds; ratios are taken within a round. Results: benchmarks/results/profile_step.json.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import mlx.core as mx
 from mlx import nn
 
 from mola.lora.layer import MultiLoRALinear
-from mola.lora.routing import LoRARouting
+from mola.lora.routing import SORT_THRESHOLD, LoRARouting, default_sort_threshold
 
 SMOLLM = {"q": (576, 576), "k": (576, 192), "v": (576, 192), "o": (576, 576),
           "gate": (576, 1536), "up": (576, 1536), "down": (1536, 576)}
@@ -117,7 +120,7 @@ def profile_layers(a) -> list[dict]:
             samples = {(w, v): [] for w in WORKLOADS for v in VARIANTS}
             for _ in range(a.repeats):
                 for w in WORKLOADS:
-                    routing.sort_threshold = 16
+                    routing.sort_threshold = SORT_THRESHOLD
                     routing.set(slots_of(w, batch))
                     for v in VARIANTS:
                         samples[(w, v)].append(timed(variant(v, layers, xs, routing), a.iters))
@@ -131,11 +134,13 @@ def profile_layers(a) -> list[dict]:
     return rows
 
 
-def decode_step_rate(model, routing: LoRARouting, slots: list[int], steps: int) -> float:
-    """Decode steps per second for one batch of rows on ``slots``."""
+def decode_step_rate(model, routing: LoRARouting, slots: list[int], steps: int, sort: bool = False) -> float:
+    """Decode steps per second for one batch of rows on ``slots``, sorted by
+    slot if ``sort``, else as the routing's default has it."""
     from mlx_lm.models.cache import make_prompt_cache
 
     batch = len(slots)
+    routing.sort_threshold = SORT_THRESHOLD if sort else default_sort_threshold()
     routing.set(slots)
     cache = make_prompt_cache(model)
     prompt = mx.array([[(7 * i + 3 * r) % 1000 + 100 for i in range(16)] for r in range(batch)])  # [B, 16]
@@ -173,19 +178,23 @@ def profile_model(a) -> list[dict]:
                     pairs[dims] = (mx.random.normal((dims[0], rank)) * 0.02, mx.random.normal((rank, dims[1])) * 0.02)
                 layer.set_factors(s, *pairs[dims], 2.0)
             mx.eval(packs.arrays())
-        names = ["base", *WORKLOADS]
         for batch in a.batch:
+            sorted_too = batch >= SORT_THRESHOLD and default_sort_threshold() is None
+            names = ["base", *WORKLOADS, *(["mixed8 sorted", "mixed64 sorted"] if sorted_too else [])]
             samples = {w: [] for w in names}
             for _ in range(a.repeats):
                 for w in names:
-                    samples[w].append(decode_step_rate(model, packs.routing, slots_of(w, batch), a.steps))
+                    workload, _, sort = w.partition(" ")
+                    samples[w].append(decode_step_rate(model, packs.routing, slots_of(workload, batch), a.steps,
+                                                       sort=bool(sort)))
             med = {w: statistics.median(v) for w, v in samples.items()}
-            ratio = {w: statistics.median(x / y for x, y in zip(samples[w], samples[d]))
-                     for w, d in (("one", "base"), ("mixed8", "one"), ("mixed64", "one"))}
+            pairs = [("one", "base"), ("mixed8", "one"), ("mixed64", "one")]
+            pairs += [(w, "one") for w in names[4:]] + [(w, f"{w.split()[0]} sorted") for w in names[2:4] if sorted_too]
+            ratio = {f"{w} / {d}": statistics.median(x / y for x, y in zip(samples[w], samples[d])) for w, d in pairs}
             rows.append({"model": a.model, "rank": rank, "batch": batch, "steps_per_s": med, "ratios": ratio,
                          "step_ms": {w: 1e3 / v for w, v in med.items()}})
             print(f"{a.model} r={rank:<3} B={batch:<3} " + " ".join(f"{w}={1e3 / med[w]:6.1f}ms" for w in names)
-                  + "  " + " ".join(f"{k}/{'base' if k == 'one' else 'one'}={v:.2f}" for k, v in ratio.items())
+                  + "  " + " ".join(f"{k}={v:.2f}" for k, v in ratio.items())
                   + f"  load={os.getloadavg()[0]:.1f}", flush=True)
         del model, packs
     return rows

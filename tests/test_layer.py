@@ -61,6 +61,14 @@ def test_mixed_slots_match_naive_loop(L, sorted_path):
     assert close(layer(x), naive(base, x, slots, written))
 
 
+def test_default_sorts_only_where_gather_mm_uses_the_order():
+    """MLX's CPU gather_mm runs one GEMM per row whatever the order, so on the
+    CPU a mixed batch is never sorted; on a GPU, from SORT_THRESHOLD rows."""
+    routing = LoRARouting()
+    routing.set([1 + i % 8 for i in range(64)])
+    assert (routing.order is not None) == (mx.default_device() == mx.gpu)
+
+
 def test_per_row_scales():
     base = nn.Linear(IN, OUT)
     layer, routing = make_layer(base)

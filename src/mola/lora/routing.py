@@ -3,7 +3,8 @@ runner sets before every model call and every multi-LoRA layer reads.
 
 Rows on one slot take the single-slot path (two matmuls); mixed rows take one
 ``gather_mm`` per factor fed the row -> slot index, sorted by slot once a batch
-has ``sort_threshold`` rows. Each row's ``row_scale`` (its request's
+has ``sort_threshold`` rows where sorting pays (see
+:func:`default_sort_threshold`). Each row's ``row_scale`` (its request's
 ``lora_scale``) multiplies its delta. Expert LoRA (mola.lora.experts) reads
 its own index and scale from here too.
 """
@@ -14,8 +15,21 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-# Batches with at least this many rows take the sorted gather_mm path.
+# On a GPU, batches with at least this many rows take the sorted gather_mm path.
 SORT_THRESHOLD = 16
+
+
+def default_sort_threshold() -> int | None:
+    """The rows from which a mixed batch is sorted by slot; None: never.
+
+    Sorting costs two row gathers per linear and pays only where ``gather_mm``
+    uses the order: MLX's GPU kernels run the rows of one slot as one segment.
+    Its CPU kernel runs one GEMM per row whatever the order
+    (``GatherMM::eval_cpu``), so there the gathers buy nothing: the sorted
+    pair cost 1.42 x the base linears against 1.35 unsorted, at SmolLM2's
+    shapes, batch 32, 8 slots (benchmarks/README.md, "Where the LoRA time
+    goes"). Both paths give the same sums (tests/test_layer.py)."""
+    return SORT_THRESHOLD if mx.default_device() == mx.gpu else None
 
 
 @dataclass
@@ -26,7 +40,7 @@ class LoRARouting:
     plain Python lists; read by every MultiLoRALinear during that call.
     """
 
-    sort_threshold: int = SORT_THRESHOLD
+    sort_threshold: int | None = field(default_factory=default_sort_threshold)
     # Every row on this one slot (0: base model only); None when rows differ.
     single_slot: int | None = 0
     slots: frozenset[int] = field(default_factory=lambda: frozenset({0}))
@@ -62,7 +76,7 @@ class LoRARouting:
             return
         self.single_slot = None
         self.idx = mx.array(slots, dtype=mx.uint32)
-        if len(slots) >= self.sort_threshold:
+        if self.sort_threshold is not None and len(slots) >= self.sort_threshold:
             order = sorted(range(len(slots)), key=slots.__getitem__)
             inv = [0] * len(order)
             for pos, row in enumerate(order):
