@@ -25,7 +25,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import prompt_for  # noqa: E402
-from systems import HERE, bench_adapters, bench_model, eos_id, start_mola  # noqa: E402
+from systems import HERE, ban_eos, bench_adapters, bench_model, eos_id, start_mola  # noqa: E402
 
 
 def memory(url: str) -> dict:
@@ -51,7 +51,7 @@ def completion_usage(text: str, stream: bool) -> int | None:
     return None
 
 
-async def soak(url: str, adapters: list[Path], minutes: float, concurrency: int, eos: int) -> dict:
+async def soak(url: str, adapters: list[Path], minutes: float, concurrency: int, eos: int | list[int]) -> dict:
     stats = {"requests": 0, "ok": 0, "errors": 0, "tokens": 0, "loads": 0, "unloads": 0,
              "admin_errors": 0, "error_samples": []}
     stop_at = time.monotonic() + minutes * 60
@@ -63,7 +63,7 @@ async def soak(url: str, adapters: list[Path], minutes: float, concurrency: int,
             model = rng.choice(["base"] + [f"a{j}" for j in range(8)] + ["hot"])
             body = {"model": model, "messages": [{"role": "user", "content": prompt_for(k * 100000 + i)}],
                     "max_tokens": rng.choice([8, 16, 32, 64]), "temperature": rng.choice([0, 0.8]),
-                    "stream": rng.random() < 0.5, "logit_bias": {str(eos): -100}}
+                    "stream": rng.random() < 0.5, "logit_bias": ban_eos(eos)}
             if body["stream"]:
                 body["stream_options"] = {"include_usage": True}
             i += 1

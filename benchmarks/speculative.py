@@ -51,7 +51,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import prompt_for  # noqa: E402
-from systems import CACHE, HERE, bench_model, eos_id, start_mola  # noqa: E402
+from systems import CACHE, HERE, ban_eos, bench_model, eos_id, start_mola  # noqa: E402
 
 PARAGRAPHS = [
     "the lighthouse keeper climbed the spiral stairs every evening at dusk, counting the steps as his "
@@ -86,13 +86,13 @@ def echo_setup(cache: Path) -> tuple[Path, list[Path], list[Path]]:
     return base, randoms, [demo["title"], demo["upper"]]
 
 
-def workload_jobs(workload: str, n: int, max_tokens: int, eos: int | None) -> list[dict]:
+def workload_jobs(workload: str, n: int, max_tokens: int, eos: int | list[int] | None) -> list[dict]:
     """Chat bodies: adapter ids a0..a4 are the random ones, a5 title, a6 upper."""
     jobs = []
     for i in range(n):
         if workload.startswith("free"):
             body = {"model": "base", "messages": [{"role": "user", "content": prompt_for(i)}],
-                    "logit_bias": {str(eos): -100}}
+                    "logit_bias": ban_eos(eos)}
             if workload == "free_sampled":
                 jobs.append({**body, "max_tokens": max_tokens, "temperature": 1.0, "seed": i})
                 continue
@@ -207,7 +207,7 @@ def main() -> int:
     return 0
 
 
-def run_setting(servers: dict, workload: str, concurrency: int, args, eos: int | None) -> dict:
+def run_setting(servers: dict, workload: str, concurrency: int, args, eos: int | list[int] | None) -> dict:
     n = concurrency * args.requests
     max_tokens = args.free_tokens if workload.startswith("free") else args.max_tokens
     jobs = workload_jobs(workload, n, max_tokens, eos)
