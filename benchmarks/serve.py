@@ -323,6 +323,8 @@ def main() -> int:
     p.add_argument("--rank", type=int)
     p.add_argument("--no-hot-load", action="store_true", help="skip the hot-load measurement")
     p.add_argument("--no-openblas", action="store_true", help="the reference BLAS of MLX's wheel")
+    p.add_argument("--mola-flag", action="append", default=[], metavar="FLAG",
+                   help="one more argument for mola serve, repeatable (e.g. --mola-flag=--prompt-cache-bytes=0)")
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     defaults = {"mlx_lm_workloads": ["base", "one", "mixed8"], "systems": ["mola", "mlx_lm.server", "batch_generate"],
@@ -347,7 +349,7 @@ def main() -> int:
             # two rows more than any run keeps in flight: room for the hot-load
             # measurement's own requests (the runs never fill them)
             servers["mola"] = start_mola(model, adapters[:K_MAX], K_MAX + 1, a.rank, max(a.concurrency) + 2,
-                                         a.out.with_suffix(".mola.log"), blas)
+                                         a.out.with_suffix(".mola.log"), blas, tuple(a.mola_flag))
         if "mlx_lm.server" in a.systems:
             servers["mlx_lm.server"] = start_mlx_lm(mlx_model, max(a.concurrency), a.out.with_suffix(".mlx_lm.log"),
                                                     blas)

@@ -176,7 +176,6 @@ def start_mola(model: Path, adapters: list[Path], max_loras: int, max_rank: int,
             "--log-level", "warning", "--allow-any-adapter-path", *extra]
     for i, a in enumerate(adapters):
         args += ["--adapter", f"a{i}={a}"]
-    args += list(extra)
     proc = subprocess.Popen(args, env=bench_env(openblas), stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     _wait(url, proc, "/health")

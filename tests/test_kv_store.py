@@ -87,6 +87,7 @@ def test_mixed_batch_of_adapters_from_the_cache(runner, models):
 def test_multi_turn_conversation_reuses_every_earlier_turn(runner, models, name):
     tok = runner.loaded.tokenizer
     prompt = chat(tok, "Tell me about the Aurora, please.")
+    previous = 0  # tokens of the turns before this one
     for turn in range(3):
         seq = runner.submit(prompt, name)
         runner.wait([seq])
