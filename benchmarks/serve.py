@@ -189,7 +189,14 @@ async def hot_load(url: str, adapter: Path, max_tokens: int, eos: int, loads: in
             "load_then_ask": [{k: round(v, 1) for k, v in f.items()} for f in first_tokens]}
 
 
-def ratios(table: list[dict], hot: dict | None) -> list[dict]:
+# The three LoRA ratios' goals (mixed8 / one, one / base, mixed64 / one): issue 26's for the real model
+# and the Qwen2.5-0.5B shape, the first serving issue's 0.95 for the rest.
+GOALS = {"real": (0.92, 0.95, 0.90), "qwen0.5b": (0.90, 0.95, 0.88)}
+
+
+def ratios(table: list[dict], hot: dict | None, model: str = "synthetic") -> list[dict]:
+    goal_mixed8, goal_one, goal_mixed64 = GOALS.get(model, (0.95, 0.95, 0.95))
+
     def get(system, workload, conc, key="tok_s"):
         for r in table:
             if (r["system"], r["workload"], r["concurrency"]) == (system, workload, conc):
@@ -210,9 +217,9 @@ def ratios(table: list[dict], hot: dict | None) -> list[dict]:
     for c in concs:
         if c == 1:
             continue
-        add(f"1. mixed8 / one, c={c}", 0.95, get("mola", "mixed8", c), get("mola", "one", c))
-        add(f"2. one / base, c={c}", 0.95, get("mola", "one", c), get("mola", "base", c))
-        add(f"3. mixed64 / one, c={c}", 0.95, get("mola", "mixed64", c), get("mola", "one", c))
+        add(f"1. mixed8 / one, c={c}", goal_mixed8, get("mola", "mixed8", c), get("mola", "one", c))
+        add(f"2. one / base, c={c}", goal_one, get("mola", "one", c), get("mola", "base", c))
+        add(f"3. mixed64 / one, c={c}", goal_mixed64, get("mola", "mixed64", c), get("mola", "one", c))
         add(f"4. mola base / batch_generate, c={c}", 0.90, get("mola", "base", c),
             get("batch_generate", "base", c))
         add(f"5. mola mixed8 / mlx_lm.server one, c={c}", 0.95, get("mola", "mixed8", c),
@@ -393,7 +400,7 @@ def main() -> int:
         print("\np90 TTFT (ms, median over repeats):")
         for r in table:
             print(f"  {r['system']:<14} {r['workload']:<8} c={r['concurrency']:<3} {r['ttft_p90'] * 1e3:8.0f}")
-    targets = ratios(table, hot)
+    targets = ratios(table, hot, "demo" if a.adapters == "demo" else a.model)
     print("\nTargets (ratios of medians from this run):")
     for t in targets:
         verdict = "" if t["goal"] == "reported" else f"(goal {t['goal']}) {'met' if t['met'] else 'MISSED'}"
