@@ -35,7 +35,7 @@ MIXTRAL = BaseArchitecture("llama", "mixtral", "MixtralForCausalLM", 10000.0)
 @dataclass
 class GGUFFile:
     path: Path
-    reader: object  # gguf.GGUFReader
+    reader: object  # a gguf.GGUFReader (GGUFFileReader)
     metadata: dict  # key -> value (strings, numbers, lists)
     arch: BaseArchitecture
 
@@ -67,10 +67,10 @@ def float32_decimal(value) -> float:
 
 
 def open_gguf(path: Path) -> GGUFFile:
-    from gguf import GGUFReader
+    from ..adapters.formats.gguf_reader import GGUFFileReader
 
     try:
-        reader = GGUFReader(str(path))
+        reader = GGUFFileReader(str(path))
     except Exception as e:  # truncated, corrupt, unknown tensor types
         raise ModelLoadError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from None
     if getattr(reader, "byte_order", "I") != "I":

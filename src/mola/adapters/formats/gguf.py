@@ -80,10 +80,12 @@ def _field_value(reader, key: str):
 def read_metadata(path: Path) -> tuple[dict, dict[str, str]]:
     """A GGUF file's scalar and string metadata, and each tensor's type name
     (``F32``, ``Q8_0``, ...), without reading tensor data."""
-    from gguf import GGUFReader, GGUFValueType
+    from gguf import GGUFValueType
+
+    from .gguf_reader import GGUFFileReader
 
     try:
-        reader = GGUFReader(str(path))
+        reader = GGUFFileReader(str(path))
     except Exception as e:  # truncated or corrupt
         raise InvalidAdapter(f"{path} is not a readable GGUF file: {e}") from None
     fields = {key: _field_value(reader, key) for key, field in reader.fields.items()
@@ -250,10 +252,10 @@ def read_gguf_adapter(
 
 
 def _open(path: Path):
-    from gguf import GGUFReader
+    from .gguf_reader import GGUFFileReader
 
     try:
-        return GGUFReader(str(path))
+        return GGUFFileReader(str(path))
     except Exception as e:  # truncated or corrupt: numpy/struct/value errors
         raise InvalidAdapter(f"{path} is not a readable GGUF file: {e}") from None
 

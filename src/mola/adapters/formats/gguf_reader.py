@@ -1,0 +1,62 @@
+"""gguf-py's ``GGUFReader``, made fast on files with large vocabularies: what
+GGUF adapters (formats/gguf.py) and GGUF bases (mola/models) are read with.
+
+``GGUFReader`` slices its ``np.memmap`` once or twice per metadata value, and
+every slice of a memmap runs Python-level ``__array_finalize__``; the 49,152
+tokens and 48,900 merges of SmolLM2's GGUF made that most of the model's load.
+:class:`GGUFFileReader` reads the same file into the same fields and tensors
+(tests/test_gguf_reader.py compares the two), but slices a plain ndarray view
+of the same mapping, and reads each array in one loop.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+
+
+class GGUFFileReader(GGUFReader):
+    @property
+    def data(self) -> np.ndarray:
+        return self._data
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        # GGUFReader.__init__ assigns its np.memmap here first thing: keep a
+        # plain view of it (the mapping stays open through the view's base).
+        self._data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type != _ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        # An array, as GGUFReader lays one out: its item type and count, then
+        # one data part per item (a string's length part before its bytes).
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        itype, count, offs = int(raw_itype[0]), int(alen[0]), orig_offs + 12
+        parts: list[np.ndarray] = [raw_itype, alen]
+        nptype = self.gguf_scalar_to_np.get(GGUFValueType(itype)) if itype != _STRING else None
+        if nptype is not None:
+            items = self._get(offs, nptype, count)
+            if len(items) != count:
+                raise ValueError(f"an array at byte {orig_offs} runs past the end of the file")
+            parts += [items[i:i + 1] for i in range(count)]
+            idxs = list(range(2, 2 + count))
+            offs += int(items.nbytes)
+        elif itype == _STRING:
+            data = self.data
+            raw = memoryview(data)
+            for _ in range(count):
+                n = int.from_bytes(raw[offs:offs + 8], "little")
+                if offs + 8 + n > len(data):
+                    raise ValueError(f"a string at byte {offs} runs past the end of the file")
+                parts += (data[offs:offs + 8].view(np.uint64), data[offs + 8:offs + 8 + n])
+                offs += 8 + n
+            idxs = list(range(3, len(parts), 2))
+        else:  # arrays of arrays: as GGUFReader reads them
+            return super()._get_field_parts(orig_offs, raw_type)
+        types = [GGUFValueType.ARRAY] + ([GGUFValueType(itype)] if count else [])
+        return offs - orig_offs, parts, idxs, types
+
+
+_ARRAY, _STRING = int(GGUFValueType.ARRAY), int(GGUFValueType.STRING)

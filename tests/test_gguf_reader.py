@@ -1,0 +1,75 @@
+"""GGUFFileReader (mola/adapters/formats/gguf_reader.py) reads what gguf-py's
+GGUFReader reads, part for part: every metadata field (offsets, parts, types,
+values) and every tensor, on a file with every kind of array and on the real
+model's; a file cut short is refused by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGUFReader, GGUFWriter
+
+from mola.adapters.formats.gguf_reader import GGUFFileReader
+from mola.errors import ModelLoadError
+from mola.models.gguf_file import open_gguf
+
+
+def assert_same_reading(path) -> None:
+    ours, theirs = GGUFFileReader(str(path)), GGUFReader(str(path))
+    assert list(ours.fields) == list(theirs.fields)
+    for key, want in theirs.fields.items():
+        got = ours.fields[key]
+        assert (got.offset, got.name, got.data, got.types) == (want.offset, want.name, want.data, want.types), key
+        assert len(got.parts) == len(want.parts), key
+        for a, b in zip(got.parts, want.parts):
+            assert a.dtype == b.dtype and np.array_equal(a, b), key
+        assert got.contents() == want.contents(), key
+    assert (ours.alignment, ours.data_offset) == (theirs.alignment, theirs.data_offset)
+    assert len(ours.tensors) == len(theirs.tensors)
+    for got, want in zip(ours.tensors, theirs.tensors):
+        assert (got.name, got.tensor_type, list(got.shape), got.n_bytes, got.data_offset) == \
+            (want.name, want.tensor_type, list(want.shape), want.n_bytes, want.data_offset)
+        assert np.array_equal(got.data, want.data), got.name
+
+
+def write_gguf(path) -> None:
+    w = GGUFWriter(str(path), "llama")
+    w.add_array("test.strings", ["a", "", "héllo wörld", "x" * 300, "<|im_end|>"])
+    w.add_array("test.ints", [1, -2, 3, 2**31 - 1])
+    w.add_array("test.floats", [0.5, -1.25, 3e-7])
+    w.add_array("test.bools", [True, False, True])
+    w.add_array("test.nested", [[1, 2], [3, 4]])
+    w.add_string("test.string", "value")
+    w.add_uint32("test.uint", 7)
+    w.add_float32("test.float", 1e-5)
+    w.add_tensor("one", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.add_tensor("two", np.ones((5,), dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_every_kind_of_array_reads_as_gguf_py_reads_it(tmp_path):
+    path = tmp_path / "kinds.gguf"
+    write_gguf(path)
+    assert_same_reading(path)
+    fields = GGUFFileReader(str(path)).fields
+    assert fields["test.strings"].contents() == ["a", "", "héllo wörld", "x" * 300, "<|im_end|>"]
+    assert fields["test.ints"].contents() == [1, -2, 3, 2**31 - 1]
+
+
+def test_the_real_models_vocabulary_reads_as_gguf_py_reads_it(smollm_gguf):
+    assert_same_reading(smollm_gguf)
+
+
+def test_a_file_cut_inside_an_array_is_refused_by_name(tmp_path):
+    path = tmp_path / "kinds.gguf"
+    write_gguf(path)
+    data = path.read_bytes()
+    # inside a string; between two ints (the slice still holds whole ints); inside an int
+    for marker, extra in ((b"x" * 300, 5), (b"\xff\xff\xff\x7f", 0), (b"\xff\xff\xff\x7f", 2)):
+        cut = tmp_path / "cut.gguf"
+        cut.write_bytes(data[:data.index(marker) + extra])
+        with pytest.raises(ModelLoadError, match="is not a readable GGUF file"):
+            open_gguf(cut)
