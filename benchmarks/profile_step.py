@@ -189,7 +189,9 @@ def profile_model(a) -> list[dict]:
                                                        sort=bool(sort)))
             med = {w: statistics.median(v) for w, v in samples.items()}
             pairs = [("one", "base"), ("mixed8", "one"), ("mixed64", "one")]
-            pairs += [(w, "one") for w in names[4:]] + [(w, f"{w.split()[0]} sorted") for w in names[2:4] if sorted_too]
+            if sorted_too:
+                pairs += [(f"{w} sorted", "one") for w in ("mixed8", "mixed64")]
+                pairs += [(w, f"{w} sorted") for w in ("mixed8", "mixed64")]
             ratio = {f"{w} / {d}": statistics.median(x / y for x, y in zip(samples[w], samples[d])) for w, d in pairs}
             rows.append({"model": a.model, "rank": rank, "batch": batch, "steps_per_s": med, "ratios": ratio,
                          "step_ms": {w: 1e3 / v for w, v in med.items()}})

@@ -132,7 +132,7 @@ async def run_workload(url: str, body_for, system: str, clients: int, conversati
         return [t for c in per_client for t in c], time.perf_counter() - t0
 
 
-def bodies(system: str, workload: str, model: Path, adapters: list[Path], max_tokens: int, eos: int):
+def bodies(system: str, workload: str, model: Path, adapters: list[Path], max_tokens: int, eos: int | list[int]):
     def adapter_of(who: int) -> int:
         return 0 if workload == "one" else who % 8
 

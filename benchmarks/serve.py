@@ -80,7 +80,7 @@ def workload_adapters(workload: str, n: int) -> list[int | None]:
 
 
 def requests_for(system: str, workload: str, n: int, max_tokens: int, model: Path,
-                 adapters: list[Path], eos: int, offset: int) -> list[Request]:
+                 adapters: list[Path], eos: int | list[int], offset: int) -> list[Request]:
     out = []
     for i, k in enumerate(workload_adapters(workload, n)):
         prompt = prompt_for(offset + i)
@@ -94,7 +94,7 @@ def requests_for(system: str, workload: str, n: int, max_tokens: int, model: Pat
     return out
 
 
-async def hot_load(url: str, adapter: Path, max_tokens: int, eos: int, loads: int = 5) -> dict:
+async def hot_load(url: str, adapter: Path, max_tokens: int, eos: int | list[int], loads: int = 5) -> dict:
     """8 requests decode; a rank-16 adapter is hot-loaded ``loads`` times while
     they do (each load unloaded again, a few steps later, so that the next
     one also finds a free slot). Returns the median and worst load latency

@@ -235,13 +235,13 @@ def llama_body(prompt: str, max_tokens: int, adapter: int | None, num_adapters: 
             "lora": [{"id": i, "scale": 1.0 if i == adapter else 0.0} for i in range(num_adapters)]}
 
 
-def mola_body(model_id: str, prompt: str, max_tokens: int, eos: int) -> dict:
+def mola_body(model_id: str, prompt: str, max_tokens: int, eos: int | list[int]) -> dict:
     return {"model": model_id, "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "logit_bias": ban_eos(eos)}
 
 
-def mlx_lm_body(model: Path, adapter: Path | None, prompt: str, max_tokens: int, eos: int) -> dict:
+def mlx_lm_body(model: Path, adapter: Path | None, prompt: str, max_tokens: int, eos: int | list[int]) -> dict:
     """mlx_lm.server loads the model (and adapter) a request names, reloading
     when they change; "default_model" would ignore the adapter."""
     body = {"model": str(model), "messages": [{"role": "user", "content": prompt}],
