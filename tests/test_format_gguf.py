@@ -286,7 +286,7 @@ A4 = RNG.normal(size=(4, 64)).astype(np.float32)  # numpy [r, in]
     (dict(general_type="model"), {}, r"general\.type 'model'"),
     (dict(general_type=None), {}, r"no general\.type"),
     (dict(adapter_type="control_vector"), {}, r"adapter\.type 'control_vector'"),
-    (dict(arch="gemma2"), {}, r"architecture 'gemma2'"),
+    (dict(arch="falcon"), {}, r"architecture 'falcon'"),
     (dict(arch="mistral"), {}, r"architecture 'mistral'"),
     ({}, dict(model_type="qwen2"), r"'llama' model .*'qwen2'"),
     (dict(arch="qwen2"), dict(model_type="llama"), r"'qwen2' model .*'llama'"),
@@ -309,7 +309,7 @@ A4 = RNG.normal(size=(4, 64)).astype(np.float32)  # numpy [r, in]
      {}, r"num_attention_heads"),
     (dict(tensors={"blk.0.attn_k.weight.lora_a": A4, "blk.0.attn_k.weight.lora_b": RNG.normal(size=(30, 4)).astype(np.float32)}),
      dict(model_config={"num_attention_heads": 4, "num_key_value_heads": 4}), r"30 rows, which do not split into 4 heads"),
-], ids=["general-type", "no-general-type", "adapter-type", "gemma2", "mistral-arch", "llama-on-qwen2",
+], ids=["general-type", "no-general-type", "adapter-type", "unknown-arch", "mistral-arch", "llama-on-qwen2",
         "qwen2-on-llama", "qwen2-on-mistral-config", "token-embd", "output", "fused-qkv", "a-without-b",
         "b-without-a", "no-suffix", "norm", "rank-mismatch", "int32-tensor", "alora", "no-head-counts",
         "bad-head-split"])

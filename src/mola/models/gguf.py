@@ -30,6 +30,7 @@ import mlx.nn as nn
 from ..errors import ModelLoadError
 from ..adapters.formats.gguf_names import ARCHITECTURES, block_tensors, hf_row_order
 from .codecs import GROUP_SIZE, KEPT, BFloat16, Quantized, UnsupportedTensor, codec_name, read_tensor
+from .gguf_arch import BASE_ARCHITECTURES, BaseArchitecture
 from .gguf_file import GGUFFile, open_gguf
 from .metadata import model_config
 
@@ -37,39 +38,30 @@ DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
 # llama.cpp tensor -> mlx-lm parameter path (".weight"/".bias" appended); the block
-# linears' names are gguf_names.py's (dense and mixture-of-experts blocks)
+# linears' names are gguf_names.py's (dense and mixture-of-experts blocks), the norms
+# each architecture's (gguf_arch/)
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-BLOCK_NORMS = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-}
-# gpt-oss (conversion/gpt_oss.py, gguf-py tensor_mapping.py): post_attention_layernorm is
-# ATTN_POST_NORM, and self_attn.sinks is written as attn_sinks.weight
-GPT_OSS_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "attn_sinks.weight": "self_attn.sinks",
-}
 _BLOCK_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
 _GLOBAL_NAME = re.compile(r"([a-z_]+)\.(weight|bias)")
+_CONSUMED = ""  # hf_name's answer for a tensor the architecture reads as metadata (no weight)
 
 
-def hf_name(name: str, model_type: str | None = None) -> str | None:
+def hf_name(name: str, arch: BaseArchitecture | None = None) -> str | None:
     """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` in a base
-    of mlx-lm type ``model_type`` (None: a dense block); None if mola knows no place for it."""
+    of architecture ``arch`` (None: llama); None if mola knows no place for it, ""
+    for a tensor the architecture reads as metadata (llama 3's rope_freqs)."""
+    arch = arch or BASE_ARCHITECTURES["llama"]
     m = _BLOCK_NAME.fullmatch(name)
     if m:
         layer, kind, leaf = int(m.group(1)), m.group(2), m.group(3)
-        if model_type == "gpt_oss":
-            if f"{kind}.{leaf}" in GPT_OSS_TENSORS:
-                return f"model.layers.{layer}.{GPT_OSS_TENSORS[f'{kind}.{leaf}']}"
-            module = block_tensors(model_type).get(kind) or GPT_OSS_TENSORS.get(kind)
-        else:
-            module = block_tensors(model_type).get(kind) or BLOCK_NORMS.get(kind)
+        if f"{kind}.{leaf}" in arch.norms:
+            return f"model.layers.{layer}.{arch.norms[f'{kind}.{leaf}']}"
+        module = block_tensors(arch.model_type).get(kind) or arch.norms.get(kind)
         return module and f"model.layers.{layer}.{module}.{leaf}"
     m = _GLOBAL_NAME.fullmatch(name)
+    if m and m.group(1) in arch.globals:
+        module = arch.globals[m.group(1)]
+        return _CONSUMED if module is None else f"{module}.{m.group(2)}"
     if m and m.group(1) in GLOBAL_TENSORS:
         return f"{GLOBAL_TENSORS[m.group(1)]}.{m.group(2)}"
     return None
@@ -90,12 +82,14 @@ def _rows(value, fn):
 def _to_mx(value, dtype: mx.Dtype, keep: bool) -> dict[str, mx.array]:
     """{"weight": ...} in ``dtype``, or {"weight", "scales", "biases"} for a quantized
     value with ``keep``; without it quantized values are dequantized (in float32, then
-    cast)."""
+    cast). Kept scales and biases are never rounded: float32 ones (Q4_K, Q5_K, IQ4_XS,
+    ...: codecs.py) stay float32 whatever ``dtype``; float16 ones widen exactly to
+    float32 where ``dtype`` is float32, else stay float16."""
     if isinstance(value, Quantized):
         w, s, b = mx.array(value.weight), mx.array(value.scales), mx.array(value.biases)
-        if keep:  # float16 scales widen exactly to float32; otherwise they stay float16
-            if dtype == mx.float32:
-                s, b = s.astype(dtype), b.astype(dtype)
+        if keep:
+            if dtype == mx.float32 and s.dtype != mx.float32:
+                s, b = s.astype(mx.float32), b.astype(mx.float32)
             return {"weight": w, "scales": s, "biases": b}
         full = mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32),
                              group_size=GROUP_SIZE, bits=value.bits)
@@ -116,7 +110,9 @@ def read_weights(f: GGUFFile, dtype: str) -> tuple[dict, dict[str, mx.array], di
     config = model_config(f, set(tensors), int(embed.shape[-1]))  # ne [n_embd, n_vocab]
     held, codecs = {}, {}
     for tensor in tensors.values():
-        name = hf_name(tensor.name, config["model_type"])
+        name = hf_name(tensor.name, f.arch)
+        if name == _CONSUMED:
+            continue
         if name is None:
             raise ModelLoadError(
                 f"{f.path} holds tensor '{tensor.name}', which has no place in mlx-lm's "
@@ -131,6 +127,8 @@ def read_weights(f: GGUFFile, dtype: str) -> tuple[dict, dict[str, mx.array], di
             codecs[codec_name(tensor.tensor_type)] = True
     if ARCHITECTURES[f.arch.name].permutes_qk:
         _unpermute_qk(held, config)
+    if f.arch.weights is not None:
+        f.arch.weights(held, config)
     target = keep_dtype(codecs) if keep else DTYPES[dtype]
     weights, quantization = {}, {}
     for name, value in held.items():
@@ -146,10 +144,24 @@ def read_weights(f: GGUFFile, dtype: str) -> tuple[dict, dict[str, mx.array], di
 
 def keep_dtype(codecs) -> mx.Dtype:
     """The dtype a model kept as stored computes in, from its matrices' codecs:
-    float16 if any is F16 or dequantized from a codec MLX cannot hold (as MLX and
-    llama.cpp's GPU paths hold them), else bfloat16 if any is BF16, else float32
-    (every matrix F32 or kept quantized: the float16 scales widen exactly)."""
+
+    float32 if any is kept with float32 scales (codecs.F32_SCALES: Q4_K, Q5_K, IQ4_XS,
+        IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S), so that they stay exact: their scales (Q4_K's
+        d*sc: up to 17 significant bits) are no float16 or bfloat16 numbers, and MLX
+        computes a float32-scaled layer in float32 anyway (float16 activations would
+        turn float32 at the first one). Everything else widens to float32 exactly:
+        float16 scales, F16/BF16 matrices, and the codecs MLX cannot hold exactly
+        (Q6_K, Q2_K, ...), which keep gguf-py's float32 values, at 32 bits a weight
+        (a Q4_K_M file: Q4_K at 6 bits a weight, its Q6_K tensors at 32);
+    else float16 if any is F16 or dequantized from a codec MLX cannot hold (as MLX and
+        llama.cpp's GPU paths hold them);
+    else bfloat16 if any is BF16;
+    else float32 (every matrix F32 or kept with float16 scales, which widen exactly)."""
+    from .codecs import F32_SCALES
+
     codecs = set(codecs)
+    if codecs & set(F32_SCALES):
+        return mx.float32
     if "F16" in codecs or codecs - {"F32", "BF16", *KEPT}:
         return mx.float16
     return mx.bfloat16 if "BF16" in codecs else mx.float32

@@ -1,5 +1,5 @@
-"""A GGUF model file opened for its metadata: the architectures mola maps onto
-mlx-lm's models, and the typed reads of ``{arch}.key`` values that metadata.py
+"""A GGUF model file opened for its metadata, its architecture (gguf_arch/) found,
+and the typed reads of ``{arch}.key`` values that metadata.py
 (the dense config) and moe_config.py (the experts' keys) both make."""
 
 from __future__ import annotations
@@ -7,29 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from ..errors import ModelLoadError
-
-
-@dataclass(frozen=True)
-class BaseArchitecture:
-    name: str  # general.architecture
-    model_type: str  # the mlx-lm model module
-    hf_class: str  # config.json "architectures", for `mola convert`
-    default_rope_theta: float  # llama.cpp's default when the file has none
-
-
-BASE_ARCHITECTURES = {
-    "llama": BaseArchitecture("llama", "llama", "LlamaForCausalLM", 10000.0),
-    "qwen2": BaseArchitecture("qwen2", "qwen2", "Qwen2ForCausalLM", 10000.0),
-    "qwen3": BaseArchitecture("qwen3", "qwen3", "Qwen3ForCausalLM", 10000.0),
-    "qwen2moe": BaseArchitecture("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM", 10000.0),
-    "qwen3moe": BaseArchitecture("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", 10000.0),
-    "gpt-oss": BaseArchitecture("gpt-oss", "gpt_oss", "GptOssForCausalLM", 10000.0),
-}
-# llama.cpp converts MixtralForCausalLM as "llama" with expert tensors (conversion/llama.py).
-MIXTRAL = BaseArchitecture("llama", "mixtral", "MixtralForCausalLM", 10000.0)
+from .gguf_arch import BASE_ARCHITECTURES, MIXTRAL, BaseArchitecture, float32_decimal
 
 
 @dataclass
@@ -58,12 +37,6 @@ class GGUFFile:
     def get_float(self, key: str, default=None) -> float:
         """:meth:`get` as a float (see :func:`float32_decimal`)."""
         return float32_decimal(self.get(key, default))
-
-
-def float32_decimal(value) -> float:
-    """A float32 metadata value as the decimal it was written from (1e-05, not
-    9.999999747378752e-06)."""
-    return float(str(np.float32(value)))
 
 
 def open_gguf(path: Path) -> GGUFFile:

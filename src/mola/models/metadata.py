@@ -60,14 +60,13 @@ def model_config(f: GGUFFile, tensor_names: set[str], vocab_size: int) -> dict:
         "vocab_size": vocab_size,
         "tie_word_embeddings": "output.weight" not in tensor_names,
     }
-    if arch.model_type == "llama":
-        config["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-        config["mlp_bias"] = "blk.0.ffn_up.bias" in tensor_names
     rope_scaling = _rope_scaling(f, tensor_names)
     if rope_scaling:
         config["rope_scaling"] = rope_scaling
     if is_moe:
         config.update(moe_config(f, config))
+    if arch.config is not None:  # the architecture's own keys (gguf_arch/)
+        config.update(arch.config(f, config, tensor_names))
     for key in ("bos_token_id", "eos_token_id"):
         value = f.get(f"tokenizer.ggml.{key}")
         if value is not None:
@@ -105,14 +104,14 @@ def _attention_shape(f: GGUFFile) -> tuple[int, int, int]:
 
 
 def _rope_scaling(f: GGUFFile, tensor_names: set[str]) -> dict | None:
-    if "rope_freqs.weight" in tensor_names:
+    if "rope_freqs.weight" in tensor_names and "rope_freqs" not in f.arch.globals:
         raise ModelLoadError(
             f"{f.path} carries rope_freqs.weight (llama 3 style rope frequency factors), which "
             "mola does not apply; serve the model's mlx-lm conversion instead.")
     kind = f.get(".rope.scaling.type", "none")
     factor = float32_decimal(f.get(".rope.scaling.factor", 1.0) or 1.0)
     model_type = f.arch.model_type
-    if kind == "none" or (kind == "linear" and factor == 1.0):
+    if kind == "none" or (kind == "linear" and factor == 1.0) or kind in f.arch.rope_scalings:
         return None
     if model_type in ("mixtral", "qwen2_moe", "qwen3_moe"):  # their nn.RoPE takes no scale
         raise ModelLoadError(f"{f.path} uses rope scaling '{kind}' (factor {factor:g}), which "

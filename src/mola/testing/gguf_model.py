@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..adapters.formats.gguf_names import ARCHITECTURES, llama_cpp_row_order
+from .gguf_twins import TWINS, Twin
 
 # Byte offsets of the float16 fields of a block (the scales), for random valid blocks.
 SCALE_FIELDS = {
@@ -49,6 +50,9 @@ def gguf_name(name: str, model_type: str = "llama", n_layers: int = 64) -> str:
     TensorNameMap for the architecture llama.cpp converts ``model_type`` as."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
+    twin = TWINS.get(model_type)
+    if twin is not None and twin.hf_name is not None:
+        name = twin.hf_name(name)
     for pattern, to_hf in _HF_NAMES.get(model_type, ()):
         m = pattern.fullmatch(name)
         if m:
@@ -133,11 +137,14 @@ def save_gguf_model(path: str | Path, model_dir: str | Path, codec: str = "F32",
     config = json.loads((model_dir / "config.json").read_text())
     arch = next(a for a in ARCHITECTURES.values() if config["model_type"] in a.model_types)
     n_head, n_kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    twin = TWINS.get(config["model_type"], Twin())
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(path), architecture or arch.name)
     writer.add_type("model")
     writer.add_name(model_dir.name)
     _hyperparameters(writer, config)
+    if twin.hparams is not None:
+        twin.hparams(writer, config)
     for key, value in (metadata or {}).items():
         writer.add_key_value(key, value[0], value[1]) if isinstance(value, tuple) else writer.add_string(key, value)
     _tokenizer(writer, model_dir)
@@ -147,6 +154,8 @@ def save_gguf_model(path: str | Path, model_dir: str | Path, codec: str = "F32",
         gname = gguf_name(name, config["model_type"], config["num_hidden_layers"])
         if arch.permutes_qk and gname.split(".")[2:3] in (["attn_q"], ["attn_k"]):
             data = llama_cpp_row_order(data, n_head if ".attn_q." in gname else n_kv)
+        if twin.tensor is not None:
+            data = twin.tensor(gname, data, config)
         if ".ffn_gate_inp_shexp." in gname:
             data = data.reshape(-1)  # llama.cpp declares it {n_embd}
         if _f32(gname, data):
@@ -154,7 +163,8 @@ def save_gguf_model(path: str | Path, model_dir: str | Path, codec: str = "F32",
         else:
             encoded, kind = _encode(data, (codecs or {}).get(gname, codec), rng)
         writer.add_tensor(gname, encoded, raw_dtype=kind)
-    for gname, data in (extra_tensors or {}).items():
+    more = twin.extra_tensors(config) if twin.extra_tensors is not None else {}
+    for gname, data in {**more, **(extra_tensors or {})}.items():
         writer.add_tensor(gname, np.asarray(data, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -15,6 +15,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from ..demo.tokenizer import train_tokenizer
+from .gguf_twins import TWINS
 
 # mlx-lm mixture-of-experts architectures make_tiny_model makes.
 MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss")
@@ -76,6 +77,9 @@ class TinyModelSpec:
         if self.model_type == "gpt_oss":  # alternating sliding-window and full attention
             extra.update(sliding_window=128, layer_types=[
                 "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(self.num_hidden_layers)])
+        twin = TWINS.get(self.model_type)
+        if twin is not None and twin.tiny_config is not None:  # the GGUF families' own keys
+            extra.update(twin.tiny_config(self))
         return {
             **extra,
             "model_type": self.model_type,

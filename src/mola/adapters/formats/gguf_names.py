@@ -40,8 +40,19 @@ class Architecture:
 
 ARCHITECTURES = {
     # llama also covers Mistral (MistralForCausalLM converts as llama) and Mixtral
-    # (MixtralForCausalLM: llama with expert tensors)
+    # (MixtralForCausalLM: llama with expert tensors); granite and smollm3 are
+    # LlamaModel's subclasses in convert_hf_to_gguf.py (conversion/granite.py GraniteModel,
+    # conversion/llama.py SmolLM3Model), so their q/k rows are permuted too
     "llama": Architecture("llama", frozenset({"llama", "mistral", "mixtral"}), True),
+    "granite": Architecture("granite", frozenset({"granite"}), True),
+    "smollm3": Architecture("smollm3", frozenset({"smollm3"}), True),
+    "gemma": Architecture("gemma", frozenset({"gemma"}), False),
+    "gemma2": Architecture("gemma2", frozenset({"gemma2"}), False),
+    "gemma3": Architecture("gemma3", frozenset({"gemma3_text"}), False),
+    "phi3": Architecture("phi3", frozenset({"phi3"}), False),
+    "olmo2": Architecture("olmo2", frozenset({"olmo2"}), False),
+    "command-r": Architecture("command-r", frozenset({"cohere"}), False),
+    "cohere2": Architecture("cohere2", frozenset({"cohere2"}), False),
     "qwen2": Architecture("qwen2", frozenset({"qwen2"}), False),
     "qwen3": Architecture("qwen3", frozenset({"qwen3"}), False),
     "qwen2moe": Architecture("qwen2moe", frozenset({"qwen2_moe"}), False),
@@ -68,7 +79,15 @@ BLOCK_TENSORS = {  # a dense block
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-DENSE_MODULE_TENSORS = {module: tensor for tensor, module in BLOCK_TENSORS.items()}
+# Dense blocks whose linears are fused (gguf-py tensor_mapping.py: phi3's
+# self_attn.qkv_proj is ATTN_QKV, its mlp.gate_up_proj FFN_UP; conversion/phi.py
+# Phi3MiniModel writes them as they are)
+FUSED_TENSORS = {
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
+             "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj"},
+}
+DENSE_MODULE_TENSORS = {module: tensor for table in (BLOCK_TENSORS, *FUSED_TENSORS.values())
+                        for tensor, module in table.items()}
 
 # The stacked expert tensors (numpy [E, out, in]).
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -97,12 +116,15 @@ MOE_MODEL_TYPES = frozenset(MOE_TENSORS)
 # Every mlx-lm block module llama.cpp names, whatever the model type (no two collide):
 # what a GGUF LoRA can target (train/export.py checks an adapter's keys against it).
 MODULE_TENSORS = {
-    module: tensor for table in (BLOCK_TENSORS, *MOE_TENSORS.values()) for tensor, module in table.items()
+    module: tensor for table in (BLOCK_TENSORS, *FUSED_TENSORS.values(), *MOE_TENSORS.values())
+    for tensor, module in table.items()
 }
 
 
 def block_tensors(model_type: str | None) -> dict[str, str]:
     """llama.cpp tensor -> mlx-lm module under model.layers.N for a base of ``model_type``."""
+    if model_type in FUSED_TENSORS:
+        return FUSED_TENSORS[model_type]
     moe = MOE_TENSORS.get(model_type)
     return BLOCK_TENSORS if moe is None else {**ATTENTION_TENSORS, **moe}
 
