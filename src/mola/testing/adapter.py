@@ -19,12 +19,19 @@ DEFAULT_KEYS = ("self_attn.q_proj", "self_attn.v_proj")
 
 
 def linear_shapes(config: dict) -> dict[str, tuple[int, int]]:
-    """(input_dims, output_dims) of each llama-style block linear."""
+    """(input_dims, output_dims) of each llama-style block linear (and phi3's fused ones)."""
     h = config["hidden_size"]
     i = config["intermediate_size"]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or h // heads
+    if config.get("model_type") == "phi3":  # fused q/k/v and gate/up
+        return {
+            "self_attn.qkv_proj": (h, (heads + 2 * kv_heads) * head_dim),
+            "self_attn.o_proj": (heads * head_dim, h),
+            "mlp.gate_up_proj": (h, 2 * i),
+            "mlp.down_proj": (i, h),
+        }
     return {
         "self_attn.q_proj": (h, heads * head_dim),
         "self_attn.k_proj": (h, kv_heads * head_dim),

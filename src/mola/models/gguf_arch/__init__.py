@@ -8,11 +8,11 @@ adapters/formats/gguf_names.py; its twin writer in mola/testing/gguf_twins/."""
 
 from __future__ import annotations
 
-from . import gpt_oss, llama, qwen
+from . import cohere, gemma, gpt_oss, granite, llama, olmo2, phi3, qwen, smollm3
 from .base import LLAMA_NORMS, BaseArchitecture, float32_decimal
 from .llama import MIXTRAL
 
-FAMILIES = (llama, qwen, gpt_oss)
+FAMILIES = (llama, qwen, gpt_oss, gemma, phi3, granite, smollm3, olmo2, cohere)
 BASE_ARCHITECTURES: dict[str, BaseArchitecture] = {
     arch.name: arch for family in FAMILIES for arch in family.ARCHITECTURES}
 

@@ -9,9 +9,10 @@ FAMILIES below."""
 
 from __future__ import annotations
 
+from . import cohere, gemma, granite, llama, olmo2, phi3, smollm3
 from .twin import Twin
 
-FAMILIES = ()
+FAMILIES = (llama, gemma, phi3, granite, smollm3, olmo2, cohere)
 TWINS: dict[str, Twin] = {model_type: twin for family in FAMILIES for model_type, twin in family.TWINS.items()}
 
 __all__ = ["TWINS", "Twin"]
