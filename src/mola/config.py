@@ -146,10 +146,11 @@ class ServeConfig:
     # taking new requests so that it frees its slot).
     max_adapter_wait: float = 2.0
     max_model_len: int | None = None  # context limit; None: the model's own
-    # Weights at load: "keep" leaves quantized layers quantized; "float16",
-    # "bfloat16", "float32" dequantize to that dtype; "auto": GGUF files float32
-    # on a CPU (MLX's quantized matmul is slow there) and kept on a GPU, mlx-lm
-    # directories as they are.
+    # Weights at load: "keep" leaves quantized layers quantized (a GGUF file's
+    # codecs as models/codecs.py's table says); "float16", "bfloat16", "float32"
+    # dequantize to that dtype; "auto": GGUF files float32 on a CPU (MLX's
+    # quantized matmul is slow there) where that fits in memory, else kept, and
+    # kept on a GPU; mlx-lm directories as they are.
     dtype: str = "auto"
     # max_tokens when a request sets none and the model declares no context
     # limit (otherwise the default is whatever room the context has left).

@@ -4,38 +4,11 @@ rather than at its first request)."""
 
 from __future__ import annotations
 
-import os
-
-import mlx.core as mx
-
 from ..errors import SlotsDoNotFit
 from ..lora.pack import SlotGeometry
+from ..models.fit import free_bytes, gib
 
-
-def free_bytes() -> int | None:
-    """Bytes the packs may still take: on a GPU what MLX recommends for its
-    working set less what it holds; on a CPU the system's available memory.
-    None when it cannot be told."""
-    if mx.default_device() == mx.gpu:
-        info = mx.device_info()
-        limit = info.get("max_recommended_working_set_size") or info.get("memory_size")
-        if limit:
-            return int(limit) - mx.get_active_memory()
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+__all__ = ["check_slots_fit", "free_bytes", "gib"]
 
 
 def check_slots_fit(geometry: SlotGeometry, free: int | None) -> None:

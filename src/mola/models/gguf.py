@@ -203,9 +203,10 @@ def build_model(config: dict, weights: dict[str, mx.array], quantization: dict[s
     return model
 
 
-def load_gguf_model(path: Path, dtype: str) -> tuple[nn.Module, dict, GGUFFile]:
-    """(mlx-lm model, its config dict, the opened file) for a GGUF model file."""
-    f = open_gguf(path)
+def load_gguf_model(path: Path, dtype: str, f: GGUFFile | None = None) -> tuple[nn.Module, dict, GGUFFile]:
+    """(mlx-lm model, its config dict, the opened file ``f``, opened here if None)
+    for a GGUF model file."""
+    f = f or open_gguf(path)
     config, weights, quantization = read_weights(f, dtype)
     try:
         model = build_model(config, weights, quantization)

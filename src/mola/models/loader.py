@@ -59,16 +59,21 @@ def resolve_model_path(model: str, revision: str | None = None) -> Path:
         ) from e
 
 
-def resolve_dtype(dtype: str, is_gguf: bool) -> str:
-    """``auto`` -> what mola picks: for GGUF files, dequantized float32 on a CPU (MLX's
-    quantized matmul is far slower there, see benchmarks/gguf_dtype.py) and kept
-    quantized on a GPU; mlx-lm directories as they are."""
+def resolve_dtype(dtype: str, is_gguf: bool, tensors=None, free: int | None = None) -> str:
+    """``auto`` -> what mola picks: for GGUF files on a CPU, dequantized float32 (MLX's
+    quantized matmul is far slower there, see benchmarks/gguf_dtype.py) where it fits
+    the ``free`` memory given the file's ``tensors`` (models/fit.py), else kept
+    quantized; on a GPU kept quantized; mlx-lm directories as they are."""
     if dtype not in DTYPE_CHOICES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPE_CHOICES)}")
     if dtype != "auto":
         return dtype
     if is_gguf and mx.default_device() == mx.cpu:
-        return "float32"
+        if tensors is None:
+            return "float32"
+        from .fit import auto_dtype
+
+        return auto_dtype(tensors, free)
     return "keep"
 
 
@@ -76,12 +81,14 @@ def load_base_model(model: str, revision: str | None = None, group=None, dtype: 
     """Load model and tokenizer; with a distributed ``group``, this rank's
     tensor-parallel shard (mlx-lm's own sharding). Call on the engine thread."""
     path = resolve_model_path(model, revision)
-    is_gguf = path.is_file()
-    dtype = resolve_dtype(dtype, is_gguf)
-    log.info("loading model from %s (dtype %s)%s", path, dtype,
-             f" (shard {group.rank() + 1} of {group.size()})" if group else "")
+    shard = f" (shard {group.rank() + 1} of {group.size()})" if group else ""
     t0 = time.perf_counter()
-    loaded = _load_gguf(path, dtype, group) if is_gguf else _load_mlx_lm(path, dtype, group)
+    if path.is_file():
+        loaded = _load_gguf(path, dtype, group, shard)
+    else:
+        dtype = resolve_dtype(dtype, False)
+        log.info("loading model from %s (dtype %s)%s", path, dtype, shard)
+        loaded = _load_mlx_lm(path, dtype, group)
     # Where the model ends: one rule for every source (models/eog.py).
     loaded.tokenizer.eos_token_ids = end_of_generation_ids(loaded.tokenizer, path)
     log.info("model loaded in %.1f s; generation ends at tokens %s", time.perf_counter() - t0,
@@ -89,11 +96,40 @@ def load_base_model(model: str, revision: str | None = None, group=None, dtype: 
     return loaded
 
 
-def _load_gguf(path: Path, dtype: str, group) -> LoadedModel:
+def check_gguf(f, dtype: str, free: int | None):
+    """(the --dtype ``dtype`` resolves to, its MemoryPlan) for an opened GGUF file,
+    before any tensor is read: ModelLoadError naming a codec mola cannot read, or
+    memory the model would not fit in (models/fit.py)."""
+    from . import fit
+
+    tensors = f.reader.tensors
+    unreadable = fit.unreadable_codecs(tensors)
+    if unreadable:
+        codec, name = next(iter(unreadable.items()))
+        raise ModelLoadError(
+            f"{f.path} stores tensor '{name}' as {codec}, which mola cannot read "
+            f"({', '.join(sorted(unreadable))} in all); it keeps {', '.join(fit.KEPT)} quantized, reads "
+            f"{', '.join(fit.FLOATS)} as they are and dequantizes the other codecs gguf-py reads "
+            "(Q6_K, Q2_K, IQ2_XS, IQ2_S, IQ1_M, TQ1_0, TQ2_0, MXFP4, NVFP4).")
+    dtype = resolve_dtype(dtype, True, tensors, free)
+    need = fit.plan(tensors, dtype)
+    fit.check_fits(f.path, need, free, None if dtype == "keep" else fit.plan(tensors, "keep"))
+    return dtype, need
+
+
+def _load_gguf(path: Path, dtype: str, group, shard: str = "") -> LoadedModel:
+    from .fit import free_bytes, gib
     from .gguf import load_gguf_model
+    from .gguf_file import open_gguf
     from .tokenizer import load_tokenizer
 
-    model, config, f = load_gguf_model(path, dtype)
+    f = open_gguf(path)
+    dtype, need = check_gguf(f, dtype, None if group else free_bytes())
+    log.info("loading model from %s (dtype %s, computing in %s)%s: %s by tensor group", path, dtype,
+             need.compute, shard, gib(need.total))
+    for line in need.lines():
+        log.info("  %s", line)
+    model, config, f = load_gguf_model(path, dtype, f)
     try:
         tokenizer = load_tokenizer(f.metadata, f.arch.name, config.get("max_position_embeddings"))
     except ModelLoadError as e:

@@ -37,6 +37,10 @@ class Report:
                      "layers": self.model.num_layers, "targets": len(g.targets) - experts,
                      "expert_targets": experts, "num_experts": g.num_experts,
                      "dtype": str(g.dtype).removeprefix("mlx.core.")}
+            if self.model.memory is not None:
+                plan = self.model.memory
+                model["memory"] = {"dtype": plan.dtype, "compute": plan.compute, "bytes": plan.total,
+                                   "groups": plan.groups}
         return {"adapter": self.adapter, "ok": self.ok, "error": self.error,
                 **({"info": self.info.to_json()} if self.info else {"info": None}), "model": model}
 
@@ -99,6 +103,9 @@ def text(report: Report) -> list[str]:
         moe = f" + {experts} expert projections of {m.geometry.num_experts} experts" if experts else ""
         lines.append(f"model    {m.path} ({m.model_type}, {m.num_layers} layers, "
                      f"{len(m.geometry.targets) - experts} linears{moe}, {dtype})")
+        if m.memory is not None:
+            lines.append(f"memory   {_size(m.memory.total)} as --dtype {m.memory.dtype}, by tensor group:")
+            lines += [f"         {line}" for line in m.memory.lines()]
     if report.ok:
         lines.append("ok       the adapter would load" + (" on this model" if report.model else
                                                           " (pass --model to check it against a base)"))

@@ -21,7 +21,8 @@ from pathlib import Path
 from ..engine.config import DEFAULT_EXPERT_RANK
 from ..adapters.formats.gguf_names import tensor_base_name
 from ..lora.pack import SlotGeometry, geometry_of
-from ..models.loader import ModelLoadError, resolve_dtype, resolve_model_path
+from ..models.fit import MemoryPlan, free_bytes
+from ..models.loader import ModelLoadError, check_gguf, resolve_dtype, resolve_model_path
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class ModelShape:
     path: Path  # resolved: a model directory or a GGUF file
     config: dict  # the mlx-lm config mola serve reads adapters against
     geometry: SlotGeometry  # what an adapter must fit
+    memory: MemoryPlan | None = None  # a GGUF file's, by tensor group, in the dtype serve would pick
 
     @property
     def model_type(self) -> str | None:
@@ -45,7 +47,7 @@ def model_shape(model: str, max_rank: int, dtype: str = "auto", max_expert_rank:
     ModelLoadError naming the problem."""
     path = resolve_model_path(model)
     if path.is_file():
-        return _gguf_shape(path, max_rank, resolve_dtype(dtype, is_gguf=True), max_expert_rank)
+        return _gguf_shape(path, max_rank, dtype, max_expert_rank)
     return _mlx_lm_shape(path, max_rank, resolve_dtype(dtype, is_gguf=False), max_expert_rank)
 
 
@@ -71,6 +73,7 @@ def _gguf_shape(path: Path, max_rank: int, dtype: str, max_expert_rank: int) -> 
     from ..models.metadata import model_config
 
     f = open_gguf(path)
+    dtype, memory = check_gguf(f, dtype, free_bytes())  # codecs it cannot read, memory it would not fit
     tensors = {t.name: t for t in f.reader.tensors}
     embed = tensors.get("token_embd.weight")
     if embed is None:
@@ -92,4 +95,4 @@ def _gguf_shape(path: Path, max_rank: int, dtype: str, max_expert_rank: int) -> 
         if ne != g.dims:
             raise ModelLoadError(f"{path}: {name} has ne {list(ne)}, but its metadata make "
                                  f"{target} a {g.input_dims}->{g.output_dims} linear")
-    return ModelShape(path=path, config=config, geometry=geometry)
+    return ModelShape(path=path, config=config, geometry=geometry, memory=memory)
