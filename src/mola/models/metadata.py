@@ -93,7 +93,7 @@ def _attention_shape(f: GGUFFile) -> tuple[int, int, int]:
     if f.get_int(".attention.value_length", head_dim) != head_dim:
         raise ModelLoadError(f"{f.path}: attention key and value lengths differ; mlx-lm's "
                              f"{model_type} model needs them equal.")
-    if f.get_int(".rope.dimension_count", head_dim) != head_dim:
+    if not f.arch.partial_rope and f.get_int(".rope.dimension_count", head_dim) != head_dim:
         raise ModelLoadError(
             f"{f.path}: rope covers {f.get('.rope.dimension_count')} of {head_dim} head "
             f"dimensions; mlx-lm's {model_type} model ropes the whole head.")

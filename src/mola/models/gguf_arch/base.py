@@ -40,6 +40,9 @@ class BaseArchitecture:
     globals: Mapping[str, str | None] = field(default_factory=dict)
     # rope.scaling.type values (other than linear) that ``config`` maps itself
     rope_scalings: frozenset[str] = frozenset()
+    # ``config`` maps a rope.dimension_count below the head size itself (phi3's
+    # partial_rotary_factor); otherwise metadata.py refuses partial rope
+    partial_rope: bool = False
     # (f, config so far, tensor names) -> config keys to set or override
     config: Callable[[object, dict, set[str]], dict] | None = None
     # (held tensors by mlx-lm name, config) -> None: fix them in place
