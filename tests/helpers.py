@@ -409,12 +409,12 @@ class EngineRunner:
     """A real engine on a model directory, adapters in slots, and a blocking
     way to run sequences to the end."""
 
-    def __init__(self, model_dir, adapters=(), max_tokens: int = 10, draft_model=None, **config):
+    def __init__(self, model_dir, adapters=(), max_tokens: int = 10, draft_model=None, dtype: str = "auto", **config):
         from mola.engine.engine import EngineConfig
         from mola.models.loader import load_draft_model
 
         def load():
-            loaded = load_base_model(str(model_dir))
+            loaded = load_base_model(str(model_dir), dtype=dtype)
             if draft_model is not None:  # as mola serve --draft-model loads it
                 loaded.draft = load_draft_model(str(draft_model), loaded).model
             return loaded

@@ -123,3 +123,34 @@ def test_mola_validate_prints_the_plan_and_refuses_an_unreadable_codec(q4_k_m, t
     assert memory.startswith("memory   ") and "as --dtype keep" in memory
     assert any("Q4_K kept" in line for line in lines)
     assert report.to_json()["model"]["memory"]["bytes"] == fit.plan(open_gguf(q4_k_m).reader.tensors, "keep").total
+
+
+def test_a_q4_k_m_base_served_kept_with_gguf_loras_in_a_mixed_batch(q4_k_m, tmp_path):
+    """The kept Q4_K_M twin in mola's engine: two GGUF LoRAs and base rows in one batch
+    answer as alone, and as the same file dequantized to float32 (whose weights the
+    kept ones equal bit for bit: tests/test_models_codecs.py) wherever its margins allow."""
+    from helpers import EngineRunner
+    from mola.adapters.formats.gguf_writer import save_gguf_adapter
+    from mola.testing.adapter import linear_shapes, random_lora
+
+    keys = tuple(linear_shapes(load_base_model(str(q4_k_m), dtype="keep").config))
+    loras = []
+    for name, seed in (("a", 1), ("b", 2)):
+        # random K-quant blocks make weights of ~2 and logits of ~1000: a LoRA must be as large to move them
+        weights = random_lora(q4_k_m, rank=4, keys=keys, seed=seed, scale=20.0, std=30.0)
+        loras.append((name, save_gguf_adapter(tmp_path / f"{name}.gguf", weights, n_head=4, n_kv_head=2)))
+    prompt = [1, 17, 300, 45, 2, 99, 7, 256, 12]
+    answers = {}
+    for dtype in ("keep", "float32"):
+        runner = EngineRunner(q4_k_m, adapters=loras, max_tokens=6, max_lora_rank=4, dtype=dtype)
+        try:
+            layer = runner.loaded.model.model.layers[1].self_attn.q_proj.base  # inside its MultiLoRALinear
+            assert (getattr(layer, "bits", None) == 4) == (dtype == "keep")
+            alone = {name: runner.run(prompt, name) for name in (None, "a", "b")}
+            names = [None, "a", "b", "a", None, "b"]
+            assert runner.wait([runner.submit(prompt, n) for n in names]) == [alone[n] for n in names]
+            answers[dtype] = alone
+        finally:
+            runner.stop()
+    assert answers["keep"]["a"] != answers["keep"][None] or answers["keep"]["b"] != answers["keep"][None]
+    assert answers["keep"] == answers["float32"]
