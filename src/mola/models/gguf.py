@@ -181,7 +181,8 @@ def build_model(config: dict, weights: dict[str, mx.array], quantization: dict[s
     ``weights`` loaded (strictly: every parameter given, nothing left over)."""
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     model = module.Model(module.ModelArgs.from_dict(config))
-    weights = model.sanitize(dict(weights))
+    if hasattr(model, "sanitize"):  # as mlx_lm.utils.load_model (phi3, cohere have none)
+        weights = model.sanitize(dict(weights))
     if quantization:
         nn.quantize(model, class_predicate=lambda path, m: quantization.get(path, False))
     from mlx.utils import tree_flatten
@@ -212,6 +213,8 @@ def load_gguf_model(path: Path, dtype: str, f: GGUFFile | None = None) -> tuple[
         model = build_model(config, weights, quantization)
     except ModelLoadError as e:
         raise ModelLoadError(f"{path}: {e.message}") from None
+    if f.arch.model is not None:  # the architecture's fixes to mlx-lm's model (gguf_arch/)
+        f.arch.model(model, config)
     if quantization:
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4, **quantization}
     return model, config, f

@@ -184,6 +184,10 @@ def _load_mlx_lm(path: Path, dtype: str, group) -> LoadedModel:
         model.set_dtype(DTYPES[dtype])
         mx.eval(model.parameters())
         config = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    if config.get("model_type") == "gemma2":  # mlx-lm's gemma2 cannot take a batch's mask as it is
+        from .gguf_arch.gemma import batched_masks
+
+        batched_masks(model, config)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
 
 

@@ -47,6 +47,9 @@ class BaseArchitecture:
     config: Callable[[object, dict, set[str]], dict] | None = None
     # (held tensors by mlx-lm name, config) -> None: fix them in place
     weights: Callable[[dict, dict], None] | None = None
+    # (the built mlx-lm model, config) -> None: fix it in place where mlx-lm's class
+    # cannot serve a batch as it serves one row (gemma2's masks)
+    model: Callable[[object, dict], None] | None = None
 
 
 def float32_decimal(value) -> float:
