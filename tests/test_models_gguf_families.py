@@ -23,7 +23,7 @@ from mola.testing.gguf_twins import TWINS
 from mola.testing.model import TinyModelSpec, make_tiny_model
 
 # llama, qwen2 and qwen3 as before, then every family with a twin writer
-MODEL_TYPES = ("llama", "qwen2", "qwen3", *TWINS)
+MODEL_TYPES = tuple(dict.fromkeys(("llama", "qwen2", "qwen3", *TWINS)))
 # longer than the tiny models' sliding windows, so that windowed layers differ from full ones
 TOKENS = [1, 17, 300, 45, 2, 99, 7, 256, 12, 5, 64, 33, 401, 8, 77, 150, 3, 42]
 MAX_TOKENS = 8

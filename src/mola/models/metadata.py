@@ -1,7 +1,9 @@
 """A GGUF model file's metadata -> an mlx-lm config dict (what config.json would
-say), with what cannot be mapped exactly refused by name: other architectures,
-per-layer head counts, partial rope, rope scaling mlx-lm's model does not apply,
-llama 3's ``rope_freqs`` factors, expert counts the tensors do not hold.
+say): the keys every architecture shares, then the architecture's own (its module
+in gguf_arch/), with what cannot be mapped exactly refused by name: other
+architectures, per-layer head counts, partial rope (but where the architecture
+takes it), rope scaling mlx-lm's model does not apply, ``rope_freqs`` factors
+(but llama 3's, which gguf_arch/llama.py reads), expert counts the tensors do not hold.
 
 The file and its typed reads are gguf_file.py's. Mixtures of experts
 (moe_config.py): qwen3moe -> qwen3_moe, qwen2moe -> qwen2_moe,
