@@ -13,10 +13,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter,
 
 from mola.errors import ModelLoadError
 from mola.adapters.formats.gguf_names import hf_row_order
-from mola.models.codecs import BFloat16, Quantized, held_nbytes, nbytes, read_tensor, repack
+from mola.models.codecs import BFloat16, Quantized, QuantizedPair, held_nbytes, nbytes, read_tensor, repack
 from mola.models.gguf import _to_mx, hf_name
 from mola.models.loader import load_base_model
 from mola.testing.gguf_model import SCALE_FIELDS, random_blocks, save_gguf_model
+from mola.models.quantized_pair import QuantizedPairLinear
 from mola.testing.model import TinyModelSpec, make_tiny_model
 
 # codec -> (bits, scales' dtype) of the MLX affine form --dtype keep holds it in
@@ -24,7 +25,9 @@ KEPT = {"Q4_0": (4, np.float16), "Q4_1": (4, np.float16), "Q5_0": (5, np.float16
         "Q8_0": (8, np.float16), "Q3_K": (8, np.float16), "Q4_K": (4, np.float32), "Q5_K": (5, np.float32),
         "IQ4_NL": (8, np.float16), "IQ4_XS": (8, np.float32), "IQ3_S": (4, np.float32),
         "IQ3_XXS": (6, np.float32), "IQ2_XXS": (8, np.float32), "IQ1_S": (2, np.float32)}
-DEQUANTIZED = ["F16", "BF16", "Q2_K", "Q6_K", "IQ1_M", "IQ2_XS", "IQ2_S", "TQ1_0", "TQ2_0", "MXFP4"]
+# codec -> (bits, scales' dtype) of each half of the QuantizedPair it is kept as (matrices)
+PAIRED = {"Q6_K": (6, np.float32)}
+DEQUANTIZED = ["F16", "BF16", "Q2_K", "IQ1_M", "IQ2_XS", "IQ2_S", "TQ1_0", "TQ2_0", "MXFP4"]
 QUANTIZABLE = ("F16", "BF16", "TQ1_0", "TQ2_0", "MXFP4")  # gguf-py writes these from real values
 # 256 wide so that every K-quant's 256-value blocks fit the rows
 SPEC = TinyModelSpec(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
@@ -152,12 +155,12 @@ def test_stacked_experts_are_kept_expert_by_expert(codec, tmp_path):
 
 # bits per weight --dtype keep holds each kept codec in, computing in float32 (float16
 # scales widened) and in float16 (float32 scales stay float32)
-BPW = {"Q4_0": (6, 5), "Q4_1": (6, 5), "Q5_0": (7, 6), "Q5_1": (7, 6), "Q8_0": (10, 9), "Q3_K": (10, 9),
+BPW = {"Q6_K": (16, 16), "Q4_0": (6, 5), "Q4_1": (6, 5), "Q5_0": (7, 6), "Q5_1": (7, 6), "Q8_0": (10, 9), "Q3_K": (10, 9),
        "Q4_K": (6, 6), "Q5_K": (7, 7), "IQ4_NL": (10, 9), "IQ4_XS": (10, 10), "IQ3_S": (6, 6),
        "IQ3_XXS": (8, 8), "IQ2_XXS": (10, 10), "IQ1_S": (4, 4)}
 
 
-@pytest.mark.parametrize("codec", [*KEPT, "Q6_K", "Q2_K", "F16", "BF16", "F32"])
+@pytest.mark.parametrize("codec", [*KEPT, *PAIRED, "Q2_K", "F16", "BF16", "F32"])
 def test_held_nbytes_is_what_a_tensor_takes_loaded(codec, tmp_path):
     """held_nbytes, from the type and shape alone, is the bytes _to_mx's arrays take,
     kept or not, in float32 and float16; nbytes is the bytes of the held value."""
@@ -170,9 +173,10 @@ def test_held_nbytes_is_what_a_tensor_takes_loaded(codec, tmp_path):
         for keep in (True, False):
             arrays = _to_mx(value, dtype, keep)
             assert held_nbytes(tensor.tensor_type, tensor.shape, dtype.size, keep) == sum(a.nbytes for a in arrays.values())
-    if codec in KEPT:
-        bits, scale_dtype = KEPT[codec]
-        assert nbytes(value) == 8 * 256 * bits // 8 + 2 * 8 * 8 * np.dtype(scale_dtype).itemsize
+    if codec in KEPT or codec in PAIRED:
+        bits, scale_dtype = {**KEPT, **PAIRED}[codec]
+        halves = 2 if codec in PAIRED else 1
+        assert nbytes(value) == halves * (8 * 256 * bits // 8 + 2 * 8 * 8 * np.dtype(scale_dtype).itemsize)
         held = [held_nbytes(codec, (256, 8), size, True) * 8 / 2048 for size in (4, 2)]
         assert tuple(held) == BPW[codec]
     else:
@@ -217,7 +221,9 @@ def wide_model(tmp_path_factory):
 def linear_weights(model) -> dict[str, np.ndarray]:
     out = {}
     for path, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+        if hasattr(m, "dequantized"):  # a QuantizedPair layer (Q6_K)
+            out[path] = np.array(m.dequantized())
+        elif isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             out[path] = np.array(mx.dequantize(m.weight, m.scales, m.biases, m.group_size, m.bits))
         elif isinstance(m, (nn.Linear, nn.Embedding)):
             out[path] = np.array(m.weight.astype(mx.float32))
@@ -227,8 +233,8 @@ def linear_weights(model) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("codec", ["Q4_K", "Q6_K", "Q2_K", "Q3_K", "Q5_0", "Q8_0", "IQ4_XS"])
 def test_a_model_in_each_codec_holds_gguf_py_weights(codec, wide_model, tmp_path):
     """Every matrix of the loaded model (q/k rows back in HF order) equals gguf-py's
-    dequantization of the file's tensor; only the kept codecs stay quantized, and
-    the others (Q6_K, Q2_K) load too, dequantized."""
+    dequantization of the file's tensor; only the kept codecs stay quantized (Q6_K as
+    a pair of halves), and the others (Q2_K) load too, dequantized."""
     path = save_gguf_model(tmp_path / f"{codec}.gguf", wide_model, codec)
     reference = {}
     for t in GGUFReader(str(path)).tensors:
@@ -243,13 +249,15 @@ def test_a_model_in_each_codec_holds_gguf_py_weights(codec, wide_model, tmp_path
         got = linear_weights(model)
         assert set(got) == set(reference)
         # keep holds a codec MLX cannot hold as float16, like MLX and llama.cpp's GPU paths
-        half = dtype == "keep" and codec not in KEPT
+        kept = codec in KEPT or codec in PAIRED
+        half = dtype == "keep" and not kept
         assert (model.model.layers[0].mlp.up_proj.weight.dtype == mx.float16) == half
         for name, w in reference.items():
             np.testing.assert_allclose(got[name], w, rtol=1e-3 if half else 0, atol=1e-6 if half else 0, err_msg=name)
         quantized = [m for _, m in model.named_modules() if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
-        assert bool(quantized) == (dtype == "keep" and codec in KEPT)
-        assert all(m.bits == KEPT[codec][0] and m.scales.dtype == mx.float32 for m in quantized)
+        assert bool(quantized) == (dtype == "keep" and kept)
+        assert all(m.bits == {**KEPT, **PAIRED}[codec][0] and m.scales.dtype == mx.float32 for m in quantized)
+        assert all(hasattr(m, "dequantized") == (codec in PAIRED) for m in quantized)
 
 
 def test_kept_and_dequantized_models_compute_the_same(wide_model, tmp_path):
@@ -270,7 +278,7 @@ def test_kept_and_dequantized_models_compute_the_same(wide_model, tmp_path):
 def test_a_k_quant_model_kept_computes_as_dequantized(codec, wide_model, tmp_path):
     """A Q4_K_M-like file (Q4_K or Q5_K, with Q6_K ffn_down and attn_v, as llama.cpp's
     mixes do): kept, the K-quant layers are 4/5-bit QuantizedLinear with float32
-    scales, Q6_K is dequantized to float32, every weight equals the float32 load's bit
+    scales, Q6_K two 6-bit halves, every weight equals the float32 load's bit
     for bit, and the logits agree (the quantized matmul sums in its own order)."""
     mix = {"blk.0.ffn_down.weight": "Q6_K", "blk.1.attn_v.weight": "Q6_K"}
     path = save_gguf_model(tmp_path / f"{codec}_M.gguf", wide_model, codec, codecs=mix)
@@ -281,7 +289,7 @@ def test_a_k_quant_model_kept_computes_as_dequantized(codec, wide_model, tmp_pat
         assert (module.bits, module.group_size) == (bits, 32)
         assert module.scales.dtype == module.biases.dtype == mx.float32
     for module in (kept.model.layers[0].mlp.down_proj, kept.model.layers[1].self_attn.v_proj):
-        assert type(module) is nn.Linear and module.weight.dtype == mx.float32
+        assert type(module) is QuantizedPairLinear and module.bits == 6 and module.scales_high.dtype == mx.float32
     ours, theirs = linear_weights(kept), linear_weights(full)
     assert set(ours) == set(theirs)
     for name in ours:
@@ -297,8 +305,35 @@ def test_the_dtype_a_kept_model_computes_in():
 
     assert keep_dtype({"Q4_1", "Q8_0", "F32"}) == mx.float32  # SmolLM2's Q4_1 file
     assert keep_dtype({"Q4_K", "Q6_K"}) == mx.float32  # a Q4_K_M file: float32 scales
+    assert keep_dtype({"Q6_K", "F32"}) == mx.float32  # Q6_K's halves: float32 scales
     assert keep_dtype({"Q4_K", "Q6_K", "F16"}) == mx.float32
     assert keep_dtype({"Q3_K", "Q5_0", "IQ4_NL", "F32"}) == mx.float32  # float16 scales widen exactly
-    assert keep_dtype({"Q6_K", "F32"}) == mx.float16  # nothing kept needs float32
+    assert keep_dtype({"Q2_K", "F32"}) == mx.float16  # nothing kept needs float32
     assert keep_dtype({"F16", "Q8_0"}) == mx.float16
     assert keep_dtype({"BF16", "F32"}) == mx.bfloat16
+
+
+def test_q6_k_is_kept_as_two_exact_halves(tmp_path):
+    """Q6_K (scales per 16 weights, int8 over their whole range, d anywhere in float16
+    below 256): two 6-bit halves with float32 scales, each holding every other
+    sub-block and exact zeros between, whose sum is gguf-py's dequantization bit for
+    bit; as stacked experts it stays dequantized."""
+    rng = np.random.default_rng(17)
+    raw = rng.integers(0, 256, (64 * 4, 210), dtype=np.uint8)
+    field = rng.integers(0, 0x5C00, len(raw)).astype(np.uint16) | (rng.integers(0, 2, len(raw)) << 15).astype(np.uint16)
+    raw[:, 208:210] = field.view(np.uint8).reshape(-1, 2)
+    raw = raw.reshape(64, -1)  # 64 rows of 1024
+    assert set(raw.reshape(-1, 210)[:, 192:208].view(np.int8).ravel()) == set(range(-128, 128))
+    path, raw = write_one(tmp_path / "t.gguf", "Q6_K", raw=raw)
+    pair = read_tensor(GGUFReader(str(path)).tensors[0])
+    assert isinstance(pair, QuantizedPair) and pair.shape == (64, 1024) and pair.bits == 6
+    low, high = dequantize(pair.low), dequantize(pair.high)
+    assert pair.low.scales.dtype == pair.high.scales.dtype == np.float32
+    assert (low.reshape(64, -1, 32)[..., 16:] == 0).all() and (high.reshape(64, -1, 32)[..., :16] == 0).all()
+    assert_same_bits(low + high, quants.dequantize(raw, GGMLQuantizationType.Q6_K))
+    stacked = np.stack([raw[:8], raw[8:16]])  # [E, rows, bytes]
+    w = GGUFWriter(str(tmp_path / "e.gguf"), "llama")
+    w.add_tensor("blk.0.ffn_down_exps.weight", stacked, raw_dtype=GGMLQuantizationType.Q6_K)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    experts = read_tensor(GGUFReader(str(tmp_path / "e.gguf")).tensors[0])
+    assert isinstance(experts, np.ndarray) and experts.shape == (2, 8, 1024)

@@ -87,8 +87,8 @@ def _model_flags(serve: argparse.ArgumentParser) -> None:
                        "none leaves it in the content")
     serve.add_argument("--dtype", choices=DTYPE_CHOICES,
                        help="weights at load: keep (quantized layers stay quantized: of a GGUF file "
-                       "Q4_0/1, Q5_0/1, Q8_0, Q3_K, Q4_K, Q5_K, IQ4_NL/XS, IQ3_S/XXS, IQ2_XXS, IQ1_S, bit "
-                       "for bit; Q6_K, Q2_K and the other codecs are dequantized), float16, bfloat16 or "
+                       "Q4_0/1, Q5_0/1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL/XS, IQ3_S/XXS, IQ2_XXS, IQ1_S, "
+                       "bit for bit; Q2_K and the other codecs are dequantized), float16, bfloat16 or "
                        "float32 (all dequantized); auto (default): GGUF files float32 on a CPU where that "
                        "fits in memory (else keep) and kept on a GPU, mlx-lm directories as they are")
 

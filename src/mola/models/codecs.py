@@ -39,10 +39,17 @@ scales widened exactly), never float16 where a codec has float32 scales ("-").
     IQ1_S      1.56      2 bits, float32              - / 4     dl*(g+delta), g in {-1, 0, 1},
                                                                 delta +-1/8, dl = d*(2s+1) per 32:
                                                                 q = g + 1, bias dl*(delta-1)
-    Q6_K, Q2_K, IQ2_XS,  dequantized by gguf-py to float32, then cast; under keep to
-    IQ2_S, IQ1_M,        float32 (32 bpw) if the file has a float32-scaled kept codec
-    TQ1_0, TQ2_0,        (a Q4_K_M file's Q6_K tensors), else float16 (16 bpw, rounded);
-    MXFP4, NVFP4         see "Not kept" below
+    Q6_K       6.56      a pair of 6-bit halves,      - / 16    (d*sc)*(q-32) per 16: each half
+                         float32 (matrices only;                holds every other sub-block, scale
+                         expert stacks are                      d*sc, bias -32*d*sc, and q = 32
+                         dequantized)                           (exactly 0) in the other's places;
+                                                                their sum is the weight (two
+                                                                quantized matmuls:
+                                                                models/quantized_pair.py)
+    Q2_K, IQ2_XS,        dequantized by gguf-py to float32, then cast; under keep to
+    IQ2_S, IQ1_M,        float32 (32 bpw) if the file has a float32-scaled kept codec,
+    TQ1_0, TQ2_0,        else float16 (16 bpw, rounded); see "Not kept" below
+    MXFP4, NVFP4
     the rest (Q8_1, Q8_K, refused, naming the codec and the tensor
     integers, F64, unknown ids)
 
@@ -58,17 +65,16 @@ gguf-py does), MLX's result equals gguf-py's whatever order it computes in (fuse
 not), signed zeros aside: where the integer is 0 and the scale negative, gguf-py's
 product is -0.0 and MLX's scale*q + bias +0.0.
 
-Not kept (no exact single MLX matrix exists in general; MLX has no group of 16 and
-at most 8 bits): a group of 32 is exact only if its 32 weights lie on one arithmetic
-progression of at most 2^8 points.
-  Q6_K: w = d*sc*q, sc int8 per 16 weights, q in [-32, 31]: a group holds two
-    sub-blocks, d*sc1*q1 and d*sc2*q2; their common step is d*gcd(sc1, sc2), which
-    for llama.cpp's scales (normalized so that the largest |sc| is 127 or 128, the
-    others unrelated) is mostly d, leaving about 127*63 = 8001 points (13 bits); even
-    d*sc alone with q needs 6 bits per sub-block and a scale per 16. Exact
-    alternatives cost as much as float16: two 6-bit matrices with float32 scales, each
-    holding one sub-block of every group and 0 (q = 32) in the other (16 bpw, and two
-    matmuls, which mlx-lm's QuantizedLinear does not do).
+No exact single MLX matrix exists in general for the codecs below (MLX has no group
+of 16 and at most 8 bits): a group of 32 is exact only if its 32 weights lie on one
+arithmetic progression of at most 2^8 points.
+  Q6_K (kept as a pair instead): w = d*sc*q, sc int8 per 16 weights, q in [-32, 31]: a
+    group holds two sub-blocks, d*sc1*q1 and d*sc2*q2; their common step is
+    d*gcd(sc1, sc2), which for llama.cpp's scales (normalized so that the largest |sc|
+    is 127 or 128, the others unrelated) is mostly d, leaving about 127*63 = 8001
+    points (13 bits). The pair costs 16 bpw: half of float32, and float16's size but
+    exact where float16 rounds (d*sc*q has up to 23 significant bits); two matmuls.
+Not kept:
   Q2_K: w = (d*sc)*q - dmin*m per 16 weights: the two sub-blocks of a group have
     different minima dmin*m1 != dmin*m2, which no step d*k reaches (d and dmin are
     unrelated float16 numbers). Exact alternative: d*(sc*q), sc*q in [0, 45], as a
@@ -120,8 +126,26 @@ class Quantized:
         return (*self.weight.shape[:-1], self.weight.shape[-1] * 32 // self.bits)
 
 
+@dataclass(frozen=True)
+class QuantizedPair:
+    """A matrix [rows, cols] held as the sum of two affine-quantized halves of the same
+    shape, each holding every other 16-weight sub-block and zeros between (Q6_K: see
+    the module docstring); models/quantized_pair.py computes with it."""
+
+    low: Quantized  # sub-blocks 0, 2, 4, ... (the first 16 weights of each group of 32)
+    high: Quantized  # sub-blocks 1, 3, 5, ... (the last 16)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.low.shape
+
+    @property
+    def bits(self) -> int:
+        return self.low.bits
+
+
 # A tensor as mola holds it: a float numpy array (bfloat16 as its uint16 bits, see
-# BFloat16) or a Quantized triple.
+# BFloat16), a Quantized triple or a QuantizedPair.
 @dataclass(frozen=True)
 class BFloat16:
     bits: np.ndarray  # uint16, the bfloat16 values' bit patterns
@@ -139,8 +163,17 @@ KEPT_FORMATS: dict[str, tuple[int, type]] = {
     "IQ4_XS": (8, np.float32), "IQ3_S": (4, np.float32), "IQ3_XXS": (6, np.float32),
     "IQ2_XXS": (8, np.float32), "IQ1_S": (2, np.float32),
 }
-KEPT = tuple(KEPT_FORMATS)
-F32_SCALES = tuple(c for c, (_, dt) in KEPT_FORMATS.items() if dt == np.float32)
+# codec -> (bits, scales' dtype) of each half of its QuantizedPair (matrices only)
+PAIRED_FORMATS: dict[str, tuple[int, type]] = {"Q6_K": (6, np.float32)}
+KEPT = (*KEPT_FORMATS, *PAIRED_FORMATS)
+F32_SCALES = tuple(c for c, (_, dt) in {**KEPT_FORMATS, **PAIRED_FORMATS}.items() if dt == np.float32)
+
+
+def is_kept(codec, ndim: int) -> bool:
+    """Whether ``--dtype keep`` keeps a tensor of ``codec`` and ``ndim`` dimensions
+    quantized: a KEPT_FORMATS matrix or expert stack, a PAIRED_FORMATS matrix."""
+    name = codec_name(codec)
+    return (name in KEPT_FORMATS and ndim in (2, 3)) or (name in PAIRED_FORMATS and ndim == 2)
 FLOATS = ("F32", "F16", "BF16")
 
 
@@ -153,6 +186,8 @@ def codec_name(kind) -> str:
 
 def nbytes(value) -> int:
     """The bytes a held value takes: a numpy (or mx) array, BFloat16 or Quantized."""
+    if isinstance(value, QuantizedPair):
+        return nbytes(value.low) + nbytes(value.high)
     if isinstance(value, Quantized):
         return int(value.weight.nbytes + value.scales.nbytes + value.biases.nbytes)
     if isinstance(value, BFloat16):
@@ -170,10 +205,11 @@ def held_nbytes(tensor_type, shape, dtype_bytes: int, keep: bool) -> int:
     a kept codec whose -8d/-16d/-128d bias overflows float16 is dequantized instead."""
     n = prod(int(s) for s in shape)
     name = codec_name(tensor_type)
-    if keep and name in KEPT_FORMATS and len(shape) in (2, 3) and n % GROUP_SIZE == 0:
-        bits, scale_dtype = KEPT_FORMATS[name]
+    if keep and is_kept(name, len(shape)) and n % GROUP_SIZE == 0:
+        bits, scale_dtype = {**KEPT_FORMATS, **PAIRED_FORMATS}[name]
         scale_bytes = 4 if dtype_bytes == 4 else np.dtype(scale_dtype).itemsize
-        return n * bits // 8 + 2 * (n // GROUP_SIZE) * scale_bytes
+        halves = 2 if name in PAIRED_FORMATS else 1
+        return halves * (n * bits // 8 + 2 * (n // GROUP_SIZE) * scale_bytes)
     return n * dtype_bytes
 
 
@@ -423,6 +459,30 @@ _REPACK = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _
 assert set(_REPACK) == set(KEPT_FORMATS)
 
 
+def _q6_k_pair(data: np.ndarray) -> QuantizedPair:
+    """Q6_K [rows, row bytes] -> its exact QuantizedPair. Each block of 256: ql[128]
+    (low nibbles), qh[64] (high 2 bits), 16 int8 scales, d (f16); w = (d*sc)*(q - 32)
+    per 16 weights (gguf-py's Q6_K.dequantize_blocks, which this unpacks alike). A
+    half's group of 32 holds one sub-block, q in [0, 63], scale d*sc (d's 11 bits times
+    sc's 8: exact in float32), bias -32*scale, and q = 32 (w = 0 exactly) in the
+    other sub-block's 16 places: scale*q is exact (24 bits) and so is its sum with
+    the bias, whose true value (d*sc)*(q - 32) float32 holds."""
+    rows = len(data)
+    blocks = _blocks(data, 210)
+    ql = blocks[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    ql = (ql & np.uint8(0x0F)).reshape(-1, 2, 128)
+    qh = blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    qh = (qh & np.uint8(0x03)).reshape(-1, 2, 128)
+    q = (ql | (qh << np.uint8(4))).reshape(-1, 8, 2, 16)  # [n, group of 32, sub-block, 16]: q + 32
+    scales = blocks[:, 192:208].view(np.int8).astype(np.float32).reshape(-1, 8, 2)
+    step = _f16(blocks, 208).astype(np.float32)[:, None, None] * scales  # [n, 8, 2]: d*sc
+    zero = np.full(q.shape[:-2] + (16,), 32, np.uint8)
+    halves = []
+    for j, values in enumerate((np.concatenate([q[:, :, 0], zero], -1), np.concatenate([zero, q[:, :, 1]], -1))):
+        halves.append(_triple(values, step[..., j], np.float32(-32) * step[..., j], 6, rows, np.float32))
+    return QuantizedPair(*halves)
+
+
 def repack(data: np.ndarray, codec: str) -> Quantized | None:
     """A kept codec's raw blocks [(E,) rows, row bytes] -> its exact MLX affine form, or
     None where a float16 bias overflows (-8d, -16d, -128d, 128d past 65504)."""
@@ -436,7 +496,8 @@ def repack(data: np.ndarray, codec: str) -> Quantized | None:
 
 
 def read_tensor(tensor):
-    """A gguf-py ReaderTensor -> np.ndarray (float32/float16), BFloat16 or Quantized."""
+    """A gguf-py ReaderTensor -> np.ndarray (float32/float16), BFloat16, Quantized or
+    QuantizedPair."""
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
@@ -447,6 +508,8 @@ def read_tensor(tensor):
         return np.asarray(data)
     if kind == T.BF16:
         return BFloat16(np.ascontiguousarray(data).view(np.uint16))
+    if name in PAIRED_FORMATS and data.ndim == 2:
+        return _q6_k_pair(np.asarray(data))
     if name in _REPACK and data.ndim in (2, 3):  # a matrix, or stacked experts [E, rows, bytes]
         packed = repack(np.asarray(data), name)
         if packed is not None:

@@ -2,7 +2,9 @@
 (config.json, model.safetensors, tokenizer files) that mlx_lm.load, mlx_lm.generate
 and mlx_lm.server load. The weights are exactly what `mola serve` holds for the file
 at the same --dtype (keep: quantized layers stay quantized, with their quantization
-in config.json), written with mlx-lm's own save_model / save_config."""
+in config.json; but Q6_K matrices, which mola holds as two quantized halves that no
+mlx-lm layer reads, are written dequantized, in float32, exactly), written with
+mlx-lm's own save_model / save_config."""
 
 from __future__ import annotations
 
@@ -12,9 +14,12 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import mlx.core as mx
+
 from ..errors import ModelLoadError
 from .gguf import load_gguf_model
 from .metadata import find_gguf
+from .quantized_pair import unpair
 from .tokenizer import tokenizer_files
 
 CONVERT_DTYPES = ("keep", "float16", "bfloat16", "float32")
@@ -35,6 +40,9 @@ def convert(src: str | Path, out: str | Path, dtype: str = "keep", force: bool =
         if not force:
             raise ModelLoadError(f"{out} exists and is not an empty directory; pass --force to replace it")
     model, config, f = load_gguf_model(path, dtype)
+    unpaired = unpair(model, mx.float32)  # mlx-lm has no layer of two quantized halves: Q6_K as float32
+    if unpaired:
+        config["quantization"] = {k: v for k, v in config["quantization"].items() if k not in unpaired}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:

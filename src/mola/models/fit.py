@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelLoadError
-from .codecs import FLOATS, KEPT, codec_name, held_nbytes
+from .codecs import FLOATS, KEPT, codec_name, held_nbytes, is_kept
 from .gguf import DTYPES, keep_dtype
 
 # --dtype auto on a CPU computes in float32 only where that leaves a quarter of the free
@@ -74,7 +74,7 @@ def plan(tensors, dtype: str) -> MemoryPlan:
     groups: dict[str, dict[str, int]] = {}
     for t in tensors:
         codec = codec_name(t.tensor_type)
-        kept = keep and codec in KEPT and len(t.shape) > 1
+        kept = keep and is_kept(codec, len(t.shape))
         what = f"{codec} kept" if kept else f"{codec} -> {str(compute).split('.')[-1]}"
         parts = groups.setdefault(tensor_group(t.name), {})
         parts[what] = parts.get(what, 0) + held_nbytes(t.tensor_type, t.shape, size, keep)

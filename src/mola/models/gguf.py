@@ -29,10 +29,12 @@ import mlx.nn as nn
 
 from ..errors import ModelLoadError
 from ..adapters.formats.gguf_names import ARCHITECTURES, block_tensors, hf_row_order
-from .codecs import GROUP_SIZE, KEPT, BFloat16, Quantized, UnsupportedTensor, codec_name, read_tensor
+from .codecs import (F32_SCALES, GROUP_SIZE, KEPT, BFloat16, Quantized, QuantizedPair, UnsupportedTensor, codec_name,
+                     read_tensor)
 from .gguf_arch import BASE_ARCHITECTURES, BaseArchitecture
 from .gguf_file import GGUFFile, open_gguf
 from .metadata import model_config
+from .quantized_pair import make_pairs
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -72,6 +74,8 @@ def hf_name(name: str, arch: BaseArchitecture | None = None) -> str | None:
 
 def _rows(value, fn):
     """Apply ``fn`` to the output rows of a tensor in any of its held forms."""
+    if isinstance(value, QuantizedPair):
+        return QuantizedPair(_rows(value.low, fn), _rows(value.high, fn))
     if isinstance(value, Quantized):
         return Quantized(fn(value.weight), fn(value.scales), fn(value.biases), value.bits)
     if isinstance(value, BFloat16):
@@ -84,7 +88,15 @@ def _to_mx(value, dtype: mx.Dtype, keep: bool) -> dict[str, mx.array]:
     value with ``keep``; without it quantized values are dequantized (in float32, then
     cast). Kept scales and biases are never rounded: float32 ones (Q4_K, Q5_K, IQ4_XS,
     ...: codecs.py) stay float32 whatever ``dtype``; float16 ones widen exactly to
-    float32 where ``dtype`` is float32, else stay float16."""
+    float32 where ``dtype`` is float32, else stay float16. A QuantizedPair kept gives
+    its high half as {"weight_high", "scales_high", "biases_high"} too
+    (models/quantized_pair.py); dequantized, the sum of its halves (exact: one is 0
+    wherever the other is not)."""
+    if isinstance(value, QuantizedPair):
+        low, high = _to_mx(value.low, dtype, keep), _to_mx(value.high, dtype, keep)
+        if not keep:
+            return {"weight": (low["weight"].astype(mx.float32) + high["weight"].astype(mx.float32)).astype(dtype)}
+        return {**low, **{f"{k}_high": v for k, v in high.items()}}
     if isinstance(value, Quantized):
         w, s, b = mx.array(value.weight), mx.array(value.scales), mx.array(value.biases)
         if keep:
@@ -135,7 +147,8 @@ def read_weights(f: GGUFFile, dtype: str) -> tuple[dict, dict[str, mx.array], di
         module, _, leaf = name.rpartition(".")
         arrays = _to_mx(value, target, keep)
         if "scales" in arrays:
-            quantization[module] = {"group_size": GROUP_SIZE, "bits": value.bits}
+            quantization[module] = {"group_size": GROUP_SIZE, "bits": value.bits,
+                                    **({"pair": True} if isinstance(value, QuantizedPair) else {})}
         else:  # a float weight, bias or gpt-oss's sinks
             arrays = {leaf: arrays["weight"]}
         weights.update({f"{module}.{k}": v for k, v in arrays.items()})
@@ -145,20 +158,19 @@ def read_weights(f: GGUFFile, dtype: str) -> tuple[dict, dict[str, mx.array], di
 def keep_dtype(codecs) -> mx.Dtype:
     """The dtype a model kept as stored computes in, from its matrices' codecs:
 
-    float32 if any is kept with float32 scales (codecs.F32_SCALES: Q4_K, Q5_K, IQ4_XS,
-        IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S), so that they stay exact: their scales (Q4_K's
-        d*sc: up to 17 significant bits) are no float16 or bfloat16 numbers, and MLX
-        computes a float32-scaled layer in float32 anyway (float16 activations would
+    float32 if any is kept with float32 scales (codecs.F32_SCALES: Q4_K, Q5_K, Q6_K,
+        IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS, IQ1_S), so that they stay exact: their scales
+        (Q4_K's d*sc: up to 17 significant bits) are no float16 or bfloat16 numbers, and
+        MLX computes a float32-scaled layer in float32 anyway (float16 activations would
         turn float32 at the first one). Everything else widens to float32 exactly:
         float16 scales, F16/BF16 matrices, and the codecs MLX cannot hold exactly
-        (Q6_K, Q2_K, ...), which keep gguf-py's float32 values, at 32 bits a weight
-        (a Q4_K_M file: Q4_K at 6 bits a weight, its Q6_K tensors at 32);
+        (Q2_K, IQ2_XS, ..., and Q6_K expert stacks), which keep gguf-py's float32
+        values, at 32 bits a weight (a Q4_K_M file: Q4_K at 6 bits a weight, its Q6_K
+        matrices at 16 as pairs);
     else float16 if any is F16 or dequantized from a codec MLX cannot hold (as MLX and
         llama.cpp's GPU paths hold them);
     else bfloat16 if any is BF16;
     else float32 (every matrix F32 or kept with float16 scales, which widen exactly)."""
-    from .codecs import F32_SCALES
-
     codecs = set(codecs)
     if codecs & set(F32_SCALES):
         return mx.float32
@@ -183,8 +195,11 @@ def build_model(config: dict, weights: dict[str, mx.array], quantization: dict[s
     model = module.Model(module.ModelArgs.from_dict(config))
     if hasattr(model, "sanitize"):  # as mlx_lm.utils.load_model (phi3, cohere have none)
         weights = model.sanitize(dict(weights))
-    if quantization:
-        nn.quantize(model, class_predicate=lambda path, m: quantization.get(path, False))
+    pairs = [path for path, q in quantization.items() if q.get("pair")]
+    if pairs:  # Q6_K: two quantized halves (models/quantized_pair.py)
+        make_pairs(model, pairs, GROUP_SIZE, quantization[pairs[0]]["bits"])
+    if len(pairs) < len(quantization):
+        nn.quantize(model, class_predicate=lambda path, m: path not in pairs and quantization.get(path, False))
     from mlx.utils import tree_flatten
 
     expected = {k for k, _ in tree_flatten(model.parameters())}

@@ -110,7 +110,7 @@ def check_gguf(f, dtype: str, free: int | None):
             f"{f.path} stores tensor '{name}' as {codec}, which mola cannot read "
             f"({', '.join(sorted(unreadable))} in all); it keeps {', '.join(fit.KEPT)} quantized, reads "
             f"{', '.join(fit.FLOATS)} as they are and dequantizes the other codecs gguf-py reads "
-            "(Q6_K, Q2_K, IQ2_XS, IQ2_S, IQ1_M, TQ1_0, TQ2_0, MXFP4, NVFP4).")
+            "(Q2_K, IQ2_XS, IQ2_S, IQ1_M, TQ1_0, TQ2_0, MXFP4, NVFP4).")
     dtype = resolve_dtype(dtype, True, tensors, free)
     need = fit.plan(tensors, dtype)
     fit.check_fits(f.path, need, free, None if dtype == "keep" else fit.plan(tensors, "keep"))
