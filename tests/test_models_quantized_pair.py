@@ -2,8 +2,8 @@
 Q6_K matrix is kept as: a linear and an embedding (rows, and as a tied head) compute
 what their dequantized weight computes; mola's MultiLoRALinear and mlx-lm's
 LoRALinear wrap the linear as a QuantizedLinear; a Q6_K model (its tied embedding
-too) kept answers as dequantized; and `mola convert` writes the pairs as float
-layers mlx-lm loads."""
+too) kept answers as dequantized; `mola convert` writes the pairs as float layers
+mlx-lm loads; and tensor parallelism, which would cut the low half alone, is refused."""
 
 from __future__ import annotations
 
@@ -143,3 +143,14 @@ def test_mola_convert_writes_the_pairs_as_float_layers(q6_k_tied, tmp_path):
     assert type(model.model.layers[0].mlp.down_proj) is nn.Linear
     tokens = mx.array([[5, 17, 42, 99, 3, 250]])
     np.testing.assert_array_equal(np.array(model(tokens)), np.array(full(tokens)))
+
+
+def test_a_model_with_pairs_is_not_sharded(q6_k_tied):
+    """mlx's tensor-parallel layers would keep a pair's low half alone: refused, naming
+    the way out, before any group is touched."""
+    from mola.errors import ModelLoadError
+    from mola.models.loader import _shard
+
+    model = load_base_model(str(q6_k_tied), dtype="keep").model
+    with pytest.raises(ModelLoadError, match=r"Q6_K matrices .* --dtype float16 or float32"):
+        _shard(model, group=None, path=q6_k_tied)

@@ -140,6 +140,13 @@ def _load_gguf(path: Path, dtype: str, group, shard: str = "") -> LoadedModel:
 
 
 def _shard(model, group, path: Path) -> None:
+    from .quantized_pair import QuantizedPairEmbedding, QuantizedPairLinear
+
+    pairs = [p for p, m in model.named_modules() if isinstance(m, (QuantizedPairLinear, QuantizedPairEmbedding))]
+    if pairs:  # mlx's sharded layers would take the low half alone
+        raise ModelLoadError(
+            f"{path}: {len(pairs)} Q6_K matrices ({pairs[0]}, ...) are kept as pairs of quantized halves, "
+            "which tensor parallelism cannot cut; serve it with --distributed and --dtype float16 or float32")
     if not hasattr(model, "shard"):
         raise ModelLoadError(f"mlx-lm's {type(model).__module__} model has no tensor-parallel sharding")
     model.shard(group)
