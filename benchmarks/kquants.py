@@ -96,7 +96,6 @@ MEASURED = (2048, 24, 8192, 32, 32)
 def write_like(real: Path, out: Path, ftype: str) -> Path:
     """A SmolLM2-1.7B-shaped file: ``real``'s (SmolLM2-135M's) tokenizer and metadata
     with MEASURED's sizes, each matrix in the codec ``ftype`` gives it (random valid blocks)."""
-    from gguf import GGMLQuantizationType as T
     from gguf import GGUFValueType, GGUFWriter
 
     from mola.models.gguf_file import open_gguf

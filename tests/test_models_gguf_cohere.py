@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType
 
+from twin_checks import assert_exact
 from mola.errors import ModelLoadError
 from mola.models.loader import load_base_model
 from mola.testing.gguf_model import save_gguf_model
 from mola.testing.model import TinyModelSpec, make_tiny_model
 
-TOKENS = [1, 17, 300, 45, 2, 99, 7, 256, 12, 5, 64, 33, 401, 8, 77, 150, 3, 42]
 F32, U32, ARRAY = GGUFValueType.FLOAT32, GGUFValueType.UINT32, GGUFValueType.ARRAY
 
 
@@ -66,14 +66,6 @@ def cohere2(tmp_path_factory):
     return model_dir, save_gguf_model(root / "twin.gguf", model_dir)
 
 
-def assert_exact(model_dir, twin) -> dict:
-    from mlx_lm import load
-
-    ref, _ = load(str(model_dir))
-    got = load_base_model(str(twin), dtype="float32")
-    tokens = mx.array([TOKENS])
-    np.testing.assert_array_equal(np.array(got.model(tokens)), np.array(ref(tokens)))
-    return got.config
 
 
 def refused(model_dir, path, match: str, **kwargs) -> None:
@@ -91,11 +83,11 @@ def test_command_r_keys_are_read_as_llama_cpp_reads_them(command_r, tmp_path):
 
 
 def test_command_r_plus_q_k_norms_compute_exactly_what_mlx_lm_computes(command_r_plus):
-    assert assert_exact(*command_r_plus)["use_qk_norm"] is True
+    assert assert_exact(*command_r_plus).config["use_qk_norm"] is True
 
 
 def test_cohere2_default_period_computes_exactly_what_mlx_lm_computes(cohere2):
-    config = assert_exact(*cohere2)
+    config = assert_exact(*cohere2).config
     assert (config["sliding_window"], config["sliding_window_pattern"]) == (5, 4)
     assert (config["logit_scale"], config["layer_norm_eps"], config["head_dim"]) == (0.3125, 2e-5, 16)
 

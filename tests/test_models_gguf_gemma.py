@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType, GGUFWriter
 
+from twin_checks import assert_exact
 from mola.errors import ModelLoadError
 from mola.models.codecs import BFloat16
 from mola.models.gguf_arch import BASE_ARCHITECTURES
@@ -68,13 +69,6 @@ def config_of(twin, changes=None, drop=(), tensors=()):
     return model_config(dataclasses.replace(f, metadata=metadata), names, int(embed.shape[-1]))
 
 
-def assert_exact(model_dir, twin):
-    from mlx_lm import load
-
-    ref, _ = load(str(model_dir))
-    got = load_base_model(str(twin), dtype="float32")
-    np.testing.assert_array_equal(np.array(got.model(TOKENS)), np.array(ref(TOKENS)))
-    return got
 
 
 def test_gemma3_with_llama_cpp_default_period_and_a_tied_output(tmp_path):

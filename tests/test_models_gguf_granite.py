@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType
 
+from twin_checks import assert_exact
 from mola.errors import ModelLoadError
 from mola.models.loader import load_base_model
 from mola.models.metadata import gguf_config
 from mola.testing.gguf_model import save_gguf_model
 from mola.testing.model import TinyModelSpec, make_tiny_model
 
-TOKENS = [1, 17, 300, 45, 2, 99, 7, 256, 12, 5, 64, 33, 401, 8, 77, 150, 3, 42]
 SCALES = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 
 
@@ -39,14 +39,6 @@ def granite(tmp_path_factory):
     return model_dir, save_gguf_model(root / "twin.gguf", model_dir)
 
 
-def assert_exact(model_dir, twin) -> dict:
-    from mlx_lm import load
-
-    ref, _ = load(str(model_dir))
-    got = load_base_model(str(twin), dtype="float32")
-    tokens = mx.array([TOKENS])
-    np.testing.assert_array_equal(np.array(got.model(tokens)), np.array(ref(tokens)))
-    return got.config
 
 
 def test_the_scales_are_read_as_mlx_lm_multipliers(granite):
@@ -66,7 +58,7 @@ def test_scales_the_converter_leaves_out_are_llama_cpps_defaults(granite, tmp_pa
     edit_config(model_dir, embedding_multiplier=0, residual_multiplier=0, attention_multiplier=0)
     twin = save_gguf_model(tmp_path / "twin.gguf", model_dir)
     edit_config(model_dir, embedding_multiplier=1.0, residual_multiplier=1.0, attention_multiplier=0.25)
-    config = assert_exact(model_dir, twin)
+    config = assert_exact(model_dir, twin).config
     assert {k: config[k] for k in SCALES[:3]} == {"embedding_multiplier": 1.0, "residual_multiplier": 1.0,
                                                   "attention_multiplier": 0.25}
     edit_config(model_dir, logits_scaling=0)  # no logit_scale: llama.cpp refuses the file
@@ -87,7 +79,7 @@ def test_biases_in_llama_cpps_row_order_compute_exactly(granite, tmp_path):
             bias = 0.5 * rng.standard_normal(w.shape[0]).astype(np.float32)
             weights[name.replace(".weight", ".bias")] = mx.array(bias)
     mx.save_safetensors(str(model_dir / "model.safetensors"), weights)
-    config = assert_exact(model_dir, save_gguf_model(tmp_path / "twin.gguf", model_dir))
+    config = assert_exact(model_dir, save_gguf_model(tmp_path / "twin.gguf", model_dir)).config
     assert config["attention_bias"] and config["mlp_bias"]
 
 

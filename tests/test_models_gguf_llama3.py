@@ -20,16 +20,13 @@ import pytest
 from gguf import GGUFReader, GGUFValueType
 from mlx_lm.models.rope_utils import Llama3RoPE
 
-from helpers import EngineRunner, merged_model
-from mola.adapters.formats.gguf_writer import save_gguf_adapter
 from mola.errors import ModelLoadError
 from mola.models.gguf_arch.llama import _powers, converter_factors, llama3_scaling
 from mola.models.loader import load_base_model
-from mola.testing.adapter import linear_shapes, random_lora, save_mlx_lm_adapter
 from mola.testing.gguf_model import save_gguf_model
 from mola.testing.gguf_twins import TWINS
 from mola.testing.model import TinyModelSpec, make_tiny_model
-from test_models_gguf_families import MAX_TOKENS, TOKENS, assert_greedy
+from twin_checks import TOKENS, assert_loras_answer_as_merged
 
 LLAMA_31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8192}
@@ -133,32 +130,3 @@ def test_factors_the_converter_cannot_have_written_are_refused(llama3, tmp_path)
 
 def test_gguf_loras_in_a_mixed_batch_answer_as_merged_mlx_lm(llama3, tmp_path):
     assert_loras_answer_as_merged(*llama3, tmp_path, "llama")
-
-
-def assert_loras_answer_as_merged(model_dir, twin, root, architecture: str) -> None:
-    """tests/test_models_gguf_families.py's check: two GGUF LoRAs and base rows in one
-    mixed batch answer as alone, and as plain mlx-lm with the LoRA merged."""
-    config = load_base_model(str(twin)).config
-    keys = tuple(linear_shapes(config))
-    loras = {}
-    for name, seed in (("a", 1), ("b", 2)):
-        weights = random_lora(model_dir, rank=4, keys=keys, seed=seed, std=0.3)
-        loras[name] = (
-            save_gguf_adapter(root / f"{name}.gguf", weights, architecture=architecture,
-                              n_head=config["num_attention_heads"], n_kv_head=config["num_key_value_heads"]),
-            save_mlx_lm_adapter(root / f"{name}-mlx", weights, keys=keys,
-                                num_layers=config["num_hidden_layers"]))
-    runner = EngineRunner(twin, adapters=[(name, gguf) for name, (gguf, _) in loras.items()],
-                          max_tokens=MAX_TOKENS, max_lora_rank=4)
-    try:
-        alone = {name: runner.run(TOKENS, name) for name in (None, "a", "b")}
-        assert alone["a"] != alone[None] or alone["b"] != alone[None], "the adapters change nothing"
-        names = [None, "a", "b", "a", None, "b"]
-        assert runner.wait([runner.submit(TOKENS, name) for name in names]) == [alone[n] for n in names]
-    finally:
-        runner.stop()
-    for name, adapters in ((None, ()), ("a", (loras["a"][1],)), ("b", (loras["b"][1],))):
-        model, _ = merged_model(model_dir, adapters)
-        tokens = alone[name]
-        logits = np.array(model(mx.array([TOKENS + tokens]))[0, len(TOKENS) - 1:-1].astype(mx.float32))
-        assert_greedy(tokens, logits)

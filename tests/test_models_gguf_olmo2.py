@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType
 
+from twin_checks import assert_exact
 from mola.errors import ModelLoadError
 from mola.models.loader import load_base_model
 from mola.testing.gguf_model import save_gguf_model
 from mola.testing.model import TinyModelSpec, make_tiny_model
-from test_models_gguf_families import TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +29,6 @@ def olmo2(tmp_path_factory):
     return model_dir, save_gguf_model(root / "twin.gguf", model_dir)
 
 
-def assert_exact(model_dir, twin) -> dict:
-    from mlx_lm import load
-
-    ref, _ = load(str(model_dir))
-    got = load_base_model(str(twin), dtype="float32")
-    tokens = mx.array([TOKENS])
-    np.testing.assert_array_equal(np.array(got.model(tokens)), np.array(ref(tokens)))
-    return got.config
 
 
 def test_the_block_has_llama_cpps_olmo2_tensors(olmo2):
@@ -57,7 +49,7 @@ def test_tied_embeddings_compute_exactly_what_mlx_lm_computes(olmo2, tmp_path):
     mx.save_safetensors(str(model_dir / "model.safetensors"), weights)
     twin = save_gguf_model(tmp_path / "twin.gguf", model_dir)
     assert "output.weight" not in {t.name for t in GGUFReader(str(twin)).tensors}
-    assert assert_exact(model_dir, twin)["tie_word_embeddings"]
+    assert assert_exact(model_dir, twin).config["tie_word_embeddings"]
 
 
 def test_olmo3_windows_and_unplaced_tensors_are_refused(olmo2, tmp_path):

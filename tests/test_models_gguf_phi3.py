@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType
 
+from twin_checks import assert_exact
 from mola.errors import ModelLoadError
 from mola.models.loader import load_base_model
 from mola.testing.gguf_model import save_gguf_model
 from mola.testing.model import TinyModelSpec, make_tiny_model
 
-TOKENS = [1, 17, 300, 45, 2, 99, 7, 256, 12, 5, 64, 33, 401, 8, 77, 150, 3, 42]
 F32, U32, STR = GGUFValueType.FLOAT32, GGUFValueType.UINT32, GGUFValueType.STRING
 
 
@@ -47,14 +47,6 @@ def plain(tmp_path_factory):
     return model_dir, save_gguf_model(root / "twin.gguf", model_dir)
 
 
-def assert_exact(model_dir, twin) -> dict:
-    from mlx_lm import load
-
-    ref, _ = load(str(model_dir))
-    got = load_base_model(str(twin), dtype="float32")
-    tokens = mx.array([TOKENS])
-    np.testing.assert_array_equal(np.array(got.model(tokens)), np.array(ref(tokens)))
-    return got.config
 
 
 def test_longrope_and_partial_rope_are_read_as_the_converter_writes_them(longrope):
@@ -71,7 +63,7 @@ def test_longrope_and_partial_rope_are_read_as_the_converter_writes_them(longrop
 
 
 def test_a_plain_tied_phi3_computes_exactly_what_mlx_lm_computes(plain):
-    config = assert_exact(*plain)
+    config = assert_exact(*plain).config
     assert config["tie_word_embeddings"] is True
     assert "rope_scaling" not in config and "partial_rotary_factor" not in config
 

@@ -14,12 +14,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from twin_checks import TOKENS, assert_loras_answer_as_merged
 from mola.errors import ModelLoadError
 from mola.models.loader import load_base_model
 from mola.testing.gguf_model import save_gguf_model
 from mola.testing.model import TinyModelSpec, make_tiny_model
-from test_models_gguf_families import TOKENS
-from test_models_gguf_llama3 import assert_loras_answer_as_merged
 
 EVERY_4TH = [1, 1, 1, 0, 1, 1, 1, 0]
 
