@@ -124,8 +124,9 @@ def test_what_llama_cpp_cannot_name_is_refused():
 
     assert check_gguf_export({"model_type": "mistral"}, ["self_attn.q_proj"]) == "llama"
     assert check_gguf_export({"model_type": "qwen3"}, ["mlp.down_proj"]) == "qwen3"
-    with pytest.raises(TrainError, match="this model's type is 'gemma'"):
-        check_gguf_export({"model_type": "gemma"}, ["self_attn.q_proj"])
+    assert check_gguf_export({"model_type": "gemma2"}, ["self_attn.q_proj"]) == "gemma2"
+    with pytest.raises(TrainError, match="this model's type is 'mamba'"):
+        check_gguf_export({"model_type": "mamba"}, ["self_attn.q_proj"])
     with pytest.raises(TrainError, match="no tensor name for mlp.experts"):
         check_gguf_export({"model_type": "qwen2"}, ["mlp.experts"])
 
