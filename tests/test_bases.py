@@ -393,3 +393,52 @@ def test_mola_chat_switches_bases(two_bases, reference, tmp_path):
         assert child.exitstatus == 0 and "Traceback" not in child.before
     finally:
         h.stop()
+
+
+def test_a_failed_base_is_loaded_again_by_post_and_an_idle_one_unloaded(two_bases, reference, tmp_path):
+    """POST /v1/models/{id}/load tries a failed base again at once (no
+    backoff to wait out); /unload unloads an idle base; both answer its card."""
+    broken = tmp_path / "broken"
+    shutil.copytree(two_bases["broken"], broken)
+    h = serve_bases(two_bases, clock=Clock(), models=[{"name": "broken", "model": str(broken)}])
+    try:
+        r = httpx.post(h.url + "/v1/models/broken/load", timeout=60)
+        assert r.status_code == 503 and "'broken' failed to load" in r.json()["error"]["message"], r.text
+        shutil.rmtree(broken)
+        shutil.copytree(two_bases["a"], broken)
+        r = httpx.post(h.url + "/v1/models/broken/load", timeout=60)  # the clock has not moved
+        assert r.status_code == 200 and r.json()["status"] == "loaded" and "error" not in r.json(), r.text
+        assert text(chat(h.url, "broken")) == reference["A"]
+        r = httpx.post(h.url + "/v1/models/broken/unload", timeout=60)
+        assert r.status_code == 200 and r.json()["status"] == "declared", r.text
+        assert httpx.post(h.url + "/v1/models/nothing/load", timeout=60).status_code == 404
+    finally:
+        h.stop()
+
+
+def test_a_gguf_base_is_sized_by_its_plan_before_its_first_load(two_bases, tmp_path):
+    """A Q8_0 file served dequantized (float32 on a CPU) takes about four
+    times its file: --models-memory-bytes is checked against the plan
+    (models/fit.py) before the first load, and the plan is what it takes."""
+    from mola.server.host_memory import file_bytes, planned_bytes
+
+    q8 = save_gguf_model(tmp_path / "b.Q8_0.gguf", two_bases["b"], codec="Q8_0")
+    planned = planned_bytes(str(q8), "auto")
+    assert planned > 3 * file_bytes(str(q8))
+    h = serve_bases(two_bases, models=[{"name": "q8", "model": str(q8)}])
+    try:
+        assert chat(h.url, "q8").status_code == 200
+        base = h.bases.by_name["q8"]
+        packs = base.state.engine.geometry.pack_bytes
+        assert base.nbytes == planned + packs  # the weights as planned, the slot packs on top
+        a_bytes = h.bases.by_name["A"].nbytes
+    finally:
+        h.stop()
+    # The plan does not fit beside A (the file would): A unloads before q8 loads.
+    h = serve_bases(two_bases, models=[{"name": "q8", "model": str(q8)}], models_memory_bytes=a_bytes + planned - 1)
+    try:
+        assert h.bases.by_name["q8"].size_guess() == planned
+        assert chat(h.url, "q8").status_code == 200
+        assert h.bases.by_name["A"].num_unloads == 1
+    finally:
+        h.stop()

@@ -398,16 +398,18 @@ def test_every_field_of_a_plan_travels():
     plan = StepPlan(keep=[0], prefill=[a, b], prefill_is_new=True, start=1, end=3, join=[1], decode=[running, b],
                     cache=CacheOrders(store_rows=[(1, 4, 6)], hits=[None, PrefixHit(3, 2)],
                                       store_joined=[(1, 5, 3)], evict=[2]),
-                    proposal=Proposal([2, 0], [[5, 6], []]))
+                    proposal=Proposal([2, 0], [[5, 6], []]), preempted=[(1, seq(10, [1, 3]))], drop_prefill=True)
     defaults = StepPlan()
     assert all(getattr(plan, f.name) != getattr(defaults, f.name) for f in fields(StepPlan))
-    seqs = {7: seq(7, [1, 2])}
+    seqs = {7: seq(7, [1, 2]), 10: seq(10, [1, 3])}
     again = unwire_plan(pickle.loads(pickle.dumps(wire_plan(plan))), seqs)
     for f in fields(StepPlan):
         mine, theirs = getattr(plan, f.name), getattr(again, f.name)
         if f.name in ("prefill", "decode"):
             assert [(s.seq_id, s.prompt, s.slot, s.params) for s in theirs] == \
                    [(s.seq_id, s.prompt, s.slot, s.params) for s in mine], f.name
+        elif f.name == "preempted":
+            assert [(row, s.seq_id) for row, s in theirs] == [(row, s.seq_id) for row, s in mine]
         else:
             assert theirs == mine, f.name
     assert again.decode[1] is again.prefill[1] is seqs[9] and again.decode[0] is seqs[7]

@@ -185,10 +185,12 @@ def test_postprocess_hands_out_tokens_up_to_the_end_and_reports_expiry_first():
 
 def test_a_sequence_moves_only_along_its_lifecycle():
     """Every (from, to) pair of statuses against the lifecycle written out
-    here: waiting -> prefilling -> running, and finished from any other."""
+    here: waiting -> prefilling -> running, finished from any other, and
+    back to waiting from prefilling or running (preempted by the KV budget)."""
     S = SequenceStatus
     allowed = {(S.WAITING, S.PREFILLING), (S.PREFILLING, S.RUNNING),
-               (S.WAITING, S.FINISHED), (S.PREFILLING, S.FINISHED), (S.RUNNING, S.FINISHED)}
+               (S.WAITING, S.FINISHED), (S.PREFILLING, S.FINISHED), (S.RUNNING, S.FINISHED),
+               (S.PREFILLING, S.WAITING), (S.RUNNING, S.WAITING)}
     path = [S.WAITING, S.PREFILLING, S.RUNNING]
 
     def at(status):

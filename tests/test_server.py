@@ -370,12 +370,14 @@ def test_context_length_exceeded(client, server):
     assert str(limit) in err["message"]
 
 
-def test_server_keeps_serving_after_bad_input(client, expected):
+def test_server_keeps_serving_after_bad_input(client, server, expected):
     client.post("/v1/chat/completions", content=b"{{{", headers={"content-type": "application/json"})
     client.post("/v1/adapters", json={"name": 5, "path": []})
     r = client.post("/v1/chat/completions", json=chat_body("c"))
     assert r.json()["choices"][0]["message"]["content"] == expected["c"][QUESTION][0]
-    assert client.get("/health").json() == {"status": "ok", "blas": blas_in_use()}
+    health = client.get("/health").json()
+    assert {k: health[k] for k in ("status", "blas")} == {"status": "ok", "blas": blas_in_use()}
+    assert set(health["kv_cache"]) == {server.state.base_id}  # each loaded base's KV budget
 
 
 def test_client_disconnect_frees_the_row(server):

@@ -38,6 +38,10 @@ ENGINE_SETTINGS = {
     "prefill_step_size": "prefill_step_size",  # prompt tokens prefilled per engine step
     # KV state kept for reuse (bytes, or a size such as "512MB" or "2GiB"); 0 turns it off.
     "prompt_cache_bytes": "prompt_cache_bytes",
+    # What the batches' KV caches may hold (a size, or "auto"; 0: no budget), and
+    # how requests are admitted against it ("optimistic" or "reserve").
+    "kv_cache_bytes": "kv_cache_bytes",
+    "kv_admission": "kv_admission",
 }
 # Speculative decoding's -> SpeculativeConfig's fields. "speculative" names the
 # method ("ngram" or "draft"; not given: off); speculate_always sets
@@ -307,6 +311,10 @@ def engine_config(speculate_always: bool = False, **settings) -> EngineConfig:
     EngineConfig's and SpeculativeConfig's defaults)."""
     if isinstance(settings.get("prompt_cache_bytes"), str):
         settings["prompt_cache_bytes"] = parse_bytes(settings["prompt_cache_bytes"])
+    if settings.get("kv_cache_bytes") == "auto":
+        settings["kv_cache_bytes"] = None
+    elif isinstance(settings.get("kv_cache_bytes"), str):
+        settings["kv_cache_bytes"] = parse_bytes(settings["kv_cache_bytes"])
     experts, max_loras = settings.get("max_expert_loras"), settings.get("max_loras", EngineConfig.max_loras)
     if experts is not None and not 0 <= experts <= max_loras:
         raise ValueError(f"max_expert_loras must be in 0..max_loras ({max_loras}), got {experts}")

@@ -86,6 +86,15 @@ class ContextLengthExceeded(InvalidRequest):
     """A prompt (plus the tokens asked for) does not fit the model's context."""
 
 
+class KVBudgetExceeded(InvalidRequest):
+    """A prompt (plus the tokens asked for) needs more KV cache than the
+    server's whole KV budget (--kv-cache-bytes) holds."""
+
+
+class BaseBusy(MolaError):
+    """An unload names a base with requests in flight, or one pinned."""
+
+
 class EngineUnavailable(MolaError):
     """The engine thread is not running (still loading, stopped, or died)."""
 

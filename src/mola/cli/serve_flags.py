@@ -7,6 +7,7 @@ import argparse
 import os
 
 from ..config import DEMO_CHOICES, LOG_LEVELS, REASONING_PARSERS, AdapterSpec, ModelSpec, parse_bytes
+from ..engine.config import KV_ADMISSION_MODES
 from ..models import DTYPE_CHOICES
 
 
@@ -41,6 +42,11 @@ def size_arg(value: str) -> int:
         return parse_bytes(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e))
+
+
+def kv_size_arg(value: str) -> int | None:
+    """--kv-cache-bytes: a size, or auto (None)."""
+    return None if value == "auto" else size_arg(value)
 
 
 def add_serve_parser(commands) -> argparse.ArgumentParser:
@@ -139,6 +145,14 @@ def _engine_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--prompt-cache-bytes", type=size_arg, metavar="SIZE",
                        help="KV state of earlier prompts and outputs kept for reuse, per adapter "
                        "(e.g. 512MB, 2GiB; default 1GiB; 0 turns the prompt cache off)")
+    serve.add_argument("--kv-cache-bytes", type=kv_size_arg, metavar="SIZE",
+                       help="what the running requests' KV caches may hold together, per base (e.g. 4GiB; "
+                       "default auto: half the memory free after the model, its adapter slots and the "
+                       "prompt cache, capped at --max-num-seqs full contexts; 0: no budget)")
+    serve.add_argument("--kv-admission", choices=KV_ADMISSION_MODES,
+                       help="optimistic (default): admit a request when its prompt fits the KV budget, and "
+                       "preempt the youngest when the batch outgrows it (recomputed later, same output); "
+                       "reserve: admit when its prompt and max_tokens fit, never preempt")
 
 
 def _access_flags(serve: argparse.ArgumentParser) -> None:

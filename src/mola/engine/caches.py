@@ -45,3 +45,10 @@ class ModelCaches:
         """``other``'s rows after this batch's."""
         for mine, theirs in zip(self.layers, other.layers):
             mine.extend(theirs)
+
+
+def held_nbytes(caches: ModelCaches | None) -> int:
+    """Bytes of the keys and values ``caches`` hold (0: None)."""
+    layers = caches.layers if caches is not None else ()
+    return sum(a.nbytes for c in layers for a in (getattr(c, "keys", None), getattr(c, "values", None))
+               if a is not None)

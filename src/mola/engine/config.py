@@ -5,6 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_PROMPT_CACHE_BYTES = 1 << 30  # 1 GiB of KV state
+# --kv-cache-bytes auto: this share of the memory free once the base, its
+# slot packs and the prompt cache are counted (the rest stays for the step's
+# activations, other bases and the machine), and no more than every row at
+# the model's full context takes.
+KV_FREE_SHARE = 0.5
+KV_ADMISSION_MODES = ("optimistic", "reserve")
 DEFAULT_EXPERT_SLOTS = 4  # adapter slots that can also carry expert LoRA (--max-expert-loras)
 DEFAULT_EXPERT_RANK = 16  # the largest rank in the experts (--max-expert-lora-rank)
 SPECULATIVE_METHODS = ("ngram", "draft")
@@ -55,6 +61,12 @@ class EngineConfig:
     # KV state of earlier prompts (and outputs) kept for reuse; 0: no prompt cache.
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # What the decode and prefill batches' KV caches may hold (mola.engine.kv_budget);
+    # None: auto (KV_FREE_SHARE), 0: no budget.
+    kv_cache_bytes: int | None = None
+    # "optimistic": admit when the prompt fits, preempt the youngest rows when the
+    # batch outgrows the budget; "reserve": admit when the prompt and max_tokens fit.
+    kv_admission: str = "optimistic"
 
     def __post_init__(self):
         for name in ("max_loras", "max_lora_rank", "max_num_seqs", "prefill_step_size", "max_expert_rank"):
@@ -68,3 +80,11 @@ class EngineConfig:
                 or self.prompt_cache_bytes < 0:
             raise ValueError(f"prompt_cache_bytes must be a whole number of bytes >= 0, "
                              f"got {self.prompt_cache_bytes!r}")
+        if self.kv_cache_bytes is not None and (isinstance(self.kv_cache_bytes, bool)
+                                                or not isinstance(self.kv_cache_bytes, int)
+                                                or self.kv_cache_bytes < 0):
+            raise ValueError(f"kv_cache_bytes must be a whole number of bytes >= 0, or auto, "
+                             f"got {self.kv_cache_bytes!r}")
+        if self.kv_admission not in KV_ADMISSION_MODES:
+            raise ValueError(f"kv_admission must be one of {', '.join(KV_ADMISSION_MODES)}, "
+                             f"got {self.kv_admission!r}")

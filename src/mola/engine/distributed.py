@@ -86,14 +86,20 @@ class Leader:
 
 def _spec(seq: Sequence) -> tuple:
     grammar = seq.constraint.grammar if seq.constraint is not None else None
-    return (seq.seq_id, seq.prompt, seq.slot, seq.lora_scale, asdict(seq.params), grammar)
+    # A preempted sequence comes back with its output so far and its PRNG key.
+    return (seq.seq_id, seq.prompt, seq.slot, seq.lora_scale, asdict(seq.params), grammar, seq.output,
+            seq.resume_key)
 
 
 def _follow(spec: tuple, rebuild) -> Sequence:
     """A follower's own Sequence for one that rank 0 starts to prefill."""
-    seq_id, prompt, slot, scale, params, grammar = spec
+    seq_id, prompt, slot, scale, params, grammar, output, resume_key = spec
+    constraint = rebuild(grammar) if grammar is not None else None
+    for token in output if constraint is not None else ():
+        constraint.advance(token)
     seq = Sequence(prompt=prompt, params=SamplingParams(**params), slot=slot, lora_scale=scale, seq_id=seq_id,
-                   constraint=rebuild(grammar) if grammar is not None else None)
+                   constraint=constraint, output=list(output))
+    seq.resume_key = resume_key
     seq.move_to(SequenceStatus.PREFILLING)
     return seq
 
@@ -105,6 +111,7 @@ def wire_plan(plan: StepPlan) -> dict:
     data = {f.name: getattr(plan, f.name) for f in fields(plan)}
     data["prefill"] = [_spec(s) if plan.prefill_is_new else s.seq_id for s in plan.prefill]
     data["decode"] = [s.seq_id for s in plan.decode]
+    data["preempted"] = [(row, s.seq_id) for row, s in plan.preempted]
     return data
 
 
@@ -117,7 +124,8 @@ def unwire_plan(data: dict, seqs: dict[int, Sequence], rebuild=None) -> StepPlan
         seqs.update((s.seq_id, s) for s in prefill)
     else:
         prefill = [seqs[i] for i in data["prefill"]]
-    plan = StepPlan(**{**data, "prefill": prefill, "decode": [seqs[i] for i in data["decode"]]})
+    plan = StepPlan(**{**data, "prefill": prefill, "decode": [seqs[i] for i in data["decode"]],
+                       "preempted": [(row, seqs[i]) for row, i in data["preempted"]]})
     alive = set(data["decode"]) | {s.seq_id for s in prefill}
     for seq_id in list(seqs):
         if seq_id not in alive:

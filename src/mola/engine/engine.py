@@ -30,8 +30,9 @@ from ..models.model import LoadedModel
 from .commands import Commands
 from .config import EngineConfig
 from .distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS, Group, Leader, wire_plan
+from .kv_budget import KVBudget, make_kv_budget
 from .memory import check_slots_fit, free_bytes
-from .outputs import EngineSnapshot, SeqOutput
+from .outputs import EngineSnapshot, KVStats, SeqOutput
 from .plan import StepPlan, StepResult
 from .prompt_cache import PromptCacheStats, make_prompt_cache
 from .runner import ModelRunner
@@ -71,6 +72,7 @@ class Engine:
         self.packs: AdapterPacks | None = None  # engine thread only
         self.runner: ModelRunner | None = None  # engine thread only
         self.geometry: SlotGeometry | None = None  # fixed once loaded: any thread may read it
+        self.kv_budget: KVBudget | None = None  # fixed once loaded: any thread may read it
         self.snapshot = EngineSnapshot()  # replaced, never mutated, by the engine thread
         self.num_steps = 0
         self._leader = Leader(group)  # tells the other ranks of a group what this one does
@@ -178,8 +180,10 @@ class Engine:
                                   prompt_cache=c.prompt_cache_bytes > 0, draft=loaded.draft)
         prompt_cache = make_prompt_cache(c.prompt_cache_bytes, self.runner.kv_bytes_per_token,
                                          model_key=str(loaded.path or ""))
+        self.kv_budget = make_kv_budget(c, self.runner.kv_position_bytes, loaded.max_model_len, free_bytes())
         self.scheduler = Scheduler(c.max_num_seqs, c.prefill_step_size, prompt_cache=prompt_cache,
-                                   speculator=make_speculator(c.speculative, self.runner.can_rewind))
+                                   speculator=make_speculator(c.speculative, self.runner.can_rewind),
+                                   budget=self.kv_budget)
         self.loaded = loaded
 
     def _has_work(self) -> bool:
@@ -203,6 +207,8 @@ class Engine:
             num_running=len(s.running), num_prefilling=len(s.prefilling), num_waiting=len(s.waiting),
             num_steps=self.num_steps, stats=replace(self.runner.stats),
             prompt_cache=cache.stats() if cache is not None else PromptCacheStats(),
+            kv=self.kv_budget.stats(s.holding(), self.runner.kv_nbytes(), s.num_preempted, s.num_kv_waits)
+            if self.kv_budget else KVStats(held_bytes=self.runner.kv_nbytes()),
         )
 
     def _drain_commands(self, block: bool) -> None:
@@ -264,6 +270,9 @@ class Engine:
         if self.error is not None or self._stopping:
             self._emit(self.scheduler.fail([seq], "The engine has stopped."))
             return
+        why = self.kv_budget and self.kv_budget.refusal(seq.num_prompt_tokens, seq.params.max_tokens)
+        if why:  # the frontend refuses it first (400); this guards every other caller
+            return self._emit(self.scheduler.fail([seq], why))
         if seq.params.seed is None:
             seq.params = replace(seq.params, seed=self._rng.getrandbits(63))
         self.scheduler.add(seq)

@@ -17,21 +17,25 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
 from .caches import ModelCaches
 
 
-def kv_bytes_per_token(model: nn.Module, routing, draft: nn.Module | None = None) -> int | None:
+def kv_bytes_per_token(model: nn.Module, routing, draft: nn.Module | None = None,
+                       cuttable: bool = True) -> int | None:
     """KV bytes one token takes in ``model``'s cache (and the ``draft``
-    model's, when there is one), measured on a one-token forward pass; None
-    when the caches are not plain KVCaches (sliding windows, recurrent
-    state), whose state cannot be cut at a token."""
+    model's, when there is one), measured on a one-token forward pass. With
+    ``cuttable``, None when the caches are not plain KVCaches (sliding
+    windows, recurrent state), whose state cannot be cut at a token; without,
+    the bytes a position takes in every cache that has keys and values (a
+    sliding window's counted as if it never wrapped: an upper bound)."""
     total = 0
     routing.set([0], [1.0])
     for m in (model, draft) if draft is not None else (model,):
         cache = make_prompt_cache(m)
-        if not cache or any(type(c) is not KVCache for c in cache):
+        if cuttable and (not cache or any(type(c) is not KVCache for c in cache)):
             return None
         m(mx.array([[0]], dtype=mx.uint32), cache=cache)
         mx.eval([c.state for c in cache])
         # keys, values: [1, H, capacity, D]
-        total += sum((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2] for c in cache)
+        total += sum((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
+                     for c in cache if getattr(c, "keys", None) is not None)
     return total
 
 

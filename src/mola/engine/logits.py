@@ -43,6 +43,14 @@ def count_tokens(counts: mx.array, tokens: mx.array) -> mx.array:
     return counts.at[rows, tokens].add(1.0)
 
 
+def output_counts(seqs, vocab_size: int) -> mx.array:
+    """[B, V] counts of each row's generated tokens (a preempted row rejoins with them)."""
+    counts = np.zeros((len(seqs), vocab_size), dtype=np.float32)
+    for row, seq in enumerate(seqs):
+        np.add.at(counts[row], seq.output, 1)
+    return mx.array(counts)
+
+
 def apply_bitmask(logits: mx.array, bitmask: np.ndarray) -> mx.array:
     """Every row's allowed tokens in one op: -inf where bit t of row i of
     ``bitmask`` [B, W] int32 (llguidance's layout, bit t % 32 of word t // 32)

@@ -28,8 +28,27 @@ class SeqOutput:
     def of(cls, seq: Sequence, tokens=(), logprobs=None, error: str | None = None) -> SeqOutput:
         """What ``seq`` tells the event loop now: ``tokens`` (and their
         ``logprobs``) and, once finished, why."""
+        # (a preempted sequence's second prefill may find its whole prompt cached)
+        cached = min(seq.num_cached_tokens, seq.num_prompt_tokens - 1)
         return cls(seq.seq_id, tuple(tokens), seq.finish_reason, error,
-                   None if logprobs is None else tuple(logprobs), seq.num_cached_tokens)
+                   None if logprobs is None else tuple(logprobs), cached)
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """The KV budget and what the batches hold of it (all 0 without a budget)."""
+
+    budget_bytes: int = 0
+    mode: str = ""  # "optimistic" or "reserve" admission
+    used_bytes: int = 0  # the batches' caches now, as the budget counts them
+    reserved_bytes: int = 0  # what they may grow to, every row to its max_tokens
+    held_bytes: int = 0  # the caches' arrays now, measured
+    preemptions: int = 0  # rows sent back to the queue (each time)
+    waits: int = 0  # sequences that waited at the queue's head for KV memory
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.budget_bytes - self.used_bytes)
 
 
 @dataclass(frozen=True)
@@ -44,3 +63,4 @@ class EngineSnapshot:
     num_steps: int = 0
     stats: RunnerStats = field(default_factory=RunnerStats)  # a copy, never updated
     prompt_cache: PromptCacheStats = field(default_factory=PromptCacheStats)  # frozen
+    kv: KVStats = field(default_factory=KVStats)

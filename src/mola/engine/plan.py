@@ -34,6 +34,12 @@ class StepPlan:
 
     # Rows of the previous decode batch to keep (indices); None keeps all.
     keep: list[int] | None = None
+    # Rows of the previous decode batch preempted by the KV budget (indices):
+    # they leave with the others not kept, and the runner keeps their PRNG
+    # keys for when they come back.
+    preempted: list[tuple[int, Sequence]] = field(default_factory=list)
+    # The prefill batch in progress was preempted: the runner drops it.
+    drop_prefill: bool = False
     # The prefill batch (prompts written into one KV cache together), its
     # columns [start, end) processed this step: one chunk.
     prefill: list[Sequence] = field(default_factory=list)
@@ -90,9 +96,10 @@ class StepResult:
 
 
 def prefill_len(seq: Sequence) -> int:
-    """Prompt tokens written by prefill: all but the last, which is the first
-    input of the decode batch."""
-    return seq.num_prompt_tokens - 1
+    """Tokens written by prefill: all of the context but the last, which is
+    the first input of the decode batch (a preempted sequence's context
+    holds its output so far)."""
+    return seq.num_prompt_tokens + seq.num_output_tokens - 1
 
 
 def prefill_todo(seq: Sequence) -> int:

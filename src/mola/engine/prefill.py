@@ -22,7 +22,7 @@ from .sequence import Sequence
 class PrefillBatch:
     cache: ModelCaches  # one batch cache per layer of each model
     tokens: mx.array  # [G, L] right-padded uncached prompt tokens
-    todo: list[int]  # per member: prompt tokens to prefill
+    todo: list[int]  # per member: tokens to prefill (its context but the last)
     padding: list[int]  # per member: columns of right padding
 
     @classmethod
@@ -32,7 +32,7 @@ class PrefillBatch:
         width = max(todo)
         padding = [width - n for n in todo]
         cache = ModelCaches.merge(starts)
-        tokens = mx.array([s.prompt[d:-1] + [0] * pad for s, d, pad in zip(members, done, padding)],
+        tokens = mx.array([s.context[d:-1] + [0] * pad for s, d, pad in zip(members, done, padding)],
                           dtype=mx.uint32)  # [G, width]
         if max(padding) > 0:
             for c in cache.layers:

@@ -37,13 +37,13 @@ from mlx_lm.models.cache import KVCache
 
 from ..lora.pack import AdapterPacks
 from . import verify
-from .caches import ModelCaches
+from .caches import ModelCaches, held_nbytes
 from .constraint import MaskFiller
 from .kv_store import KVStore, kv_bytes_per_token
-from .logits import add_biases, apply_bitmask, count_tokens, penalize
+from .logits import add_biases, apply_bitmask, count_tokens, output_counts, penalize
 from .plan import StepPlan, StepResult
 from .prefill import PrefillBatch
-from .sampling import make_keys, sample
+from .sampling import row_keys, sample
 from .sequence import Sequence
 from .steps import Forward, Launch, RunnerStats, advance_matchers, read_launch, token_logprobs
 
@@ -66,6 +66,7 @@ class ModelRunner:
         # no prompt cache, or a model whose caches cannot be cut at a token).
         self.kv = KVStore()
         self.kv_bytes_per_token = kv_bytes_per_token(model, self.routing, draft) if prompt_cache else None
+        self.kv_position_bytes = kv_bytes_per_token(model, self.routing, draft, cuttable=False) or 1  # (budget)
         # Decode rows, aligned with the scheduler's running list:
         self.cache: ModelCaches | None = None  # one batch cache per layer of each model
         self.keys: mx.array | None = None  # [B, 2] PRNG key per row
@@ -76,6 +77,10 @@ class ModelRunner:
         self.prefill: PrefillBatch | None = None  # the prefill batch being written
         self.num_steps = 0
         self.stats = RunnerStats()
+
+    def kv_nbytes(self) -> int:
+        """Bytes the decode and prefill batches' caches hold now."""
+        return held_nbytes(self.cache) + held_nbytes(self.prefill.cache if self.prefill is not None else None)
 
     @property
     def num_rows(self) -> int:
@@ -95,7 +100,11 @@ class ModelRunner:
         if plan.keep is not None:
             for row, entry, num_tokens in plan.cache.store_rows:
                 self.kv.put(entry, self.cache, row, num_tokens)
+            for row, seq in plan.preempted:  # it goes on sampling from where it was when it rejoins
+                seq.resume_key = tuple(np.array(self.keys[row]).tolist())
             self._keep_rows(plan.keep)
+        if plan.drop_prefill:
+            self.prefill = None
         if plan.prefill:
             self._prefill(plan)
         previous, self.inflight = self.inflight, None
@@ -104,6 +113,8 @@ class ModelRunner:
         else:
             result = self._decode(plan, previous)
         self.kv.drop(plan.cache.evict)
+        self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, self.kv_nbytes())
+        self.stats.peak_active_bytes = max(self.stats.peak_active_bytes, mx.get_active_memory())
         self.num_steps += 1
         if self.num_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
@@ -123,7 +134,9 @@ class ModelRunner:
             return result
         if forward is not None:
             self.inflight = self._sample(forward)
-        return read_launch(previous) if previous is not None else None
+        result = read_launch(previous) if previous is not None else None
+        advance_matchers(result)  # a constrained row that left the batch (preempted) still takes its token
+        return result
 
     def _speculate(self, plan: StepPlan, previous: Launch | None) -> StepResult | None:
         """A speculative step: verify every row's drafts in one forward pass
@@ -141,6 +154,7 @@ class ModelRunner:
             forward, drafts, num_draft, self.keys, self.counts, bitmask)
         if not constrained and previous is not None:
             result = read_launch(previous)
+            advance_matchers(result)  # a constrained row that left the batch (preempted) still takes its token
         mine, rejected = verify.read(launched)  # waits for the step
         verify.rewind(self.cache.layers, rejected)
         advance_matchers(mine)
@@ -174,8 +188,11 @@ class ModelRunner:
             self.counts = self.counts[idx]
 
     def _append_rows(self, cache: ModelCaches, seqs: list[Sequence]) -> None:
-        keys = make_keys([s.params.seed for s in seqs])
-        inputs = mx.array([s.prompt[-1] for s in seqs], dtype=mx.uint32)
+        """Rows join: new ones, and preempted ones with their keys and (penalties) counts."""
+        keys = row_keys(seqs)
+        inputs = mx.array([s.last_token for s in seqs], dtype=mx.uint32)
+        if self.counts is None and any(s.params.has_penalties and s.output for s in seqs):
+            self.counts = mx.zeros((self.num_rows, self.vocab_size))
         if self.cache is None:
             self.cache, self.keys, self.inputs = cache, keys, inputs
         else:
@@ -183,7 +200,7 @@ class ModelRunner:
             self.keys = mx.concatenate([self.keys, keys])
             self.inputs = mx.concatenate([self.inputs, inputs])
         if self.counts is not None:
-            self.counts = mx.concatenate([self.counts, mx.zeros((len(seqs), self.vocab_size))])
+            self.counts = mx.concatenate([self.counts, output_counts(seqs, self.vocab_size)])
         mx.eval([c.state for c in self.cache.layers], self.keys, self.inputs)
 
     # ---- prefill ------------------------------------------------------------

@@ -79,3 +79,13 @@ def key_chain(keys: mx.array, n: int) -> tuple[mx.array, mx.array]:
 def make_keys(seeds: list[int]) -> mx.array:
     """One PRNG key per row from integer seeds: [B, 2] uint32."""
     return mx.stack([mx.random.key(s % 2**64) for s in seeds])
+
+
+def row_keys(seqs) -> mx.array:
+    """One PRNG key per joining row: from its seed, or where it was when it
+    was preempted (Sequence.resume_key, taken here)."""
+    fresh = make_keys([s.params.seed for s in seqs])
+    keys = [fresh[i] if s.resume_key is None else mx.array(s.resume_key, mx.uint32) for i, s in enumerate(seqs)]
+    for s in seqs:
+        s.resume_key = None
+    return mx.stack(keys)

@@ -12,6 +12,13 @@ the rest; what a sequence computed is stored when it joins the decode batch
 (its prompt) and when it leaves it (prompt and output, for the next turn of a
 conversation). The plan says which entries the runner reads, writes and drops.
 
+With a KV budget (mola.engine.kv_budget), the queue's head leaves it only
+when the batches still fit with it. Rows that outgrow the budget (optimistic
+mode) are preempted before the step that would pass it, the youngest first
+(a prefill batch in progress first): back to the queue's head with their
+output, their KV stored in the prompt cache as a finished row's, prefilled
+again from there when there is room. The oldest row always stays.
+
 A step is :meth:`Scheduler.schedule` (sequences past their deadline end
 first), the runner's run, then :meth:`Scheduler.postprocess`, which hands
 each sequence its tokens and says what the engine tells the event loop.
@@ -22,6 +29,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from .kv_budget import KVBudget
 from .outputs import SeqOutput
 from .plan import StepPlan, StepResult, prefill_len, prefill_todo
 from .prompt_cache import PrefixHit, PromptCache
@@ -30,15 +38,22 @@ from .speculative import Speculator
 
 log = logging.getLogger("mola.engine")
 
+# Optimistic admission leaves room for the batch to grow this many steps.
+ADMISSION_HEADROOM = 16
+
 
 class Scheduler:
     def __init__(self, max_num_seqs: int = 32, prefill_step_size: int = 512, max_prefill_batch: int = 8,
-                 prompt_cache: PromptCache | None = None, speculator: Speculator | None = None):
+                 prompt_cache: PromptCache | None = None, speculator: Speculator | None = None,
+                 budget: KVBudget | None = None):
         self.max_num_seqs = max_num_seqs  # decode rows plus prefilling ones
         self.prefill_step_size = prefill_step_size  # prompt tokens per step
         self.max_prefill_batch = max_prefill_batch  # prompts prefilled together
         self.prompt_cache = prompt_cache  # None: no prompt cache
         self.speculator = speculator  # None: no speculative decoding
+        self.budget = budget  # None: no KV budget
+        self.num_preempted = 0  # rows sent back to the queue by the budget (each time)
+        self.num_kv_waits = 0  # sequences that waited at the head of the queue for KV memory
         # Rows of the last plan if it was a plain decode step: the token it
         # samples for them is not known here until the step after.
         self._in_flight: set[int] = set()
@@ -57,6 +72,42 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    # ---- the KV budget --------------------------------------------------------
+
+    def holding(self) -> list[Sequence]:
+        """The sequences whose KV the batches hold: running and prefilling."""
+        return [s for s in (*self.running, *self.prefilling) if not s.is_finished]
+
+    def _fits(self, seqs: list[Sequence], headroom: int = 0) -> bool:
+        return self.budget is None or self.budget.fits(seqs, headroom)
+
+    def _preempt(self, plan: StepPlan) -> list[Sequence]:
+        """Before a step that would pass the budget: the youngest rows (a prefill batch first) go back
+        to the queue's head until it fits; the oldest row stays. Returns the decode rows preempted."""
+        live = [s for s in self.running if not s.is_finished]
+        if self.budget is None or self._fits(live + self.prefilling):
+            return []
+        if self.prefilling:
+            plan.drop_prefill = True
+            for seq in reversed(self.prefilling):
+                if not seq.is_finished:
+                    self._requeue(seq)
+            self.prefilling, self.prefill_done = [], 0
+        victims = []
+        while len(live) > 1 and not self._fits(live):
+            victims.append(live.pop())
+        for seq in victims:  # the youngest first: the oldest ends up at the head
+            self._requeue(seq)
+        return victims
+
+    def _requeue(self, seq: Sequence) -> None:
+        seq.move_to(SequenceStatus.WAITING)
+        seq.num_cached_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preempted += 1
+        self.waiting.appendleft(seq)
+        log.info("sequence %d preempted by the KV budget at %d tokens", seq.seq_id, len(seq.context))
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Finish the sequence with ABORT. Its row leaves at the next step."""
@@ -98,17 +149,18 @@ class Scheduler:
         return self.postprocess(None) + self.fail(self.take_all(), message)
 
     def expire(self, now: float) -> list[Sequence]:
-        """Finish the sequences past their deadline: TIMEOUT for those not yet
-        running (they produced nothing), LENGTH for running ones."""
+        """Finish the sequences past their deadline: TIMEOUT for those that
+        produced nothing yet, LENGTH for the others (running, or preempted)."""
         expired = []
         for seq in list(self.waiting):
             if seq.deadline is not None and now > seq.deadline:
                 self.waiting.remove(seq)
-                seq.finish(FinishReason.TIMEOUT)
+                seq.finish(FinishReason.LENGTH if seq.output else FinishReason.TIMEOUT)
                 expired.append(seq)
         for seq in (*self.prefilling, *self.running):
             if seq.deadline is not None and now > seq.deadline and not seq.is_finished:
-                seq.finish(FinishReason.TIMEOUT if seq in self.prefilling else FinishReason.LENGTH)
+                seq.finish(FinishReason.TIMEOUT if seq in self.prefilling and not seq.output
+                           else FinishReason.LENGTH)
                 expired.append(seq)
         return expired
 
@@ -121,7 +173,7 @@ class Scheduler:
         if now is not None:
             self._expired += self.expire(now)
         plan = StepPlan()
-        self._drop_finished(plan)
+        self._drop_finished(plan, self._preempt(plan))
         if not self.prefilling:
             self._form_prefill(plan)
         if self.prefilling:
@@ -161,16 +213,20 @@ class Scheduler:
 
     # ---- the plan's parts ---------------------------------------------------
 
-    def _drop_finished(self, plan: StepPlan) -> None:
-        """Finished rows leave the decode batch (their KV state, which holds
-        the prompt and the output but a last unfed token, is stored first)."""
-        kept = [i for i, s in enumerate(self.running) if not s.is_finished]
+    def _drop_finished(self, plan: StepPlan, preempted: list[Sequence]) -> None:
+        """Finished and ``preempted`` rows leave the decode batch (their KV
+        state, which holds the prompt and the output but a last unfed token,
+        is stored first: a preempted row's comes back from it)."""
+        leaving = set(map(id, preempted))
+        kept = [i for i, s in enumerate(self.running) if not s.is_finished and id(s) not in leaving]
         if len(kept) == len(self.running):
             return
         for i, seq in enumerate(self.running):
-            if seq.is_finished:
+            if seq.is_finished or id(seq) in leaving:
                 fed = seq.output[:seq.num_output_tokens - seq.num_unfed_tokens]
                 self._store(plan, plan.cache.store_rows, i, seq, seq.prompt + fed)
+            if id(seq) in leaving:
+                plan.preempted.append((i, seq))
         plan.keep = kept
         self.running = [self.running[i] for i in kept]
 
@@ -181,6 +237,15 @@ class Scheduler:
         longest = 0
         while self.waiting and len(batch) < min(room, self.max_prefill_batch):
             seq = self.waiting[0]
+            if seq.is_finished:  # preempted, then ended by the token it had in flight
+                self.waiting.popleft()
+                continue
+            # (optimistic: room for the batch to grow a while, or what it admits is preempted at once)
+            if not self._fits([*self.holding(), *batch, seq], ADMISSION_HEADROOM):
+                if not seq.waited_for_kv:
+                    seq.waited_for_kv = True
+                    self.num_kv_waits += 1
+                break
             hit = self._lookup(seq)
             cols = max(longest, prefill_len(seq) - (hit.num_tokens if hit else 0))
             # Batch prompts only while the whole prefill batch fits in one
@@ -202,7 +267,7 @@ class Scheduler:
     def _lookup(self, seq: Sequence) -> PrefixHit | None:
         if self.prompt_cache is None or seq.cache_key is None:
             return None
-        return self.prompt_cache.peek(seq.cache_key, seq.prompt[:-1])
+        return self.prompt_cache.peek(seq.cache_key, seq.context[:-1])
 
     def _store(self, plan: StepPlan, where: list, index: int, seq: Sequence, tokens: list[int]) -> None:
         """Give ``tokens`` of ``seq`` an entry in the prompt cache, if it has
@@ -230,5 +295,5 @@ class Scheduler:
             seq = self.prefilling[i]
             seq.move_to(SequenceStatus.RUNNING)
             self.running.append(seq)
-            self._store(plan, plan.cache.store_joined, i, seq, seq.prompt[:-1])
+            self._store(plan, plan.cache.store_joined, i, seq, seq.context[:-1])
         self.prefilling, self.prefill_done = [], 0

@@ -59,11 +59,13 @@ class SequenceStatus(enum.Enum):
 
 S = SequenceStatus
 # The one table of allowed moves (changed only through Sequence.move_to):
-# WAITING -> PREFILLING -> RUNNING -> FINISHED, and FINISHED from any other.
+# WAITING -> PREFILLING -> RUNNING -> FINISHED, FINISHED from any other, and
+# back to WAITING from PREFILLING or RUNNING when the KV budget preempts it.
 TRANSITIONS: dict[SequenceStatus, frozenset[SequenceStatus]] = {
     S.WAITING: frozenset({S.PREFILLING, S.FINISHED}),  # its prefill starts; aborted, timed out, failed
-    S.PREFILLING: frozenset({S.RUNNING, S.FINISHED}),  # joins the decode batch; aborted, timed out, failed
-    S.RUNNING: frozenset({S.FINISHED}),
+    # joins the decode batch; preempted; aborted, timed out, failed
+    S.PREFILLING: frozenset({S.RUNNING, S.WAITING, S.FINISHED}),
+    S.RUNNING: frozenset({S.WAITING, S.FINISHED}),  # preempted; ended
     S.FINISHED: frozenset(),
 }
 
@@ -107,6 +109,10 @@ class Sequence:
     # A grammar the output must follow (mola.engine.constraint.Constraint):
     # the matcher's state, owned by the engine thread once the sequence is added.
     constraint: Any = None
+    num_preemptions: int = 0  # times the KV budget sent it back to the queue
+    # A preempted row's PRNG key (two uint32), until it rejoins the decode batch.
+    resume_key: tuple[int, int] | None = None
+    waited_for_kv: bool = False  # it waited at the head of the queue for KV memory
 
     def __post_init__(self):
         if not self.prompt:
@@ -119,6 +125,12 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output)
+
+    @property
+    def context(self) -> list[int]:
+        """Its tokens so far: the prompt, then the output. A preempted
+        sequence is prefilled again from all but the last."""
+        return self.prompt + self.output if self.output else self.prompt
 
     @property
     def last_token(self) -> int:

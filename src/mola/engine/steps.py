@@ -54,6 +54,10 @@ class RunnerStats:
     spec_rows: int = 0  # rows that drafted, over those steps
     draft_tokens: int = 0  # tokens drafted
     accepted_tokens: int = 0  # drafted tokens accepted
+    # Sampled after every step: the bytes the batches' KV caches held at most,
+    # and MLX's active memory at most (weights, caches, the prompt cache, ...).
+    peak_kv_bytes: int = 0
+    peak_active_bytes: int = 0
 
     def count_decode(self, slots: list[int]) -> None:
         """A decode step of rows on ``slots``."""

@@ -65,6 +65,12 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
 
     blas = blas_in_use()  # what the engine's CPU matmuls run on (fixed for the process)
 
+    def kv_health(kv) -> dict:
+        """A loaded base's KV budget and what its batches hold of it (bytes; budget null: none)."""
+        return {"budget": kv.budget_bytes or None, "admission": kv.mode or None, "used": kv.used_bytes,
+                "reserved": kv.reserved_bytes, "free": kv.free_bytes, "held": kv.held_bytes,
+                "preemptions": kv.preemptions, "waits": kv.waits}
+
     @app.get("/health")
     async def health(request: Request):
         if not all(s.engine.is_alive for s in bases.loaded_states()):
@@ -73,7 +79,8 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
         if bases.draining or any(s.draining for s in bases.loaded_states()):
             return error_response(503, "The server is shutting down.", "service_unavailable",
                                   code="shutting_down")
-        return JSONResponse({"status": "ok", "blas": blas})
+        return JSONResponse({"status": "ok", "blas": blas, "kv_cache": {
+            b.name: kv_health(b.state.engine.snapshot.kv) for b in bases if b.state is not None}})
 
     @app.get("/metrics")
     async def metrics(request: Request):

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..config import AdapterSpec, ServeConfig
 from ..errors import EngineUnavailable
 from ..registry.sources import AdapterSources
-from .host_memory import file_bytes
+from .host_memory import planned_bytes
 from .state import ServerState
 
 
@@ -54,6 +54,7 @@ class Base:
     in_flight: int = 0  # requests on it whose response has not ended
     last_used: float = 0.0  # when a request last entered or left it (the clock's time)
     nbytes: int = 0  # its weights and slot packs, as measured at its last load
+    planned: int | None = None  # before its first load: what its files will take (size_guess)
     error: str | None = None  # why it failed to load
     failed_at: float | None = None  # when (the clock's time)
     # Adapters loaded onto it over REST, as they were when it last unloaded:
@@ -80,10 +81,13 @@ class Base:
         return set(self.adapter_paths())
 
     def size_guess(self) -> int:
-        """Its bytes as measured at its last load; before its first, those of
-        its weight files (a lower bound: a quantized file served dequantized
-        grows, and slot packs come on top; the load's measure corrects it)."""
-        return self.nbytes or file_bytes(self.config.model)
+        """Its bytes as measured at its last load; before its first, what its
+        files will take as loaded (a GGUF file's plan, tensor by tensor, in
+        the dtype it is served in; else its weight files: slot packs come on
+        top, and the load's measure corrects it)."""
+        if not self.nbytes and self.planned is None:
+            self.planned = planned_bytes(self.config.model, self.config.dtype)
+        return self.nbytes or self.planned
 
     def remember_adapters(self, records) -> None:
         """On unloading: keep what its registry serves by name for the next

@@ -12,7 +12,8 @@ idle base; a base with requests in flight is never unloaded, and when none
 can be, the request gets a 503 with Retry-After. ``keep_alive`` unloads a
 base idle that long (:meth:`Bases.unload_idle` takes ``now``). A base that
 failed to load is tried again by the first request after
-``retry_failed_after`` seconds. What a base serves outlives its unloads: the
+``retry_failed_after`` seconds, or at once by POST /v1/models/{id}/load
+(:meth:`Bases.load`). What a base serves outlives its unloads: the
 adapters loaded onto it over REST are known again when it loads again, and
 those unloaded over REST stay unloaded.
 """
@@ -137,9 +138,18 @@ class Bases:
         base.in_flight -= 1
         base.last_used = self.clock()
 
-    async def _admit(self, base: Base) -> None:
+    async def load(self, name: str) -> Base:
+        """Load the base ``name`` now (POST /v1/models/{id}/load): a base
+        that failed is tried again at once, without waiting out its backoff."""
+        base = self.by_name[name]
+        if self.draining:
+            raise ShuttingDown("The server is shutting down.")
+        await asyncio.shield(self._admit(base, retry_now=True))
+        return base
+
+    async def _admit(self, base: Base, retry_now: bool = False) -> None:
         async with self._lock:
-            if base.status is S.FAILED:
+            if base.status is S.FAILED and not retry_now:
                 wait = base.failed_at + self.retry_failed_after - self.clock()
                 if wait > 0:
                     raise BaseUnavailable(f"The model '{base.name}' failed to load: {base.error} "

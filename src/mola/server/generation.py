@@ -13,7 +13,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from ..engine.sequence import FinishReason, SamplingParams, Sequence
-from ..errors import (ContextLengthExceeded, InvalidRequest, MolaError, Overloaded, RequestTimedOut,
+from ..errors import (ContextLengthExceeded, InvalidRequest, KVBudgetExceeded, MolaError, Overloaded, RequestTimedOut,
                       ShuttingDown)
 from ..registry.registry import Lease
 from ..structured import CompiledGrammar
@@ -52,6 +52,13 @@ def sampling_params(state: ServerState, body: _Sampling, num_prompt_tokens: int,
         max_tokens = requested if requested is not None else room
     else:
         max_tokens = requested if requested is not None else state.config.default_max_tokens
+    budget = state.kv_budget
+    if budget is not None and budget.refusal(num_prompt_tokens, max_tokens) is not None:
+        if requested is None and budget.max_tokens_for(num_prompt_tokens) >= 1:
+            max_tokens = budget.max_tokens_for(num_prompt_tokens)  # what the budget can give it alone
+        else:
+            raise KVBudgetExceeded(budget.refusal(num_prompt_tokens, max_tokens),
+                                   param=body.MAX_TOKENS_PARAM if requested is not None else what)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,

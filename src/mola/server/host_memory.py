@@ -10,6 +10,25 @@ import sys
 from pathlib import Path
 
 
+def planned_bytes(model: str, dtype: str) -> int:
+    """Bytes a local model will take once loaded with ``dtype``, before
+    loading it: a GGUF file's plan (models/fit.py: each tensor kept or
+    dequantized as the load will), else its weight files. 0 for a hub id."""
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        try:
+            from gguf import GGUFReader
+
+            from ..models.fit import free_bytes, plan
+            from ..models.loader import resolve_dtype
+
+            tensors = GGUFReader(str(path)).tensors
+            return plan(tensors, resolve_dtype(dtype, True, tensors, free_bytes())).total
+        except Exception:  # a broken file: its load says why
+            return file_bytes(model)
+    return file_bytes(model)
+
+
 def file_bytes(model: str) -> int:
     """Bytes of a local model's weight files (0 for a hub id)."""
     path = Path(model).expanduser()

@@ -6,8 +6,9 @@ generated tokens by model id, time to first token, inter-token latency and
 end-to-end latency. Read at scrape time from the engine and the registry:
 running and waiting requests, batch sizes, resident adapters and slot
 occupancy, adapter loads, evictions and load time, the host tier's occupancy
-and hits, adapters waiting for a slot, memory in use, and the prompt cache
-(bytes, entries, hits, misses, tokens saved).
+and hits, adapters waiting for a slot, memory in use, the KV budget
+(budget, used, reserved, free, preemptions, waits for memory) and the prompt
+cache (bytes, entries, hits, misses, tokens saved).
 """
 
 from __future__ import annotations
@@ -98,6 +99,18 @@ class StateCollector:
         yield c("mola_speculative_draft_tokens", "Tokens drafted (speculative decoding)", value=st.draft_tokens)
         yield c("mola_speculative_accepted_tokens", "Drafted tokens the model accepted",
                 value=st.accepted_tokens)
+        kv = snap.kv
+        yield g("mola_kv_budget_bytes", "What the batches' KV caches may hold (--kv-cache-bytes; 0: no budget)",
+                value=kv.budget_bytes)
+        yield g("mola_kv_used_bytes", "KV cache the batches hold now, as the budget counts it", value=kv.used_bytes)
+        yield g("mola_kv_reserved_bytes", "KV cache the batches may grow to, every row to its max_tokens",
+                value=kv.reserved_bytes)
+        yield g("mola_kv_free_bytes", "The KV budget less what the batches hold", value=kv.free_bytes)
+        yield g("mola_kv_held_bytes", "KV cache arrays of the batches now, measured", value=kv.held_bytes)
+        yield g("mola_kv_held_peak_bytes", "The most KV cache the batches held after any step",
+                value=st.peak_kv_bytes)
+        yield c("mola_kv_preemptions", "Rows sent back to the queue by the KV budget", value=kv.preemptions)
+        yield c("mola_kv_waits", "Requests that waited at the queue's head for KV memory", value=kv.waits)
         pc = snap.prompt_cache
         yield g("mola_prompt_cache_bytes", "KV bytes held by the prompt cache", value=pc.bytes)
         yield g("mola_prompt_cache_max_bytes", "The prompt cache's budget (--prompt-cache-bytes)",
@@ -181,6 +194,11 @@ class BasesCollector:
         in_flight = g("mola_base_in_flight_requests", "HTTP requests on the base not yet answered", labels=["base"])
         size = g("mola_base_bytes", "The base's weights and slot packs, as measured at its last load",
                  labels=["base"])
+        kv = {name: g(f"mola_base_kv_{name}_bytes", f"The base's KV budget: {what}", labels=["base"])
+              for name, what in (("budget", "what its batches may hold (0: none)"), ("used", "what they hold"),
+                                 ("reserved", "what they may grow to"), ("free", "the budget less used"))}
+        preemptions = c("mola_base_kv_preemptions", "Rows the base's KV budget sent back to the queue",
+                        labels=["base"])
         loads = c("mola_base_loads", "Times the base was loaded", labels=["base"])
         unloads = c("mola_base_unloads", "Times the base was unloaded", labels=["base"])
         for b in self.bases:
@@ -189,7 +207,11 @@ class BasesCollector:
             running.add_metric([b.name], snap.num_running if snap else 0)
             waiting.add_metric([b.name], snap.num_waiting + snap.num_prefilling if snap else 0)
             in_flight.add_metric([b.name], b.in_flight)
+            if snap is not None:
+                for name, family in kv.items():
+                    family.add_metric([b.name], getattr(snap.kv, f"{name}_bytes"))
+                preemptions.add_metric([b.name], snap.kv.preemptions)
             size.add_metric([b.name], b.nbytes)
             loads.add_metric([b.name], b.num_loads)
             unloads.add_metric([b.name], b.num_unloads)
-        yield from (status, running, waiting, in_flight, size, loads, unloads)
+        yield from (status, running, waiting, in_flight, size, loads, unloads, *kv.values(), preemptions)

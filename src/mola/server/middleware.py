@@ -30,7 +30,8 @@ ADMIN_ROUTES = {
 
 
 def is_admin_route(method: str, path: str) -> bool:
-    return (method, path) in ADMIN_ROUTES or (method == "DELETE" and path.startswith("/v1/adapters/"))
+    return (method, path) in ADMIN_ROUTES or (method == "DELETE" and path.startswith("/v1/adapters/")) or (
+        method == "POST" and path.startswith("/v1/models/") and path.endswith(("/load", "/unload")))
 
 
 def _given_keys(headers: list[tuple[bytes, bytes]]) -> list[str]:

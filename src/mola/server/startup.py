@@ -68,6 +68,7 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel,
         responses=ResponseStore(config.max_stored_responses),
         structured=StructuredOutputs(loaded.tokenizer, loaded.vocab_size),
         reasoning=reasoning_format(config.reasoning_parser, loaded.tokenizer),
+        kv_budget=engine.kv_budget,
         **({"metrics": metrics} if metrics is not None else {}),  # several bases share the app's
     )
     if state.reasoning is not None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..config import ServeConfig
 from ..engine.client import AsyncEngine
+from ..engine.kv_budget import KVBudget
 from ..adapters.loader import AdapterLoader
 from ..registry.registry import AdapterRegistry
 from ..models.eog import special_token_ids
@@ -31,6 +32,7 @@ class ServerState:
     vocab_size: int  # rows of the model's output layer
     structured: StructuredOutputs  # response_format / tool_choice -> grammars
     reasoning: ReasoningFormat | None = None  # how the model's thinking is split off (--reasoning-parser)
+    kv_budget: KVBudget | None = None  # what the batches' KV caches may hold (None: no budget)
     metrics: Metrics = field(default_factory=Metrics)
     responses: ResponseStore = field(default_factory=ResponseStore)  # for previous_response_id
     created: int = field(default_factory=lambda: int(time.time()))

@@ -1,12 +1,14 @@
 """GET /v1/models and /v1/models/{id}: every declared base, loaded or not,
 with its status (parent null), and every adapter it serves, resident or not
-(parent = its base's id, root = its path), as vLLM reports them."""
+(parent = its base's id, root = its path), as vLLM reports them. POST
+/v1/models/{id}/load and /unload load a base now (one that failed is tried
+again at once) and unload an idle one (admin routes)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from ...errors import ModelNotFound
+from ...errors import BaseBusy, ModelNotFound
 from .. import completion_bodies as p
 from ..base_record import Base
 
@@ -46,3 +48,28 @@ async def get_model(model_id: str, request: Request):
         if card["id"] == model_id:
             return card
     raise ModelNotFound(model_id, param=None)
+
+
+def _base_named(request: Request, model_id: str):
+    base = request.app.state.bases.by_name.get(model_id)
+    if base is None:
+        raise ModelNotFound(model_id, param=None)
+    return base
+
+
+@router.post("/v1/models/{model_id:path}/load")
+async def load_model(model_id: str, request: Request):
+    """Load the base now; its card once loaded (a failed load: 503 with why)."""
+    bases = request.app.state.bases
+    base = await bases.load(_base_named(request, model_id).name)
+    return _base_cards(base, bases.default.state.created if bases.default.state else 0)[0]
+
+
+@router.post("/v1/models/{model_id:path}/unload")
+async def unload_model(model_id: str, request: Request):
+    """Unload the base now if it is loaded and idle (409 if requests are in flight on it)."""
+    bases = request.app.state.bases
+    base = _base_named(request, model_id)
+    if base.status.value == "loaded" and not await bases.unload(base.name):
+        raise BaseBusy(f"The model '{base.name}' has requests in flight (or is pinned); it stays loaded.")
+    return _base_cards(base, bases.default.state.created if bases.default.state else 0)[0]
