@@ -42,6 +42,9 @@ ENGINE_SETTINGS = {
     # how requests are admitted against it ("optimistic" or "reserve").
     "kv_cache_bytes": "kv_cache_bytes",
     "kv_admission": "kv_admission",
+    # Keys and values quantized to 8 or 4 bits (mlx-lm's QuantizedKVCache), in groups of kv_group_size.
+    "kv_bits": "kv_bits",
+    "kv_group_size": "kv_group_size",
 }
 # Speculative decoding's -> SpeculativeConfig's fields. "speculative" names the
 # method ("ngram" or "draft"; not given: off); speculate_always sets

@@ -7,7 +7,7 @@ import argparse
 import os
 
 from ..config import DEMO_CHOICES, LOG_LEVELS, REASONING_PARSERS, AdapterSpec, ModelSpec, parse_bytes
-from ..engine.config import KV_ADMISSION_MODES
+from ..engine.config import KV_ADMISSION_MODES, KV_BITS, KV_GROUP_SIZES
 from ..models import DTYPE_CHOICES
 
 
@@ -153,6 +153,11 @@ def _engine_flags(serve: argparse.ArgumentParser) -> None:
                        help="optimistic (default): admit a request when its prompt fits the KV budget, and "
                        "preempt the youngest when the batch outgrows it (recomputed later, same output); "
                        "reserve: admit when its prompt and max_tokens fit, never preempt")
+    serve.add_argument("--kv-bits", type=int, choices=KV_BITS,
+                       help="quantize the KV cache's keys and values to 8 or 4 bits (mlx-lm's QuantizedKVCache; "
+                       "counted in the KV budget; default: the model's dtype)")
+    serve.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES,
+                       help="values quantized together along the head dimension with --kv-bits (default 64)")
 
 
 def _access_flags(serve: argparse.ArgumentParser) -> None:

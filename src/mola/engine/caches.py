@@ -12,6 +12,20 @@ from typing import Callable
 import mlx.nn as nn
 from mlx_lm.models.cache import make_prompt_cache
 
+from ..errors import ModelLoadError
+from .quantized_cache import quantized_caches, triple_nbytes
+
+
+def layer_caches(model: nn.Module, quant: tuple[int, int] | None = None) -> list:
+    """mlx-lm's caches for ``model``, one per layer, quantized when ``quant`` (bits, group size) is given."""
+    caches = make_prompt_cache(model)
+    if quant is None:
+        return caches
+    try:
+        return quantized_caches(caches, group_size=quant[1], bits=quant[0])
+    except ValueError as e:
+        raise ModelLoadError(f"--kv-bits {quant[0]}: {e}") from None
+
 
 def merge_caches(caches: list[list]) -> list:
     """Per-sequence caches -> one batch cache per layer (mlx-lm's merge)."""
@@ -24,8 +38,9 @@ class ModelCaches:
     draft: list = field(default_factory=list)  # the draft model's, one per layer ([] without one)
 
     @classmethod
-    def new(cls, model: nn.Module, draft: nn.Module | None = None) -> ModelCaches:
-        return cls(make_prompt_cache(model), make_prompt_cache(draft) if draft is not None else [])
+    def new(cls, model: nn.Module, draft: nn.Module | None = None, quant: tuple[int, int] | None = None) -> ModelCaches:
+        """Empty caches; ``quant`` (bits, group size): quantized ones (--kv-bits)."""
+        return cls(layer_caches(model, quant), layer_caches(draft, quant) if draft is not None else [])
 
     @classmethod
     def merge(cls, caches: list[ModelCaches]) -> ModelCaches:
@@ -50,5 +65,4 @@ class ModelCaches:
 def held_nbytes(caches: ModelCaches | None) -> int:
     """Bytes of the keys and values ``caches`` hold (0: None)."""
     layers = caches.layers if caches is not None else ()
-    return sum(a.nbytes for c in layers for a in (getattr(c, "keys", None), getattr(c, "values", None))
-               if a is not None)
+    return sum(triple_nbytes(getattr(c, "keys", None)) + triple_nbytes(getattr(c, "values", None)) for c in layers)

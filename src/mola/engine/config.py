@@ -11,6 +11,8 @@ DEFAULT_PROMPT_CACHE_BYTES = 1 << 30  # 1 GiB of KV state
 # the model's full context takes.
 KV_FREE_SHARE = 0.5
 KV_ADMISSION_MODES = ("optimistic", "reserve")
+KV_BITS = (4, 8)  # --kv-bits
+KV_GROUP_SIZES = (32, 64, 128)  # --kv-group-size (mx.quantize's)
 DEFAULT_EXPERT_SLOTS = 4  # adapter slots that can also carry expert LoRA (--max-expert-loras)
 DEFAULT_EXPERT_RANK = 16  # the largest rank in the experts (--max-expert-lora-rank)
 SPECULATIVE_METHODS = ("ngram", "draft")
@@ -67,6 +69,10 @@ class EngineConfig:
     # "optimistic": admit when the prompt fits, preempt the youngest rows when the
     # batch outgrows the budget; "reserve": admit when the prompt and max_tokens fit.
     kv_admission: str = "optimistic"
+    # Keys and values quantized to this many bits (mlx-lm's QuantizedKVCache) in groups of
+    # kv_group_size along the head dimension; None: the model's dtype.
+    kv_bits: int | None = None
+    kv_group_size: int = 64
 
     def __post_init__(self):
         for name in ("max_loras", "max_lora_rank", "max_num_seqs", "prefill_step_size", "max_expert_rank"):
@@ -85,6 +91,16 @@ class EngineConfig:
                                                 or self.kv_cache_bytes < 0):
             raise ValueError(f"kv_cache_bytes must be a whole number of bytes >= 0, or auto, "
                              f"got {self.kv_cache_bytes!r}")
+        if self.kv_bits is not None and self.kv_bits not in KV_BITS:
+            raise ValueError(f"kv_bits must be one of {', '.join(map(str, KV_BITS))}, got {self.kv_bits!r}")
+        if self.kv_group_size not in KV_GROUP_SIZES:
+            raise ValueError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, "
+                             f"got {self.kv_group_size!r}")
         if self.kv_admission not in KV_ADMISSION_MODES:
             raise ValueError(f"kv_admission must be one of {', '.join(KV_ADMISSION_MODES)}, "
                              f"got {self.kv_admission!r}")
+
+    @property
+    def kv_quant(self) -> tuple[int, int] | None:
+        """(bits, group size) of a quantized KV cache; None: not quantized."""
+        return None if self.kv_bits is None else (self.kv_bits, self.kv_group_size)

@@ -156,8 +156,8 @@ def run_follower(loader, config, group: Group, grammars=None) -> int:
             packs = AdapterPacks.install(loaded.model, max_loras=config.max_loras,
                                          max_rank=config.max_lora_rank)
             # The same one-token probe as rank 0's runner (its collectives pair up).
-            runner = ModelRunner(loaded.model, packs, loaded.vocab_size,
-                                 prompt_cache=config.prompt_cache_bytes > 0, draft=loaded.draft)
+            runner = ModelRunner(loaded.model, packs, loaded.vocab_size, prompt_cache=config.prompt_cache_bytes > 0,
+                                 draft=loaded.draft, kv_quant=config.kv_quant)
             rebuild = grammars(loaded) if grammars is not None else None
             seqs: dict[int, Sequence] = {}
             log.info("rank %d of %d ready", group.rank, group.size)

@@ -12,31 +12,44 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, trim_prompt_cache
 
-from .caches import ModelCaches
+from ..errors import ModelLoadError
+from .caches import ModelCaches, layer_caches
+from .quantized_cache import RowQuantizedKVCache, triple_nbytes, view
 
 
 def kv_bytes_per_token(model: nn.Module, routing, draft: nn.Module | None = None,
-                       cuttable: bool = True) -> int | None:
+                       cuttable: bool = True, quant: tuple[int, int] | None = None) -> int | None:
     """KV bytes one token takes in ``model``'s cache (and the ``draft``
-    model's, when there is one), measured on a one-token forward pass. With
-    ``cuttable``, None when the caches are not plain KVCaches (sliding
-    windows, recurrent state), whose state cannot be cut at a token; without,
-    the bytes a position takes in every cache that has keys and values (a
-    sliding window's counted as if it never wrapped: an upper bound)."""
+    model's, when there is one; quantized when ``quant``, --kv-bits, is given),
+    measured on a one-token forward pass. With ``cuttable``, None when the
+    caches are not plain KVCaches (sliding windows, recurrent state), whose
+    state cannot be cut at a token; without, the bytes a position takes in
+    every cache that has keys and values (a sliding window's counted as if
+    it never wrapped: an upper bound)."""
     total = 0
     routing.set([0], [1.0])
     for m in (model, draft) if draft is not None else (model,):
-        cache = make_prompt_cache(m)
-        if cuttable and (not cache or any(type(c) is not KVCache for c in cache)):
+        cache = layer_caches(m, quant)
+        if cuttable and (not cache or any(type(c) not in (KVCache, RowQuantizedKVCache) for c in cache)):
             return None
-        m(mx.array([[0]], dtype=mx.uint32), cache=cache)
-        mx.eval([c.state for c in cache])
-        # keys, values: [1, H, capacity, D]
-        total += sum((c.keys.nbytes + c.values.nbytes) // c.keys.shape[2]
+        try:
+            m(mx.array([[0]], dtype=mx.uint32), cache=cache)
+            mx.eval([c.state for c in cache])
+        except ValueError as e:  # heads --kv-group-size does not divide
+            if quant is None:
+                raise
+            raise ModelLoadError(f"--kv-bits {quant[0]} --kv-group-size {quant[1]} cannot quantize this "
+                                 f"model's KV cache: {e}") from None
+        # keys, values: [1, H, capacity, D] (or a quantized triple of such)
+        total += sum((triple_nbytes(c.keys) + triple_nbytes(c.values)) // _positions(c.keys)
                      for c in cache if getattr(c, "keys", None) is not None)
     return total
+
+
+def _positions(keys) -> int:
+    return (keys[0] if isinstance(keys, tuple) else keys).shape[2]
 
 
 class KVStore:
@@ -60,7 +73,7 @@ class KVStore:
     def view(self, entry: int, num_tokens: int) -> ModelCaches:
         """The first ``num_tokens`` of an entry, as caches for BatchKVCache.merge
         (which copies them, leaving the entry as it is)."""
-        return self._entries[entry].map(lambda stored: _view(stored, num_tokens))
+        return self._entries[entry].map(lambda stored: view(stored, num_tokens))
 
     def drop(self, entries: list[int]) -> None:
         for entry in entries:
@@ -68,9 +81,3 @@ class KVStore:
 
     def clear(self) -> None:
         self._entries.clear()
-
-
-def _view(stored: KVCache, num_tokens: int) -> KVCache:
-    c = KVCache()
-    c.keys, c.values, c.offset = stored.keys, stored.values, num_tokens
-    return c

@@ -54,19 +54,20 @@ CLEAR_CACHE_EVERY = 256  # steps between returns of MLX's buffer cache
 
 class ModelRunner:
     def __init__(self, model: nn.Module, packs: AdapterPacks, vocab_size: int, prompt_cache: bool = False,
-                 draft: nn.Module | None = None):
+                 draft: nn.Module | None = None, kv_quant: tuple[int, int] | None = None):
         self.model = model
         self.draft = draft  # a draft model, fed what the target is fed (None: none)
         self.packs = packs
         self.routing = packs.routing
         self.vocab_size = vocab_size
+        self.kv_quant = kv_quant  # (bits, group size) of a quantized KV cache (--kv-bits); None: not
         # Speculation needs caches it can cut back at any token, per row.
         self.can_rewind = all(type(c) is KVCache for c in self._new_cache().layers)
-        # The prompt cache's KV state, and what one token of it takes (None:
-        # no prompt cache, or a model whose caches cannot be cut at a token).
+        # The prompt cache's KV state, and what a token of it takes (None: no prompt cache, or uncuttable caches).
         self.kv = KVStore()
-        self.kv_bytes_per_token = kv_bytes_per_token(model, self.routing, draft) if prompt_cache else None
-        self.kv_position_bytes = kv_bytes_per_token(model, self.routing, draft, cuttable=False) or 1  # (budget)
+        self.kv_bytes_per_token = kv_bytes_per_token(model, self.routing, draft, True, kv_quant) \
+            if prompt_cache else None
+        self.kv_position_bytes = kv_bytes_per_token(model, self.routing, draft, False, kv_quant) or 1  # (budget)
         # Decode rows, aligned with the scheduler's running list:
         self.cache: ModelCaches | None = None  # one batch cache per layer of each model
         self.keys: mx.array | None = None  # [B, 2] PRNG key per row
@@ -229,7 +230,7 @@ class ModelRunner:
             self._join(members, plan)
 
     def _new_cache(self) -> ModelCaches:
-        return ModelCaches.new(self.model, self.draft)
+        return ModelCaches.new(self.model, self.draft, self.kv_quant)
 
     def _join(self, members: list[Sequence], plan: StepPlan) -> None:
         cache, join = self.prefill.finish(), plan.join

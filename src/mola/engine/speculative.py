@@ -141,7 +141,7 @@ def make_speculator(config: SpeculativeConfig | None, can_rewind: bool) -> Specu
         return None
     if not can_rewind:
         log.warning("speculative decoding off: this model's KV caches cannot be cut at a token "
-                    "(sliding windows or recurrent state)")
+                    "(sliding windows, recurrent state, or --kv-bits)")
         return None
     return Speculator(config)
 
