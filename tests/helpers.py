@@ -577,3 +577,15 @@ def with_added_tokens(model_dir, out_dir, tokens: list[str], special: bool = Fal
     if template is not None:
         (out_dir / "chat_template.jinja").write_text(template)
     return out_dir
+
+
+def together(runner: EngineRunner, submit):
+    """``submit()`` while the engine thread waits on a gate: it takes every
+    sequence before its next step, so the schedule (who runs with whom, who
+    is preempted) is the same every run."""
+    gate = threading.Event()
+    runner.engine.call(gate.wait)
+    try:
+        return submit()
+    finally:
+        gate.set()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from helpers import EngineRunner
+from helpers import EngineRunner, together
 
 from mola.models.loader import load_base_model
 from mola.testing.model import TinyModelSpec, make_tiny_model
@@ -80,7 +80,7 @@ def test_preemption_over_a_quantized_cache_changes_no_answer(wide_heads):
     def run(**config):
         r = EngineRunner(wide_heads, max_tokens=MAX_TOKENS, kv_bits=8, **config)
         try:
-            seqs = [r.submit(p, temperature=0.9, seed=i) for i, p in enumerate(prompts())]
+            seqs = together(r, lambda: [r.submit(p, temperature=0.9, seed=i) for i, p in enumerate(prompts())])
             return r.wait(seqs), r.engine.snapshot.kv, r.engine.call(
                 lambda: r.engine.runner.kv_position_bytes).result(timeout=30)
         finally:

@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from helpers import EngineRunner
+from helpers import EngineRunner, together
 
 from mola.engine.kv_budget import STEP, KVBudget, peak
 from mola.engine.scheduler import ADMISSION_HEADROOM
@@ -69,8 +69,9 @@ def requests(adapters, sampled: bool) -> list[dict]:
 
 
 def run_all(runner: EngineRunner, reqs: list[dict]) -> list[list[int]]:
-    seqs = [runner.submit(r["prompt"], r["adapter"], **{k: v for k, v in r.items() if k not in ("prompt", "adapter")})
-            for r in reqs]
+    seqs = together(runner, lambda: [
+        runner.submit(r["prompt"], r["adapter"], **{k: v for k, v in r.items() if k not in ("prompt", "adapter")})
+        for r in reqs])
     return runner.wait(seqs, timeout=300)
 
 
@@ -161,3 +162,33 @@ def test_the_server_refuses_what_the_budget_cannot_hold_and_shows_it(tiny_model)
         assert re.search(r'^mola_base_kv_budget_bytes\{base="[^"]+"\} ', metrics, re.M)
     finally:
         handle.stop()
+
+
+def test_constrained_rows_keep_their_grammar_across_preemption(tiny_model, adapters, unbounded):
+    """A preempted row under a grammar takes its in-flight token into its
+    matcher and comes back masked where it left off: every row's output is
+    the unbounded engine's, and none left its grammar."""
+    from mola.structured import Grammar, StructuredOutputs
+
+    _, bytes_per_token = unbounded
+
+    def run(**config):
+        r = EngineRunner(tiny_model, adapters=list(adapters.items()), max_tokens=MAX_TOKENS, **config)
+        try:
+            s = StructuredOutputs(r.loaded.tokenizer, r.loaded.vocab_size)
+            grammar = s.compile(Grammar('start: "[" /(a|b|c, ){3000}/ "]"\n', "abc", "test"))
+            # The third of every three constrained: it is the youngest when three run, and when it is
+            # preempted the batch left holds free rows only (sampled unmasked).
+            seqs = together(r, lambda: [
+                r.submit(q["prompt"], q["adapter"], constraint=grammar.new_constraint() if i % 3 == 2 else None,
+                         temperature=0.9, seed=i) for i, q in enumerate(requests(adapters, sampled=False))])
+            outputs = r.wait(seqs, timeout=300)
+            assert all(s.finish_reason == "length" and s.constraint.error is None for s in seqs[2::3])
+            return outputs, sum(s.num_preemptions for s in seqs[2::3])
+        finally:
+            r.stop()
+
+    free, _ = run(kv_cache_bytes=0)
+    bounded, constrained_preemptions = run(kv_cache_bytes=three_rows_then_short(bytes_per_token))
+    assert constrained_preemptions >= 1
+    assert bounded == free
