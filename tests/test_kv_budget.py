@@ -49,6 +49,21 @@ def test_a_request_the_whole_budget_cannot_hold_is_refused_by_name():
         KVBudget(10, 1, "lazy")
 
 
+def test_the_auto_budget_is_half_the_free_memory_within_its_bounds():
+    from mola.engine.config import EngineConfig
+    from mola.engine.kv_budget import make_kv_budget
+
+    config = EngineConfig(max_num_seqs=4, prompt_cache_bytes=1000 * 100)
+    free = (1000 + 2 * 3000) * 100  # the prompt cache, then twice 3000 positions of 100 bytes
+    assert make_kv_budget(config, 100, 2048, free).capacity == 3000
+    # capped at every row at the full context
+    assert make_kv_budget(config, 100, 300, free).capacity == 4 * (301 + STEP)
+    # never less than one request at the full context, however little is free
+    assert make_kv_budget(config, 100, 2048, 0).capacity == 2049 + STEP
+    assert make_kv_budget(EngineConfig(kv_cache_bytes=12_345), 100, 2048, free).capacity == 123
+    assert make_kv_budget(EngineConfig(kv_cache_bytes=0), 100, 2048, free) is None
+
+
 # ---- a real engine at a small budget --------------------------------------------
 
 def requests(adapters, sampled: bool) -> list[dict]:

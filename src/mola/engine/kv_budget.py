@@ -12,10 +12,11 @@ sequence, stays within the budget:
 
 - ``reserve``: at every future step, with each row allowed to run to its
   ``max_tokens`` (:func:`peak`); admitted rows then never outgrow it.
-- ``optimistic``: for the next step only. Rows that outgrow the budget later
-  are preempted, the youngest first, and recomputed when there is room
-  again (their KV goes to the prompt cache, if there is one, so that most
-  of it comes back as a prefix hit).
+- ``optimistic``: for the next steps only (ADMISSION_HEADROOM of them when
+  admitting, one while running). Rows that outgrow the budget later are
+  preempted, the youngest first, and recomputed when there is room again
+  (their KV goes to the prompt cache, if there is one, so that most of it
+  comes back as a prefix hit).
 """
 
 from __future__ import annotations
@@ -138,7 +139,12 @@ def make_kv_budget(config: EngineConfig, bytes_per_token: int, max_model_len: in
             cap = peak([(max_model_len + 1, 0)] * config.max_num_seqs) * bytes_per_token
         if free is not None:
             share = int(KV_FREE_SHARE * max(0, free - config.prompt_cache_bytes))
-            nbytes = share if cap is None else min(share, cap)
+            # never so little that one request at the full context (or 4096 tokens) cannot run
+            floor = peak([((max_model_len or 4096) + 1, 0)]) * bytes_per_token
+            if share < floor:
+                log.warning("little memory is free for the KV cache (%s): the KV budget is one request at "
+                            "the full context, %s; set --kv-cache-bytes", gib(share), gib(floor))
+            nbytes = max(share, floor) if cap is None else min(max(share, floor), cap)
         else:
             nbytes = cap
     if not nbytes:
