@@ -88,17 +88,17 @@ def _spec(seq: Sequence) -> tuple:
     grammar = seq.constraint.grammar if seq.constraint is not None else None
     # A preempted sequence comes back with its output so far and its PRNG key.
     return (seq.seq_id, seq.prompt, seq.slot, seq.lora_scale, asdict(seq.params), grammar, seq.output,
-            seq.resume_key)
+            seq.resume_key, seq.adapter_start)
 
 
 def _follow(spec: tuple, rebuild) -> Sequence:
     """A follower's own Sequence for one that rank 0 starts to prefill."""
-    seq_id, prompt, slot, scale, params, grammar, output, resume_key = spec
+    seq_id, prompt, slot, scale, params, grammar, output, resume_key, adapter_start = spec
     constraint = rebuild(grammar) if grammar is not None else None
     for token in output if constraint is not None else ():
         constraint.advance(token)
     seq = Sequence(prompt=prompt, params=SamplingParams(**params), slot=slot, lora_scale=scale, seq_id=seq_id,
-                   constraint=constraint, output=list(output))
+                   constraint=constraint, output=list(output), adapter_start=adapter_start)
     seq.resume_key = resume_key
     seq.move_to(SequenceStatus.PREFILLING)
     return seq

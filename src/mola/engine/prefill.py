@@ -24,6 +24,7 @@ class PrefillBatch:
     tokens: mx.array  # [G, L] right-padded uncached prompt tokens
     todo: list[int]  # per member: tokens to prefill (its context but the last)
     padding: list[int]  # per member: columns of right padding
+    done: list[int]  # per member: tokens its cache held at the start (column 0 is this position)
 
     @classmethod
     def start(cls, members: list[Sequence], starts: list[ModelCaches], done: list[int]) -> PrefillBatch:
@@ -37,7 +38,17 @@ class PrefillBatch:
         if max(padding) > 0:
             for c in cache.layers:
                 c.prepare(lengths=todo, right_padding=padding)
-        return cls(cache, tokens, todo, padding)
+        return cls(cache, tokens, todo, padding, list(done))
+
+    def active(self, members: list[Sequence], start: int, end: int) -> mx.array | None:
+        """[G, end - start] 1 where a member's adapter applies in columns
+        [start, end) (activated LoRA: from its adapter_start on); None when
+        every member's applies everywhere."""
+        if all(s.adapter_start is None for s in members):
+            return None
+        cols = mx.arange(start, end)[None, :] + mx.array(self.done)[:, None]  # positions
+        first = mx.array([0 if s.adapter_start is None else s.adapter_start for s in members])[:, None]
+        return (cols >= first).astype(mx.float32)
 
     def num_tokens(self, start: int, end: int) -> int:
         """Prompt tokens in columns [start, end), padding excluded."""

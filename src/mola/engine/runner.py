@@ -135,9 +135,8 @@ class ModelRunner:
             return result
         if forward is not None:
             self.inflight = self._sample(forward)
-        result = read_launch(previous) if previous is not None else None
-        advance_matchers(result)  # a constrained row that left the batch (preempted) still takes its token
-        return result
+        # (a constrained row that left the batch, preempted, still takes its token)
+        return advance_matchers(read_launch(previous) if previous is not None else None)
 
     def _speculate(self, plan: StepPlan, previous: Launch | None) -> StepResult | None:
         """A speculative step: verify every row's drafts in one forward pass
@@ -223,7 +222,8 @@ class ModelRunner:
                 [h.num_tokens if h else 0 for h in hits])
         if plan.end > plan.start:
             self.stats.prefill_tokens += self.prefill.num_tokens(plan.start, plan.end)
-            self.routing.set([s.slot for s in members], [s.lora_scale for s in members])
+            self.routing.set([s.slot for s in members], [s.lora_scale for s in members],
+                             self.prefill.active(members, plan.start, plan.end))
             self._feed(self.prefill.tokens[:, plan.start : plan.end], self.prefill.cache)
             mx.eval([c.state for c in self.prefill.cache.layers])
         if plan.join is not None:

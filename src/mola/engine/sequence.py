@@ -109,6 +109,9 @@ class Sequence:
     # A grammar the output must follow (mola.engine.constraint.Constraint):
     # the matcher's state, owned by the engine thread once the sequence is added.
     constraint: Any = None
+    # Activated LoRA: the position (of the prompt) from which the adapter's delta
+    # applies, the base alone before it; None: every position.
+    adapter_start: int | None = None
     num_preemptions: int = 0  # times the KV budget sent it back to the queue
     # A preempted row's PRNG key (two uint32), until it rejoins the decode batch.
     resume_key: tuple[int, int] | None = None
@@ -140,6 +143,8 @@ class Sequence:
     def cache_key(self) -> tuple | None:
         """What the KV state of this row depends on besides the base model and
         the tokens (None: unknown, so never cached)."""
+        if self.adapter_start is not None:
+            return None  # part base, part adapter: not cached (yet)
         if self.adapter_key is None:
             return (("", 0), 1.0) if self.slot == 0 else None
         return (self.adapter_key, float(self.lora_scale))

@@ -116,10 +116,11 @@ def read_launch(launch: Launch) -> StepResult:
                       [False] * len(tokens))
 
 
-def advance_matchers(result: StepResult | None) -> None:
+def advance_matchers(result: StepResult | None) -> StepResult | None:
     """Each constrained row's matcher consumes its accepted tokens (rows that
-    finished or were aborted while the step ran accept nothing)."""
+    finished or were aborted while the step ran accept nothing); returns ``result``."""
     for seq, tokens in zip(result.rows, result.tokens) if result is not None else ():
         if seq.constraint is not None and not seq.is_finished:
             for token in tokens:
                 seq.constraint.advance(token)
+    return result

@@ -59,18 +59,25 @@ class LoRARouting:
     expert_scale: mx.array | None = None  # [B, 1, 1] row_scale, 0 for rows off the expert slots; None: all 1
     _key: tuple | None = None  # the arguments of the last set()
 
-    def set(self, slots: list[int], scales: list[float] | None = None) -> None:
-        """Route row i to ``slots[i]``, its delta multiplied by ``scales[i]``."""
+    def set(self, slots: list[int], scales: list[float] | None = None, active: mx.array | None = None) -> None:
+        """Route row i to ``slots[i]``, its delta multiplied by ``scales[i]``;
+        ``active`` [B, L] (0 or 1): at which positions of this pass each row's
+        delta applies (activated LoRA: from its invocation on), None: all."""
         key = (tuple(slots), tuple(scales) if scales is not None else None, self.sort_threshold)
-        if key == self._key:
+        if key == self._key and active is None:
             return  # the same rows as the last pass: reuse its arrays
-        self._key = key
+        self._key = key if active is None else None
         self.slots = frozenset(slots)
         self.row_scale = None
         if scales is not None and any(s != 1.0 for s in scales):
             self.row_scale = mx.array(scales, dtype=mx.float32)[:, None, None]
+        if active is not None:  # [B, L, 1]: the per-row scale, per position
+            ones = mx.ones((len(slots), 1, 1), dtype=mx.float32)
+            self.row_scale = (self.row_scale if self.row_scale is not None else ones) * active[:, :, None]
         self.idx = self.order = self.inv_order = self.sorted_idx = None
         self._set_experts(slots, scales)
+        if active is not None and self.expert_slots_used:
+            raise ValueError("activated LoRA is not applied to expert LoRA: its rows must not use an expert slot")
         if len(self.slots) == 1:
             self.single_slot = slots[0]
             return
