@@ -63,3 +63,83 @@ def test_activated_rows_match_a_per_position_loop_in_a_mixed_batch(tiny_model, a
     # and the start matters: from 0 it is plain LoRA, later it is neither that nor the base
     assert references[0] == activated_reference(merged, merged, prompts[0], 0)
     assert references[1] not in (references[0], activated_reference(base, base, prompts[0], 0))
+
+
+# ---- formats: PEFT's alora_invocation_tokens, llama.cpp's adapter.alora.invocation_tokens ----------
+
+INVOCATION = [7, 11, 13]
+
+
+@pytest.fixture(scope="module")
+def peft_alora(tiny_model, adapters, tmp_path_factory):
+    """Adapter a as a PEFT activated LoRA invoked by INVOCATION."""
+    import json
+
+    from mola.adapters.formats import read_adapter
+    from mola.testing.peft import save_peft_adapter
+
+    path = save_peft_adapter(tmp_path_factory.mktemp("alora") / "a", read_adapter(adapters["a"]))
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, "alora_invocation_tokens": INVOCATION}))
+    return path
+
+
+def test_both_formats_carry_the_invocation_and_refuse_a_malformed_one(peft_alora, tmp_path):
+    import json
+    import shutil
+
+    from test_format_gguf import write_raw_gguf
+
+    from mola.adapters.formats import read_adapter
+    from mola.adapters.weights import invocation_start
+    from mola.errors import InvalidAdapter
+
+    assert read_adapter(peft_alora).invocation_tokens == tuple(INVOCATION)
+    gguf = write_raw_gguf(tmp_path / "alora.gguf", extra={"adapter.alora.invocation_tokens": [5, 9]})
+    assert read_adapter(gguf).invocation_tokens == (5, 9)
+    bad = shutil.copytree(peft_alora, tmp_path / "bad")
+    config = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "alora_invocation_tokens": []}))
+    with pytest.raises(InvalidAdapter, match="alora_invocation_tokens .* non-empty list"):
+        read_adapter(bad)
+    # PEFT's rule: the last place the invocation starts
+    assert invocation_start((7, 11), [7, 11, 3, 7, 11, 4]) == 3
+    assert invocation_start((7, 11), [7, 3, 11]) is None
+
+
+def test_an_activated_lora_over_the_api(tiny_model, peft_alora, models):
+    """/v1/completions on token prompts: with the invocation, the answer of the
+    per-position loop from where it starts, ``alora_invoked`` true; without it,
+    the base's answer, ``alora_invoked`` false; a plain adapter's choices have
+    no such field."""
+    import httpx
+
+    from helpers import detokenize, start_server
+    from mola.config import AdapterSpec
+
+    base, merged = models
+    rng = random.Random(9)
+    head, tail = [rng.randrange(20, 500) for _ in range(20)], [rng.randrange(20, 500) for _ in range(6)]
+    invoked, plain = head + INVOCATION + tail, head + tail
+    handle = start_server(model=str(tiny_model), adapters=[AdapterSpec("al", str(peft_alora))], max_lora_rank=16)
+    try:
+        def complete(prompt, model="al", stream=False):
+            r = httpx.post(handle.url + "/v1/completions", timeout=60, json={
+                "model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                "stream": stream})
+            assert r.status_code == 200, r.text
+            return r
+
+        tokenizer = handle.state.tokenizer
+        yes = complete(invoked).json()["choices"][0]
+        assert yes["alora_invoked"] is True
+        assert yes["text"] == detokenize(tokenizer, activated_reference(base, merged, invoked, len(head)), False)
+        no = complete(plain).json()["choices"][0]
+        assert no["alora_invoked"] is False
+        assert no["text"] == detokenize(tokenizer, activated_reference(base, base, plain, 0), False)
+        assert "alora_invoked" not in complete(plain, "tiny").json()["choices"][0]
+        last = [line for line in complete(invoked, stream=True).text.splitlines() if '"finish_reason": "length"' in
+                line.replace('"finish_reason":"length"', '"finish_reason": "length"')]
+        assert last and '"alora_invoked": true' in last[0].replace('"alora_invoked":true', '"alora_invoked": true')
+    finally:
+        handle.stop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import InvalidAdapter
 from .formats import read_adapter
 from ..lora.pack import SlotGeometry
 from .weights import LoRAWeights, stack_weights, validate
@@ -53,4 +54,8 @@ def read_recipe(recipe: SlotRecipe, geometry: SlotGeometry, model_config: dict |
     if recipe.is_single:
         return read_checked(recipe.parts[0][0], geometry, model_config)
     parts = [(read_checked(path, geometry, model_config), scale) for path, scale in recipe.parts]
+    for weights, _ in parts:
+        if weights.invocation_tokens is not None:
+            raise InvalidAdapter(f"The adapter at {weights.source} is an activated LoRA, which applies from its "
+                                 "own invocation on: it is not stacked with others.")
     return stack_weights(parts, geometry.max_rank, geometry.max_expert_rank)

@@ -3,6 +3,7 @@ and the checks that decide whether it can be applied exactly to the base."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -56,6 +57,9 @@ class LoRAWeights:
     source: str  # where it was read from, for messages and /v1/models' root
     format: str  # "mlx-lm", ...
     modules: dict[str, ModuleLoRA]
+    # An activated LoRA's invocation: its delta applies from the last place these
+    # tokens start in a prompt on, the base alone before (None: a plain LoRA).
+    invocation_tokens: tuple[int, ...] | None = None
 
     @property
     def rank(self) -> int:
@@ -176,6 +180,29 @@ def all_finite(x: mx.array) -> bool:
         bits = np.asarray(x.view(mx.uint16))
         return not bool(((bits & 0x7F80) == 0x7F80).any())
     return bool(np.isfinite(np.asarray(x)).all())
+
+
+def invocation_start(tokens: tuple[int, ...], prompt: list[int]) -> int | None:
+    """Where the last occurrence of an activated LoRA's invocation ``tokens``
+    starts in ``prompt`` (PEFT's calculate_alora_offsets: the delta applies
+    from there on); None when the prompt does not hold them."""
+    n = len(tokens)
+    for start in range(len(prompt) - n, -1, -1):
+        if tuple(prompt[start:start + n]) == tokens:
+            return start
+    return None
+
+
+def with_invocation(weights: LoRAWeights, tokens: tuple[int, ...] | None) -> LoRAWeights:
+    """``weights`` as an activated LoRA invoked by ``tokens`` (None: as they are).
+    Its delta is masked by position on the dense linears only: one on experts is refused."""
+    if tokens is None:
+        return weights
+    experts = sorted(p for p, m in weights.modules.items() if m.num_experts is not None)
+    if experts:
+        raise InvalidAdapter(f"Adapter at {weights.source} is an activated LoRA with LoRA on experts ({experts[0]}, "
+                             f"...); mola applies activated LoRA on dense linears only.")
+    return dataclasses.replace(weights, invocation_tokens=tokens)
 
 
 def stack_weights(parts: list[tuple[LoRAWeights, float]], max_rank: int,

@@ -77,6 +77,7 @@ class AdapterRecord:
     nbytes: int | None = None
     expert_nbytes: int | None = None  # of nbytes, LoRA on experts: needs an expert slot when > 0
     targets: tuple[str, ...] | None = None  # the kinds of module it adapts, known once read
+    invocation_tokens: tuple[int, ...] | None = None  # an activated LoRA's invocation, known once read
     # A stack (several adapters in one slot): (path, scale) of each part, and
     # the part records it was built from.
     parts: tuple[tuple[str, float], ...] | None = None
@@ -138,6 +139,8 @@ class AdapterRecord:
             "nbytes": self.nbytes,
             "expert_nbytes": self.expert_nbytes,
             "targets": None if self.targets is None else list(self.targets),
+            # an activated LoRA's invocation tokens (null: a plain LoRA)
+            "alora_invocation_tokens": None if self.invocation_tokens is None else list(self.invocation_tokens),
             "in_flight": self.in_flight,
             "waiting": self.waiting,
             "loads": self.loads,

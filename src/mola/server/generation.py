@@ -12,6 +12,7 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
+from ..adapters.weights import invocation_start
 from ..engine.sequence import FinishReason, SamplingParams, Sequence
 from ..errors import (ContextLengthExceeded, InvalidRequest, KVBudgetExceeded, MolaError, Overloaded, RequestTimedOut,
                       ShuttingDown)
@@ -109,6 +110,7 @@ class Generation:
         self.lease = lease
         self.index = index
         self.model = model
+        self.alora_invoked: bool | None = None  # an activated LoRA's: was its invocation in the prompt
         self._closed = False
         self._start = time.perf_counter()
         self._last: float | None = None  # when the last token arrived
@@ -300,13 +302,18 @@ async def start_generations(state: ServerState, body: _Sampling, prompts: list[l
         for i, prompt in enumerate(prompts):
             for j in range(body.n):
                 lease = await _acquire(state, body, stack, deadline)
-                seq = Sequence(prompt=list(prompt), params=params[i][j], slot=lease.slot,
-                               lora_scale=lease.row_scale, adapter_key=lease.key, deadline=deadline,
-                               constraint=grammar.new_constraint() if grammar else None)
+                invocation = lease.record.invocation_tokens if lease.record is not None else None
+                start = invocation_start(invocation, prompt) if invocation else None
+                plain = invocation is None or start is not None  # else: not invoked, the base alone
+                seq = Sequence(prompt=list(prompt), params=params[i][j], slot=lease.slot if plain else 0,
+                               lora_scale=lease.row_scale if plain else 1.0, adapter_key=lease.key if plain else None,
+                               deadline=deadline, constraint=grammar.new_constraint() if grammar else None,
+                               adapter_start=start)
                 gens.append(Generation(state, seq, lease, body.stop_strings(),
                                        index=i * body.n + j, tools=tools, model=body.model,
                                        skip_special_tokens=body.skip_special_tokens, reasoning=reasoning,
                                        json_calls=grammar.grammar.json_calls if grammar else None))
+                gens[-1].alora_invoked = None if invocation is None else start is not None
     except BaseException:
         for g in gens:
             g.close()

@@ -36,7 +36,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ...errors import InvalidAdapter
-from ..weights import LoRAWeights, ModuleLoRA
+from ..weights import LoRAWeights, ModuleLoRA, with_invocation
 from .gguf_names import ARCHITECTURES, MOE_MODEL_TYPES, Architecture, block_tensors, is_moe_tensor, module_path
 from .gguf_tensors import module_lora
 
@@ -46,7 +46,7 @@ KEY_GENERAL_TYPE = "general.type"
 KEY_ARCHITECTURE = "general.architecture"
 KEY_ADAPTER_TYPE = "adapter.type"
 KEY_LORA_ALPHA = "adapter.lora.alpha"
-KEY_ALORA_TOKENS = "adapter.alora.invocation_tokens"
+KEY_ALORA_TOKENS = "adapter.alora.invocation_tokens"  # gguf-py: Keys.Adapter.ALORA_INVOCATION_TOKENS
 
 
 def is_gguf_file(path: Path) -> bool:
@@ -126,11 +126,6 @@ def _check_header(reader, path: Path) -> tuple[Architecture, float]:
         found = "no adapter.type" if adapter_type is None else f"adapter.type '{adapter_type}'"
         raise InvalidAdapter(
             f"{path} has {found}; mola serves LoRA adapters only (adapter.type 'lora')."
-        )
-    if KEY_ALORA_TOKENS in reader.fields:
-        raise InvalidAdapter(
-            f"{path} is an activated LoRA (it has {KEY_ALORA_TOKENS}): it applies only after "
-            "its invocation tokens, which mola does not implement; it is not served as a plain LoRA."
         )
     arch_name = _field_value(reader, KEY_ARCHITECTURE)
     arch = ARCHITECTURES.get(arch_name) if isinstance(arch_name, str) else None
@@ -248,7 +243,21 @@ def read_gguf_adapter(
         mx.eval([(m.a, m.b) for m in modules.values()])
     except Exception as e:
         raise InvalidAdapter(f"{path} could not be read: {e}") from None
-    return LoRAWeights(source=str(path), format="gguf", modules=modules)
+    return with_invocation(LoRAWeights(source=str(path), format="gguf", modules=modules),
+                           _invocation_tokens(reader, path))
+
+
+def _invocation_tokens(reader, path: Path) -> tuple[int, ...] | None:
+    """An activated LoRA's invocation tokens (KEY_ALORA_TOKENS, which llama.cpp's
+    src/llama-adapter.cpp reads into alora_invocation_tokens), checked; None: a plain LoRA."""
+    tokens = _field_value(reader, KEY_ALORA_TOKENS)
+    if tokens is None and KEY_ALORA_TOKENS not in reader.fields:
+        return None
+    if not isinstance(tokens, list) or not tokens or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        raise InvalidAdapter(f"{path}: {KEY_ALORA_TOKENS} (an activated LoRA's invocation) must be a non-empty "
+                             f"array of token ids, got {tokens!r}.")
+    return tuple(tokens)
 
 
 def _open(path: Path):

@@ -33,9 +33,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from ...errors import InvalidAdapter
-from ..weights import LoRAWeights, ModuleLoRA
+from ..weights import LoRAWeights, ModuleLoRA, with_invocation
 from .common import CONFIG_FILE, read_config
-from .peft_config import EMBEDDING_NAMES, check_config, module_scale, targets_module
+from .peft_config import EMBEDDING_NAMES, check_config, invocation_tokens, module_scale, targets_module
 from .peft_expert_paths import to_mlx_lm
 from .peft_experts import expert_param_lora, take_param_wrappers
 
@@ -183,7 +183,8 @@ def read_peft_adapter(
         mx.eval([(m.a, m.b) for m in modules.values()])
     except Exception as e:
         raise InvalidAdapter(f"{weights_file} could not be read: {e}") from None
-    return LoRAWeights(source=str(path), format="peft", modules=modules)
+    return with_invocation(LoRAWeights(source=str(path), format="peft", modules=modules),
+                           invocation_tokens(config, path))
 
 
 def _load_tensors(weights_file: Path) -> dict[str, mx.array]:

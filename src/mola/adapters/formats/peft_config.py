@@ -29,7 +29,6 @@ UNSUPPORTED_FEATURES = {
     "lora_bias": "LoRA biases (lora_bias: true)",
     "layer_replication": "layer replication (layer_replication)",
     "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
-    "alora_invocation_tokens": "Activated LoRA (alora_invocation_tokens)",
     "arrow_config": "Arrow routing (arrow_config)",
     "use_bdlora": "block-diagonal LoRA (use_bdlora)",
     "kasa_config": "KaSA (kasa_config)",
@@ -47,11 +46,24 @@ BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 # ---- checks -----------------------------------------------------------------------
 
 
+def invocation_tokens(config: dict, where: Path) -> tuple[int, ...] | None:
+    """An activated LoRA's ``alora_invocation_tokens`` (PEFT's aLoRA), checked; None: a plain LoRA."""
+    tokens = config.get("alora_invocation_tokens")
+    if tokens is None:
+        return None
+    if not isinstance(tokens, list) or not tokens or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        raise InvalidAdapter(f"Adapter at {where}: alora_invocation_tokens (an activated LoRA's invocation) must "
+                             f"be a non-empty list of token ids, got {tokens!r}.")
+    return tuple(tokens)
+
+
 def check_config(config: dict, where: Path) -> None:
     """Refuse what mola cannot apply exactly, naming the feature, and a config
     whose fields PEFT itself would not take."""
     config_file = where / CONFIG_FILE
     _check_plain_lora(config, where)
+    invocation_tokens(config, where)
     _check_targets(config, where, config_file)
     _check_ranks(config, where, config_file)
     for name in ("target_modules", "exclude_modules"):

@@ -58,7 +58,7 @@ async def _complete(state: ServerState, gens: list[Generation], body: ChatComple
         content = g.content if (g.content.strip() or not g.tool_calls) else None
         logprobs = r.chat_logprobs(token_text, g.tokens, g.logprobs) if token_text else None
         message = r.chat_message(content, g.tool_calls, g.reasoning_text, state.reasoning is not None)
-        choices.append(r.chat_choice(g.index, message, g.finish_reason, logprobs))
+        choices.append(r.with_alora(r.chat_choice(g.index, message, g.finish_reason, logprobs), g.alora_invoked))
     return r.chat_completion(r.new_id("chatcmpl"), body.served_model(), r.now(), choices, _usage(state, gens))
 
 
@@ -68,6 +68,7 @@ async def _stream(state: ServerState, gens: list[Generation], body: ChatCompleti
     include_usage = body.include_usage()
     token_text = r.TokenText(state.tokenizer) if body.logprobs else None
     tool_index = {g.index: 0 for g in gens}
+    invoked = {g.index: g.alora_invoked for g in gens}
 
     def chunk(choices, usage=None):
         return sse(r.chat_chunk(id_, model, created, choices, usage, include_usage))
@@ -92,7 +93,8 @@ async def _stream(state: ServerState, gens: list[Generation], body: ChatCompleti
                         tool_index[d.index] += 1
                     delta["tool_calls"] = calls
                 if delta or logprobs or d.finish_reason:
-                    yield chunk([r.chunk_choice(d.index, delta, d.finish_reason, logprobs)])
+                    choice = r.chunk_choice(d.index, delta, d.finish_reason, logprobs)
+                    yield chunk([r.with_alora(choice, invoked[d.index]) if d.finish_reason else choice])
         if include_usage:
             yield chunk([], _usage(state, gens))
     except MolaError as e:

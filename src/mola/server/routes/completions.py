@@ -50,7 +50,8 @@ async def _complete(state: ServerState, gens: list[Generation], body: Completion
     choices = []
     for g in sorted(gens, key=lambda g: g.index):
         logprobs = r.completion_logprobs(token_text, g.tokens, g.logprobs, 0) if token_text else None
-        choices.append(r.completion_choice(g.index, g.content, g.finish_reason, logprobs))
+        choices.append(r.with_alora(r.completion_choice(g.index, g.content, g.finish_reason, logprobs),
+                                    g.alora_invoked))
     return r.completion(r.new_id("cmpl"), body.served_model(), r.now(), choices, _usage(gens, body.n))
 
 
@@ -59,6 +60,7 @@ async def _stream(state: ServerState, gens: list[Generation], body: CompletionRe
     id_, created, model = r.new_id("cmpl"), r.now(), body.served_model()
     token_text = r.TokenText(state.tokenizer) if body.logprobs is not None else None
     offsets = {g.index: 0 for g in gens}
+    invoked = {g.index: g.alora_invoked for g in gens}
     try:
         async with contextlib.aclosing(merge(gens)) as deltas:
             async for d in deltas:
@@ -70,6 +72,8 @@ async def _stream(state: ServerState, gens: list[Generation], body: CompletionRe
                 offsets[d.index] += len(d.text)
                 if d.text or d.finish_reason or logprobs:
                     choice = r.completion_choice(d.index, d.text, d.finish_reason, logprobs)
+                    if d.finish_reason:
+                        r.with_alora(choice, invoked[d.index])
                     yield sse(r.completion(id_, model, created, [choice], None))
         if body.include_usage():
             yield sse(r.completion(id_, model, created, [], _usage(gens, body.n)))
