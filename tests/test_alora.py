@@ -109,9 +109,9 @@ def test_both_formats_carry_the_invocation_and_refuse_a_malformed_one(peft_alora
 
 def test_an_activated_lora_over_the_api(tiny_model, peft_alora, models):
     """/v1/completions on token prompts: with the invocation, the answer of the
-    per-position loop from where it starts, ``alora_invoked`` true; without it,
-    the base's answer, ``alora_invoked`` false; a plain adapter's choices have
-    no such field."""
+    per-position loop from where it starts, ``alora_invoked`` true, the tokens
+    before it from the base's prompt cache; without it, the base's answer,
+    ``alora_invoked`` false; the base model's choices have no such field."""
     import httpx
 
     from helpers import detokenize, start_server
@@ -131,7 +131,11 @@ def test_an_activated_lora_over_the_api(tiny_model, peft_alora, models):
             return r
 
         tokenizer = handle.state.tokenizer
-        yes = complete(invoked).json()["choices"][0]
+        complete(head, "tiny")  # the base model's turn: its KV goes to the prompt cache
+        answer = complete(invoked).json()
+        # the activated turn prefills from the base's cache: everything before its invocation
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == len(head)
+        yes = answer["choices"][0]
         assert yes["alora_invoked"] is True
         assert yes["text"] == detokenize(tokenizer, activated_reference(base, merged, invoked, len(head)), False)
         no = complete(plain).json()["choices"][0]

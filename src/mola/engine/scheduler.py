@@ -224,7 +224,7 @@ class Scheduler:
         for i, seq in enumerate(self.running):
             if seq.is_finished or id(seq) in leaving:
                 fed = seq.output[:seq.num_output_tokens - seq.num_unfed_tokens]
-                self._store(plan, plan.cache.store_rows, i, seq, seq.prompt + fed)
+                self._store(plan, plan.cache.store_rows, i, seq.cache_key, seq.prompt + fed)
             if id(seq) in leaving:
                 plan.preempted.append((i, seq))
         plan.keep = kept
@@ -258,23 +258,24 @@ class Scheduler:
         for seq, hit in zip(batch, hits):
             seq.move_to(SequenceStatus.PREFILLING)
             seq.num_cached_tokens = hit.num_tokens if hit else 0
-            if self.prompt_cache is not None and seq.cache_key is not None and prefill_len(seq) > 0:
+            if self.prompt_cache is not None and seq.cached_part[0] is not None and prefill_len(seq) > 0:
                 self.prompt_cache.use(hit)
         self.prefilling, self.prefill_done = batch, 0
         plan.prefill_is_new = bool(batch)
         plan.cache.hits = hits
 
     def _lookup(self, seq: Sequence) -> PrefixHit | None:
-        if self.prompt_cache is None or seq.cache_key is None:
+        key, tokens = seq.cached_part
+        if self.prompt_cache is None or key is None:
             return None
-        return self.prompt_cache.peek(seq.cache_key, seq.context[:-1])
+        return self.prompt_cache.peek(key, tokens)
 
-    def _store(self, plan: StepPlan, where: list, index: int, seq: Sequence, tokens: list[int]) -> None:
-        """Give ``tokens`` of ``seq`` an entry in the prompt cache, if it has
-        none yet; the runner stores the KV state at ``index`` under it."""
-        if self.prompt_cache is None or seq.cache_key is None:
+    def _store(self, plan: StepPlan, where: list, index: int, key: tuple | None, tokens: list[int]) -> None:
+        """Give ``tokens`` an entry under ``key`` (a Sequence.cache_key) in the prompt
+        cache, if it has none yet; the runner stores the KV state at ``index`` under it."""
+        if self.prompt_cache is None or key is None:
             return
-        entry, dropped = self.prompt_cache.store(seq.cache_key, tokens)
+        entry, dropped = self.prompt_cache.store(key, tokens)
         plan.cache.evict += dropped
         if entry is not None:
             where.append((index, entry, len(tokens)))
@@ -295,5 +296,5 @@ class Scheduler:
             seq = self.prefilling[i]
             seq.move_to(SequenceStatus.RUNNING)
             self.running.append(seq)
-            self._store(plan, plan.cache.store_joined, i, seq, seq.context[:-1])
+            self._store(plan, plan.cache.store_joined, i, *seq.cached_part)
         self.prefilling, self.prefill_done = [], 0

@@ -80,6 +80,9 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # a failed step, a stopped engine, or a grammar that refused a token
 
 
+BASE_KEY = (("", 0), 1.0)  # the prompt cache's key of the base model's KV state (Sequence.cache_key)
+
+
 class InvalidTransition(RuntimeError):
     """A status change the table does not allow: a bug, never a user error."""
 
@@ -144,10 +147,19 @@ class Sequence:
         """What the KV state of this row depends on besides the base model and
         the tokens (None: unknown, so never cached)."""
         if self.adapter_start is not None:
-            return None  # part base, part adapter: not cached (yet)
+            return None  # part base, part adapter: only its base part is cached (cached_part)
         if self.adapter_key is None:
-            return (("", 0), 1.0) if self.slot == 0 else None
+            return BASE_KEY if self.slot == 0 else None
         return (self.adapter_key, float(self.lora_scale))
+
+    @property
+    def cached_part(self) -> tuple[tuple | None, list[int]]:
+        """The key and the tokens the prompt cache serves and keeps for this
+        row when it is prefilled: its context but the last; for an activated
+        LoRA, the tokens before its start, which are the base model's alone."""
+        if self.adapter_start is not None:
+            return BASE_KEY, self.context[: self.adapter_start]
+        return self.cache_key, self.context[:-1]
 
     @property
     def is_finished(self) -> bool:
