@@ -55,6 +55,8 @@ BELOW = {
     "distill": (*BASE, "blas", "lora", "adapters", "registry", "models", "train", "demo"),
     # mola chat is a client: it speaks HTTP to a server, never to the model
     "chat": BASE,
+    # what a training loop imports to push its adapter to a server: HTTP only
+    "client": (),
     "server": (*BASE, "blas", "lora", "adapters", "registry", "models", "engine", "structured", "config"),
     "serve": (*BASE, "blas", "lora", "adapters", "registry", "models", "engine", "structured", "config", "server",
               "demo"),

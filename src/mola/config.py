@@ -176,6 +176,8 @@ class ServeConfig:
     ui: bool = True  # serve the playground page at / (False: / is a 404)
     # Request bodies larger than this are refused (413) before being read whole.
     max_request_bytes: int = 4 * 1024 * 1024
+    # The body of PUT /v1/adapters/{name}/weights (an adapter's safetensors) may be this large.
+    max_adapter_push_bytes: int = 1 << 30
     # Backpressure: requests waiting beyond the running batch; past it, 429.
     max_queue: int = 256
     # A request running longer than this many seconds ends (finish_reason

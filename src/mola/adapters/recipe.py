@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidAdapter
 from .formats import read_adapter
+from .pushed import is_pushed, read_pushed
 from ..lora.pack import SlotGeometry
 from .weights import LoRAWeights, stack_weights, validate
 
@@ -40,8 +41,11 @@ def read_checked(path: str, geometry: SlotGeometry, model_config: dict | None) -
     dtype and checked against the base (InvalidAdapter or AdapterPathNotFound
     naming the problem otherwise)."""
     config = model_config or {}
-    weights = read_adapter(path, dtype=geometry.dtype, model_type=config.get("model_type"),
-                           model_config=config)
+    if is_pushed(path):  # PUT /v1/adapters/{name}/weights: held in memory
+        weights = read_pushed(path, geometry.dtype)
+    else:
+        weights = read_adapter(path, dtype=geometry.dtype, model_type=config.get("model_type"),
+                               model_config=config)
     validate(weights, geometry.targets, geometry.max_rank, geometry.max_expert_rank,
              geometry.expert_slots)
     return weights

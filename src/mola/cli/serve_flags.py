@@ -175,6 +175,8 @@ def _access_flags(serve: argparse.ArgumentParser) -> None:
                        help="do not serve the playground page at / (it is then a 404)")
     serve.add_argument("--max-request-bytes", type=int, metavar="N",
                        help="refuse request bodies larger than N bytes with a 413 (default 4 MiB)")
+    serve.add_argument("--max-adapter-push-bytes", type=size_arg, metavar="SIZE",
+                       help="the largest adapter PUT /v1/adapters/{name}/weights takes (default 1GiB)")
     serve.add_argument("--max-queue", type=int,
                        help="sequences waiting beyond the batch before 429s (default 256)")
     serve.add_argument("--max-stored-responses", type=int,

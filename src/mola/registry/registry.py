@@ -1,33 +1,23 @@
 """Model id -> slot: which adapters are known, which are resident, who uses them.
-
 Plain Python on the event loop; nothing here touches an array.
 
 The registry knows every adapter it may serve (named at start, found in an
-adapter directory, loaded over REST) and keeps at most ``max_loras`` of them
-resident in slots. A request takes a :class:`Lease` on the model id it names:
-
-- resident: the lease is immediate;
-- known but not resident: it is loaded just in time into a free slot, or into
-  the slot of the least recently used adapter that no request is using; when
-  every slot is busy with running requests the request waits, it does not
-  fail. Its adapter is read on the reader thread at once (prefetch), unless
-  the host tier holds it already (mola.registry.host_tier), and slots go to
-  waiting adapters fairly (mola.registry.admission);
-- unknown (or unloaded): the resolvers are asked, if any (resolvers.py);
-  else ModelNotFound.
-
-A request may also name adapters by path (paths.py): checked by the path
-policy, then one record per resolved path and content version.
+adapter directory, loaded or pushed over REST) and keeps at most
+``max_loras`` of them resident in slots. A request takes a :class:`Lease` on
+the model id it names: resident, at once; known, loaded just in time into a
+free slot or that of the least recently used idle adapter, or it waits (never
+fails) while every slot runs requests, its adapter prefetched on the reader
+thread unless the host tier holds it (host_tier.py), slots going to waiting
+adapters fairly (admission.py); unknown, the resolvers are asked
+(resolvers.py), else ModelNotFound. Adapters named by path (paths.py) get a
+record per resolved path and content version.
 
 A slot write is queued on the engine ahead of every request that can use the
-slot, so a load never waits for the engine's next step: the adapter is
-resident (and its requests are admitted) the moment its rows are ready and a
-slot is.
-
-Unloading stops new leases at once; requests already running finish on the
-adapter's weights, then its slot is zeroed and freed (residency.py). Loading a
-name again is a new version with a fresh ``uid``, never served by anything of
-the old one. The package's map is mola.registry's doc.
+slot, so a load never waits for the engine's next step. Unloading stops new
+leases at once; requests already running finish on the adapter's weights,
+then its slot is zeroed and freed (residency.py). Loading a name again is a
+new version with a fresh ``uid``, never served by anything of the old one.
+The package's map is mola.registry's doc.
 """
 
 from __future__ import annotations
@@ -39,9 +29,11 @@ import time
 from typing import Any, Awaitable, Callable
 
 from ..adapters.loader import AdapterLoader
+from ..adapters.pushed import drop as forget_pushed
 from ..adapters.recipe import SlotRecipe
 from ..errors import AdapterNotFound, InvalidRequest, ModelNotFound
 from .catalog import AdapterRef, Catalog
+from .names import check_adapter_id
 from .host_tier import HostTier
 from .records import AdapterRecord, AdapterState
 from .residency import Residency
@@ -156,16 +148,18 @@ class AdapterRegistry:
     # ---- loading ------------------------------------------------------------
 
     async def load(self, name: str, path: str, slot_scale: float = 1.0, source: str = "rest") -> AdapterRecord:
-        """Check the adapter at ``path`` now and serve it as ``name``, its
-        delta multiplied by ``slot_scale`` (POST /v1/adapters' "scale"). It is
-        made resident at once when a slot is free or can be freed and no
-        request waits for one; otherwise it stays known (in the host tier, if
-        there is one) and is loaded on first use."""
-        self.catalog.check_name(name)
-        real = self.sources.resolve(path)
-        t0 = time.monotonic()
+        """Check the adapter at ``path`` now and serve it as ``name``, its delta times ``slot_scale``
+        (POST /v1/adapters' "scale"): resident at once if a slot is free or can be freed and no
+        request waits, else known (in the host tier) and loaded on first use. ``source`` "push":
+        ``path`` names factors held in memory (mola.adapters.pushed), a new version of ``name``
+        swapped in at once (requests in flight finish on the old one, whose cached prompts go)."""
+        pushed = source == "push"
+        (check_adapter_id if pushed else self.catalog.check_name)(name)
+        real, t0 = path if pushed else self.sources.resolve(path), time.monotonic()
         self.tier.stats.reads += 1
         prepared = await self.loader.prepare(SlotRecipe.single(real, slot_scale))  # a 4xx MolaError: nothing changed
+        if (old := self.catalog.get(name) if pushed else None) is not None:
+            self.catalog.remove(name)
         self.catalog.check_name(name)  # another load may have taken the name meanwhile
         record = self.register(name, real, source, slot_scale)
         self.residency.note_weights(record, prepared)
@@ -174,6 +168,9 @@ class AdapterRegistry:
         if slot is not None:
             self.residency.place(record, slot, prepared, t0)
         self.tier.put(record, prepared)
+        if old is not None:
+            await self._retire_all(old)
+            forget_pushed(old.path)
         return record
 
     async def acquire(
@@ -271,6 +268,7 @@ class AdapterRegistry:
         record = self.catalog.remove(name)
         self.stats.unloads += 1
         await self._retire_all(record)
+        forget_pushed(record.path)
         return record
 
     async def _retire_all(self, record: AdapterRecord) -> None:

@@ -89,7 +89,8 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
     # The last added runs first: request id, Anthropic's error envelope (on /v1/messages), auth,
     # metrics, body limit.
     config = state.config
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes,
+                       push_bytes=config.max_adapter_push_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=state.metrics)
     app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_key=config.admin_key,
                        protect_metrics=config.protect_metrics)

@@ -31,7 +31,13 @@ ADMIN_ROUTES = {
 
 def is_admin_route(method: str, path: str) -> bool:
     return (method, path) in ADMIN_ROUTES or (method == "DELETE" and path.startswith("/v1/adapters/")) or (
-        method == "POST" and path.startswith("/v1/models/") and path.endswith(("/load", "/unload")))
+        method == "POST" and path.startswith("/v1/models/") and path.endswith(("/load", "/unload"))) or (
+        is_push(method, path))
+
+
+def is_push(method: str, path: str) -> bool:
+    """PUT /v1/adapters/{name}/weights: an adapter's weights pushed in the body."""
+    return method == "PUT" and path.startswith("/v1/adapters/") and path.endswith("/weights")
 
 
 def _given_keys(headers: list[tuple[bytes, bytes]]) -> list[str]:
@@ -165,16 +171,18 @@ class BodyLimitMiddleware:
     counted as it arrives and cut off at the limit. A body within the limit
     is read here (at most ``max_bytes``) and handed on to the app."""
 
-    def __init__(self, app, max_bytes: int):
+    def __init__(self, app, max_bytes: int, push_bytes: int | None = None):
         self.app = app
         self.max_bytes = max_bytes
+        self.push_bytes = push_bytes or max_bytes  # PUT /v1/adapters/{name}/weights (--max-adapter-push-bytes)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.push_bytes if is_push(scope["method"], scope["path"]) else self.max_bytes
         declared = _content_length(scope.get("headers", []))
-        if declared is not None and declared > self.max_bytes:
-            return await self._refuse(send, f"{declared} bytes")
+        if declared is not None and declared > limit:
+            return await self._refuse(send, f"{declared} bytes", limit)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -182,8 +190,8 @@ class BodyLimitMiddleware:
                 return  # the client is gone: nobody to answer
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await self._refuse(send, f"more than {self.max_bytes} bytes")
+            if size > limit:
+                return await self._refuse(send, f"more than {limit} bytes", limit)
             if not message.get("more_body", False):
                 break
         body, replayed = b"".join(chunks), False
@@ -199,9 +207,10 @@ class BodyLimitMiddleware:
 
         return await self.app(scope, replay, send)
 
-    async def _refuse(self, send, size: str) -> None:
+    async def _refuse(self, send, size: str, limit: int) -> None:
+        flag = "--max-request-bytes" if limit == self.max_bytes else "--max-adapter-push-bytes"
         await _send_error(
             send, 413, f"The request body ({size}) is larger than this server accepts: at most "
-            f"{self.max_bytes} bytes (--max-request-bytes).", "invalid_request_error",
+            f"{limit} bytes ({flag}).", "invalid_request_error",
             "request_too_large", [(b"connection", b"close")],
         )

@@ -67,7 +67,14 @@ def read_mlx_lm_adapter(path: Path, dtype: mx.Dtype | None = None) -> LoRAWeight
         tensors = mx.load(str(weights_file))
     except Exception as e:  # mlx raises RuntimeError/ValueError for bad files
         raise InvalidAdapter(f"{weights_file} is not a readable safetensors file: {e}")
+    return mlx_lm_weights(tensors, scale, str(path), str(weights_file), dtype)
 
+
+def mlx_lm_weights(tensors: dict[str, mx.array], scale: float, source: str, weights_file: str,
+                   dtype: mx.Dtype | None = None) -> LoRAWeights:
+    """mlx-lm's factors (``module.lora_a`` [in, r] / ``module.lora_b`` [r, out],
+    as its LoRALinear names them) at one ``scale``, as LoRAWeights; InvalidAdapter
+    naming ``weights_file`` for anything else."""
     pairs: dict[str, dict[str, mx.array]] = {}
     for key, value in tensors.items():
         module, _, leaf = key.rpartition(".")
@@ -92,4 +99,4 @@ def read_mlx_lm_adapter(path: Path, dtype: mx.Dtype | None = None) -> LoRAWeight
         mx.eval([(m.a, m.b) for m in modules.values()])
     except Exception as e:
         raise InvalidAdapter(f"{weights_file} could not be read: {e}") from None
-    return LoRAWeights(source=str(path), format="mlx-lm", modules=modules)
+    return LoRAWeights(source=source, format="mlx-lm", modules=modules)

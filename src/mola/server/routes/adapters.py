@@ -8,6 +8,10 @@
     POST   /v1/adapters            {"name", "path", "scale"?, "base"?}: check it against that base
                                    (default: the default base) now, serve it
     DELETE /v1/adapters/{name}     stop serving it; its slot frees when in-flight requests end
+    PUT    /v1/adapters/{name}/weights[?scale=S&base=B]
+                                   serve the factors in the body (safetensors, mlx-lm's names,
+                                   adapter_config in its metadata) as a new version of name,
+                                   from memory (mola.adapters.pushed)
 
 Names follow the adapter id grammar (mola/registry/names.py); one with '/' is
 given in the URL as is or %2F-encoded (the server decodes the path first).
@@ -15,9 +19,12 @@ given in the URL as is or %2F-encoded (the server decodes the path first).
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import APIRouter, Request
 
-from ...errors import AdapterExists, ModelNotFound
+from ...adapters import pushed
+from ...errors import AdapterExists, InvalidRequest, ModelNotFound
 from ...registry.names import check_adapter_id
 from .. import protocol as p
 from ..base_leases import state_for
@@ -64,6 +71,29 @@ async def load_adapter(body: p.LoadAdapterRequest, request: Request):
         raise AdapterExists(body.name)  # a name is one model id, on one base
     state: ServerState = await state_for(request, _base_name(request, body.base))
     record = await state.registry.load(body.name, body.path, body.scale)
+    return adapter_object(record)
+
+
+@router.put("/v1/adapters/{name:path}/weights")
+async def push_adapter(name: str, request: Request, scale: float = 1.0, base: str | None = None):
+    check_adapter_id(name)
+    bases = request.app.state.bases
+    owner = bases.find(name)
+    if owner is not None and owner.name != (base or bases.default.name):
+        raise AdapterExists(name)  # a name is one model id, on one base
+    if not -10.0 <= scale <= 10.0:
+        raise InvalidRequest(f"scale must be in [-10, 10], got {scale}", param="scale")
+    state: ServerState = await state_for(request, _base_name(request, base))
+    if state.engine.engine.group is not None:
+        raise InvalidRequest("A tensor-parallel group reads adapters from files on every rank; it does not "
+                             "take pushed weights (POST /v1/adapters a path instead).")
+    weights = await asyncio.to_thread(pushed.parse, name, await request.body())  # off the event loop
+    source = pushed.keep(name, weights)
+    try:
+        record = await state.registry.load(name, source, scale, source="push")
+    except BaseException:
+        pushed.drop(source)
+        raise
     return adapter_object(record)
 
 

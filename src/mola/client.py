@@ -1,0 +1,50 @@
+"""Client helpers for a running mola: push an adapter from a training loop.
+
+    from mola.client import push_adapter
+    for step in range(steps):
+        ...                                          # train an mlx-lm model with LoRALinear layers
+        if step % 50 == 0:
+            push_adapter("http://127.0.0.1:8000", "policy", model, admin_key=KEY)
+
+``push_adapter`` sends the model's LoRA factors (its LoRALinear layers'
+``lora_a`` / ``lora_b``, named as mlx-lm names its trainable parameters) and
+their scale to PUT /v1/adapters/{name}/weights as one safetensors body: the
+server serves them as a new version of ``name`` at once, from memory, while
+requests already running finish on the version they started with.
+"""
+
+from __future__ import annotations
+
+import json
+
+
+def adapter_body(model) -> bytes:
+    """The safetensors body of ``model``'s LoRA factors (mlx-lm LoRALinear layers,
+    one scale), with its adapter_config in the metadata (mola.adapters.pushed)."""
+    import numpy as np
+    import safetensors.numpy
+    from mlx.utils import tree_flatten
+
+    factors = {k: np.array(v) for k, v in tree_flatten(model.parameters()) if k.endswith((".lora_a", ".lora_b"))}
+    scales = {float(m.scale) for _, m in model.named_modules() if hasattr(m, "lora_a") and hasattr(m, "scale")}
+    if not factors or len(scales) != 1:
+        raise ValueError(f"expected LoRA layers of one scale, found {len(factors)} factors and scales {scales}")
+    ranks = {v.shape[-1] for k, v in factors.items() if k.endswith(".lora_a")}
+    config = {"fine_tune_type": "lora", "lora_parameters": {"rank": max(ranks), "scale": scales.pop()}}
+    return safetensors.numpy.save(factors, metadata={"adapter_config": json.dumps(config)})
+
+
+def push_adapter(url: str, name: str, model, *, scale: float = 1.0, base: str | None = None,
+                 admin_key: str | None = None, timeout: float = 120.0) -> dict:
+    """PUT ``model``'s LoRA factors as adapter ``name`` (``scale`` multiplies them
+    on top of their own; ``base``: the base model, default the server's); the
+    server's adapter object (its ``version``), or httpx.HTTPStatusError with
+    the server's error."""
+    import httpx
+
+    params = {"scale": scale, **({"base": base} if base else {})}
+    headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+    r = httpx.put(f"{url.rstrip('/')}/v1/adapters/{name}/weights", content=adapter_body(model), params=params,
+                  headers={"content-type": "application/octet-stream", **headers}, timeout=timeout)
+    r.raise_for_status()
+    return r.json()

@@ -1,0 +1,116 @@
+"""Adapters pushed from memory (issue 37, part 4): PUT /v1/adapters/{name}/weights
+with an mlx-lm training model's LoRA factors (mola.client.push_adapter) serves
+what the same adapter serves from its files; a new push is a new version that
+requests already running never see; bad bodies get 4xx naming the problem."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+
+import httpx
+import pytest
+from mlx_lm.tuner.utils import load_adapters
+from mlx_lm.utils import load
+
+from helpers import start_server, wait_until
+
+from mola.client import adapter_body, push_adapter
+from mola.config import AdapterSpec
+
+KEY = "admin-key-123456"
+PROMPT = [{"role": "user", "content": "tell me about the sea"}]
+
+
+def chat(url, model, max_tokens=24, **extra):
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra})
+    assert r.status_code == 200, r.text
+    return r
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_model, adapters):
+    """What a training loop holds: the tiny model with LoRALinear layers, adapter a's factors in them."""
+    model, _ = load(str(tiny_model))
+    return load_adapters(model, str(adapters["a"]))
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, adapters):
+    handle = start_server(model=str(tiny_model), adapters=[AdapterSpec("a", str(adapters["a"]))], admin_key=KEY,
+                          max_lora_rank=16, max_adapter_push_bytes=1 << 20)
+    yield handle
+    handle.stop()
+
+
+def zeroed_b(model) -> bytes:
+    """The push body of ``model``'s factors with every B zeroed: the base model's answers."""
+    import safetensors.numpy
+
+    body = adapter_body(model)
+    header = json.loads(body[8 : 8 + int.from_bytes(body[:8], "little")])
+    factors = {k: v * 0 if k.endswith(".lora_b") else v for k, v in safetensors.numpy.load(body).items()}
+    return safetensors.numpy.save(factors, metadata=header["__metadata__"])
+
+
+def test_a_pushed_adapter_serves_like_its_files_and_a_new_push_is_a_new_version(server, trained):
+    first = push_adapter(server.url, "live", trained, admin_key=KEY)
+    assert first["version"] == 1 and first["source"] == "push" and first["rank"] == 4
+    answer = chat(server.url, "live").json()["choices"][0]["message"]["content"]
+    assert answer == chat(server.url, "a").json()["choices"][0]["message"]["content"]
+    # A request on version 1 ends on it while version 2 (the base: B zeroed) comes in. The engine
+    # waits on a gate meanwhile, so the request has its lease on version 1 but no token yet.
+    gate = threading.Event()
+    server.engine.call(gate.wait)
+    try:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", timeout=60, json={
+                "model": "live", "messages": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                "stream": True}) as stream:
+            lines = stream.iter_lines()
+            head = next(lines)  # the role chunk: the request holds its lease
+            assert httpx.get(server.url + "/v1/adapters/live").json()["in_flight"] == 1
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                pushing = pool.submit(httpx.put, server.url + "/v1/adapters/live/weights", content=zeroed_b(trained),
+                                      headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+                # version 2 is served once registered; the push then drops version 1's cached
+                # prompts on the engine thread, which waits on the gate: open it then
+                wait_until(lambda: pushing.done() or httpx.get(server.url + "/v1/adapters/live").json()["version"] == 2,
+                           what="version 2 to be registered")
+                gate.set()
+                second = pushing.result(timeout=60).json()
+            events = [json.loads(line[6:]) for line in [head, *lines] if line.startswith("data: {")]
+    finally:
+        gate.set()
+    assert "".join(c["delta"].get("content") or "" for e in events for c in e["choices"]) == answer
+    assert second["version"] == 2
+    assert chat(server.url, "live").json()["choices"][0]["message"]["content"] == \
+        chat(server.url, "tiny").json()["choices"][0]["message"]["content"]
+
+
+def test_bad_pushes_get_4xx_and_change_nothing(server, trained):
+    url = server.url + "/v1/adapters/live2/weights"
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = adapter_body(trained)
+    assert httpx.put(url, content=body).status_code == 401  # the admin key
+    for content, status, words in [
+        (b"not safetensors at all", 400, "not a readable safetensors body"),
+        (body.replace(b"adapter_config", b"adapter_cfg_xx"), 400, "no 'adapter_config' metadata"),
+        (body.replace(b"lora_a", b"lora_q"), 400, "not a LoRA factor"),
+        (b"x" * ((1 << 20) + 1), 413, "--max-adapter-push-bytes"),
+    ]:
+        r = httpx.put(url, content=content, headers=auth, timeout=60)
+        assert r.status_code == status and words in r.json()["error"]["message"], r.text
+    wide = load(str(server.config.model))[0]  # a mismatched shape: factors of another width
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    linear_to_lora_layers(wide, 1, {"rank": 3, "scale": 2.0, "dropout": 0.0, "keys": ["self_attn.q_proj"]})
+    import safetensors.numpy
+
+    factors = safetensors.numpy.load(adapter_body(wide))
+    factors = {k: (v[:-1] if k.endswith("lora_a") else v) for k, v in factors.items()}
+    bad = safetensors.numpy.save(factors, metadata={"adapter_config": json.dumps({"lora_parameters": {"scale": 2.0}})})
+    r = httpx.put(url, content=bad, headers=auth, timeout=60)
+    assert r.status_code == 400 and "q_proj" in r.json()["error"]["message"], r.text
+    assert httpx.get(server.url + "/v1/adapters/live2").status_code == 404
