@@ -86,17 +86,14 @@ class AdapterRegistry:
     ):
         self.base_id = base_id
         self.loader = loader
-        # Told the Lease.key's of adapters (and stacks) unloaded, whose
-        # cached state (the engine's prompt cache) can go.
-        self._forget = forget
+        self._forget = forget  # told the Lease.key's of adapters unloaded: their cached prompts can go
+        self._retiring: set[asyncio.Task] = set()  # versions replaced by a push, draining
         self.max_loras = max_loras
         self.sources = sources or AdapterSources(allow_any_path=True)
-        # What names and paths name; resolvers are asked for unknown ids.
-        self.catalog = Catalog(base_id, self.sources, resolvers)
+        self.catalog = Catalog(base_id, self.sources, resolvers)  # names, paths; resolvers for unknown ids
         self.stacks = Stacks(self.catalog.uids)
         self.tier = tier if tier is not None else HostTier()  # off unless given limits
-        # Requests waiting for a slot, and the admission pass that serves them.
-        self.waiters = Waiters(max_wait, max_yielding=max(1, max_loras // 4))
+        self.waiters = Waiters(max_wait, max_yielding=max(1, max_loras // 4))  # who waits for a slot, admission
         self.queue = self.waiters.queue  # who waits for a slot (admission)
         # Which records are in slots, and how they get there and leave.
         self.residency = Residency(loader, loader.port, max_loras, self.tier, self.stacks, self.waiters,
@@ -168,9 +165,11 @@ class AdapterRegistry:
         if slot is not None:
             self.residency.place(record, slot, prepared, t0)
         self.tier.put(record, prepared)
-        if old is not None:
-            await self._retire_all(old)
-            forget_pushed(old.path)
+        if old is not None:  # drained and its cached prompts dropped without holding up the push
+            forget_pushed(old.path)  # (the new version's key is new: the old one's KV never serves it)
+            task = asyncio.get_running_loop().create_task(self._retire_all(old))
+            self._retiring.add(task)
+            task.add_done_callback(self._retiring.discard)
         return record
 
     async def acquire(
