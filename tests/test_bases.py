@@ -442,3 +442,26 @@ def test_a_gguf_base_is_sized_by_its_plan_before_its_first_load(two_bases, tmp_p
         assert h.bases.by_name["A"].num_unloads == 1
     finally:
         h.stop()
+
+
+def test_pushed_factors_go_with_their_base(two_bases):
+    """An adapter pushed from memory onto a base is held until that base
+    unloads; it is not on disk, so it does not come back (a 404 after)."""
+    from mlx_lm.tuner.utils import load_adapters
+    from mlx_lm.utils import load
+
+    from mola.adapters import pushed
+    from mola.client import push_adapter
+
+    trained = load_adapters(load(two_bases["b"])[0], two_bases["b1"])
+    h = serve_bases(two_bases)
+    try:
+        assert push_adapter(h.url, "p1", trained, base="B")["version"] == 1
+        assert text(chat(h.url, "p1")) == text(chat(h.url, "b1"))
+        source = h.bases.by_name["B"].state.registry.get("p1").path
+        assert pushed.is_held(source)
+        assert h.run(h.bases.unload("B"))
+        assert not pushed.is_held(source)
+        assert chat(h.url, "p1").status_code == 404
+    finally:
+        h.stop()

@@ -74,6 +74,10 @@ def drop(source: str) -> None:
     _store.pop(source, None)
 
 
+def is_held(source: str) -> bool:
+    return source in _store
+
+
 def read_pushed(source: str, dtype: mx.Dtype | None) -> LoRAWeights:
     weights = _store.get(source)
     if weights is None:

@@ -28,6 +28,7 @@ import math
 import time
 from typing import Callable
 
+from ..adapters.pushed import drop as forget_pushed
 from ..config import ServeConfig
 from ..errors import InvalidRequest, ShuttingDown
 from .base_record import Base, BaseStatus, BaseUnavailable, default_name
@@ -222,6 +223,9 @@ class Bases:
         t0, before = time.perf_counter(), mx.get_active_memory()
         state, base.state = base.state, None
         base.remember_adapters(state.registry.adapters())
+        for record in state.registry.adapters():  # pushed factors live with their base's registry
+            if record.source == "push":
+                forget_pushed(record.path)
         self._published(base)
         await close_state(state)
         del state
