@@ -304,7 +304,7 @@ A4 = RNG.normal(size=(4, 64)).astype(np.float32)  # numpy [r, in]
      {}, r"lora_a of rank 4 .* lora_b of rank 8"),
     (dict(tensors={"blk.0.attn_v.weight.lora_a": (A4 * 100).astype(np.int32), "blk.0.attn_v.weight.lora_b": A4.T.copy()}),
      {}, r"type I32"),
-    (dict(extra={"adapter.alora.invocation_tokens": 7}), {}, r"invocation_tokens .*array of token ids, got 7"),
+    (dict(extra={"adapter.alora.invocation_tokens": 7}), {}, r"invocation_tokens .*list of token ids, got 7"),
     (dict(tensors={"blk.0.attn_q.weight.lora_a": A4, "blk.0.attn_q.weight.lora_b": RNG.normal(size=(64, 4)).astype(np.float32)}),
      {}, r"num_attention_heads"),
     (dict(tensors={"blk.0.attn_k.weight.lora_a": A4, "blk.0.attn_k.weight.lora_b": RNG.normal(size=(30, 4)).astype(np.float32)}),

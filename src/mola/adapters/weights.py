@@ -193,6 +193,18 @@ def invocation_start(tokens: tuple[int, ...], prompt: list[int]) -> int | None:
     return None
 
 
+def invocation_tokens(value, what: str) -> tuple[int, ...] | None:
+    """An activated LoRA's invocation tokens as a file gives them (``what``
+    names where, for the message), checked; None: a plain LoRA."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise InvalidAdapter(f"{what} (an activated LoRA's invocation) must be a non-empty list of token ids, "
+                             f"got {value!r}.")
+    return tuple(value)
+
+
 def with_invocation(weights: LoRAWeights, tokens: tuple[int, ...] | None) -> LoRAWeights:
     """``weights`` as an activated LoRA invoked by ``tokens`` (None: as they are).
     Its delta is masked by position on the dense linears only: one on experts is refused."""

@@ -207,8 +207,8 @@ class Engine:
             num_running=len(s.running), num_prefilling=len(s.prefilling), num_waiting=len(s.waiting),
             num_steps=self.num_steps, stats=replace(self.runner.stats),
             prompt_cache=cache.stats() if cache is not None else PromptCacheStats(),
-            kv=self.kv_budget.stats(s.holding(), self.runner.kv_nbytes(), s.num_preempted, s.num_kv_waits)
-            if self.kv_budget else KVStats(held_bytes=self.runner.kv_nbytes()),
+            kv=self.kv_budget.stats(s.holding(), self.runner.stats.kv_bytes, s.num_preempted, s.num_kv_waits)
+            if self.kv_budget else KVStats(held_bytes=self.runner.stats.kv_bytes),
         )
 
     def _drain_commands(self, block: bool) -> None:

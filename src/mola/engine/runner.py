@@ -79,10 +79,6 @@ class ModelRunner:
         self.num_steps = 0
         self.stats = RunnerStats()
 
-    def kv_nbytes(self) -> int:
-        """Bytes the decode and prefill batches' caches hold now."""
-        return held_nbytes(self.cache) + held_nbytes(self.prefill.cache if self.prefill is not None else None)
-
     @property
     def num_rows(self) -> int:
         return 0 if self.keys is None else self.keys.shape[0]
@@ -114,7 +110,9 @@ class ModelRunner:
         else:
             result = self._decode(plan, previous)
         self.kv.drop(plan.cache.evict)
-        self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, self.kv_nbytes())
+        # the decode and prefill batches' caches
+        self.stats.kv_bytes = held_nbytes(self.cache) + held_nbytes(self.prefill.cache if self.prefill else None)
+        self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, self.stats.kv_bytes)
         self.stats.peak_active_bytes = max(self.stats.peak_active_bytes, mx.get_active_memory())
         self.num_steps += 1
         if self.num_steps % CLEAR_CACHE_EVERY == 0:

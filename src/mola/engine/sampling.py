@@ -85,6 +85,8 @@ def row_keys(seqs) -> mx.array:
     """One PRNG key per joining row: from its seed, or where it was when it
     was preempted (Sequence.resume_key, taken here)."""
     fresh = make_keys([s.params.seed for s in seqs])
+    if all(s.resume_key is None for s in seqs):
+        return fresh
     keys = [fresh[i] if s.resume_key is None else mx.array(s.resume_key, mx.uint32) for i, s in enumerate(seqs)]
     for s in seqs:
         s.resume_key = None

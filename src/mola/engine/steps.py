@@ -54,8 +54,10 @@ class RunnerStats:
     spec_rows: int = 0  # rows that drafted, over those steps
     draft_tokens: int = 0  # tokens drafted
     accepted_tokens: int = 0  # drafted tokens accepted
-    # Sampled after every step: the bytes the batches' KV caches held at most,
-    # and MLX's active memory at most (weights, caches, the prompt cache, ...).
+    # Sampled after every step: the bytes the batches' KV caches hold (after the
+    # last step, and at most), and MLX's active memory at most (weights, caches,
+    # the prompt cache, ...).
+    kv_bytes: int = 0
     peak_kv_bytes: int = 0
     peak_active_bytes: int = 0
 

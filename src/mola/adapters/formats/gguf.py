@@ -36,7 +36,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ...errors import InvalidAdapter
-from ..weights import LoRAWeights, ModuleLoRA, with_invocation
+from ..weights import LoRAWeights, ModuleLoRA, invocation_tokens, with_invocation
 from .gguf_names import ARCHITECTURES, MOE_MODEL_TYPES, Architecture, block_tensors, is_moe_tensor, module_path
 from .gguf_tensors import module_lora
 
@@ -249,15 +249,9 @@ def read_gguf_adapter(
 
 def _invocation_tokens(reader, path: Path) -> tuple[int, ...] | None:
     """An activated LoRA's invocation tokens (KEY_ALORA_TOKENS, which llama.cpp's
-    src/llama-adapter.cpp reads into alora_invocation_tokens), checked; None: a plain LoRA."""
-    tokens = _field_value(reader, KEY_ALORA_TOKENS)
-    if tokens is None and KEY_ALORA_TOKENS not in reader.fields:
-        return None
-    if not isinstance(tokens, list) or not tokens or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
-        raise InvalidAdapter(f"{path}: {KEY_ALORA_TOKENS} (an activated LoRA's invocation) must be a non-empty "
-                             f"array of token ids, got {tokens!r}.")
-    return tuple(tokens)
+    src/llama-adapter.cpp reads into alora_invocation_tokens); None: a plain LoRA."""
+    value = _field_value(reader, KEY_ALORA_TOKENS) if KEY_ALORA_TOKENS in reader.fields else None
+    return invocation_tokens(value, f"{path}: {KEY_ALORA_TOKENS}")
 
 
 def _open(path: Path):

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from ...errors import InvalidAdapter
+from ..weights import invocation_tokens
 from .common import CONFIG_FILE
 from .peft_experts import check_target_parameters
 
@@ -46,16 +47,9 @@ BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 # ---- checks -----------------------------------------------------------------------
 
 
-def invocation_tokens(config: dict, where: Path) -> tuple[int, ...] | None:
-    """An activated LoRA's ``alora_invocation_tokens`` (PEFT's aLoRA), checked; None: a plain LoRA."""
-    tokens = config.get("alora_invocation_tokens")
-    if tokens is None:
-        return None
-    if not isinstance(tokens, list) or not tokens or not all(
-            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
-        raise InvalidAdapter(f"Adapter at {where}: alora_invocation_tokens (an activated LoRA's invocation) must "
-                             f"be a non-empty list of token ids, got {tokens!r}.")
-    return tuple(tokens)
+def alora_tokens(config: dict, where: Path) -> tuple[int, ...] | None:
+    """PEFT's aLoRA ``alora_invocation_tokens``, checked; None: a plain LoRA."""
+    return invocation_tokens(config.get("alora_invocation_tokens"), f"Adapter at {where}: alora_invocation_tokens")
 
 
 def check_config(config: dict, where: Path) -> None:
@@ -63,7 +57,7 @@ def check_config(config: dict, where: Path) -> None:
     whose fields PEFT itself would not take."""
     config_file = where / CONFIG_FILE
     _check_plain_lora(config, where)
-    invocation_tokens(config, where)
+    alora_tokens(config, where)
     _check_targets(config, where, config_file)
     _check_ranks(config, where, config_file)
     for name in ("target_modules", "exclude_modules"):
