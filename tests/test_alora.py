@@ -54,6 +54,10 @@ def test_activated_rows_match_a_per_position_loop_in_a_mixed_batch(tiny_model, a
         r.stop()
     references = [activated_reference(base, merged, prompts[i], s) for i, s in starts]
     assert alone == references[1]
+    # the same prompt and start comes back from the cache of its own identity, all but its last token;
+    # the same prompt with another start shares nothing with it (only a start-0 row's empty base part)
+    assert seqs[1].num_cached_tokens == len(prompts[0]) - 1
+    assert seqs[0].num_cached_tokens == 0
     assert outputs[: len(starts)] == references
     # the plain rows beside them are what plain LoRA and the base give
     b = merged_model(tiny_model, [adapters["b"]])[0]
@@ -138,6 +142,10 @@ def test_an_activated_lora_over_the_api(tiny_model, peft_alora, models):
         yes = answer["choices"][0]
         assert yes["alora_invoked"] is True
         assert yes["text"] == detokenize(tokenizer, activated_reference(base, merged, invoked, len(head)), False)
+        # asked again, the part after the invocation comes from the activated LoRA's own entry
+        again = complete(invoked).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == len(invoked) - 1
+        assert again["choices"][0]["text"] == yes["text"]
         no = complete(plain).json()["choices"][0]
         assert no["alora_invoked"] is False
         assert no["text"] == detokenize(tokenizer, activated_reference(base, base, plain, 0), False)
@@ -145,5 +153,56 @@ def test_an_activated_lora_over_the_api(tiny_model, peft_alora, models):
         last = [line for line in complete(invoked, stream=True).text.splitlines() if '"finish_reason": "length"' in
                 line.replace('"finish_reason":"length"', '"finish_reason": "length"')]
         assert last and '"alora_invoked": true' in last[0].replace('"alora_invoked":true', '"alora_invoked": true')
+    finally:
+        handle.stop()
+
+
+def test_the_responses_and_messages_apis_say_whether_it_was_invoked(tiny_model, adapters, tmp_path):
+    """An activated LoRA invoked by the assistant's role header, as one is
+    trained: the templated conversation holds it, so /v1/responses and
+    /v1/messages answer with ``alora_invoked`` true (streamed too, on the
+    response and the message objects); invoked by tokens it does not hold,
+    false; the base model's objects have no such field."""
+    import json
+
+    import httpx
+    from mlx_lm.utils import load_tokenizer
+
+    from helpers import start_server
+    from mola.adapters.formats import read_adapter
+    from mola.adapters.weights import invocation_start
+    from mola.config import AdapterSpec
+    from mola.testing.peft import save_peft_adapter
+
+    messages = [{"role": "user", "content": "Say hi"}]
+    templated = load_tokenizer(tiny_model).apply_chat_template(messages, add_generation_prompt=True)
+    header = templated[-3:]
+    paths = {}
+    for name, tokens in (("header", header), ("absent", INVOCATION)):
+        assert (invocation_start(tuple(tokens), templated) is not None) == (name == "header")
+        path = save_peft_adapter(tmp_path / name, read_adapter(adapters["a"]))
+        config = json.loads((path / "adapter_config.json").read_text())
+        (path / "adapter_config.json").write_text(json.dumps({**config, "alora_invocation_tokens": list(tokens)}))
+        paths[name] = path
+    handle = start_server(model=str(tiny_model), adapters=[AdapterSpec(n, str(p)) for n, p in paths.items()],
+                          max_lora_rank=16)
+    try:
+        def post(route, model, stream=False):
+            body = {"model": model, "stream": stream, **(
+                {"input": messages[0]["content"], "max_output_tokens": 4} if route == "responses" else
+                {"messages": messages, "max_tokens": 4})}
+            r = httpx.post(f"{handle.url}/v1/{route}", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            if not stream:
+                return r.json()
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+            return next(e["response"] if route == "responses" else e["message"] for e in events
+                        if e["type"] in ("response.created", "message_start"))
+
+        for route in ("responses", "messages"):
+            for stream in (False, True):
+                assert post(route, "header", stream)["alora_invoked"] is True, (route, stream)
+                assert post(route, "absent", stream)["alora_invoked"] is False, (route, stream)
+            assert "alora_invoked" not in post(route, "tiny")
     finally:
         handle.stop()

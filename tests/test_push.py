@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -38,9 +39,10 @@ def trained(tiny_model, adapters):
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, adapters):
+def server(tiny_model, adapters, tmp_path_factory):
     handle = start_server(model=str(tiny_model), adapters=[AdapterSpec("a", str(adapters["a"]))], admin_key=KEY,
-                          max_lora_rank=16, max_adapter_push_bytes=1 << 20)
+                          max_lora_rank=16, max_adapter_push_bytes=1 << 20,
+                          adapter_dirs=(str(tmp_path_factory.mktemp("pushed")),))
     yield handle
     handle.stop()
 
@@ -114,3 +116,60 @@ def test_bad_pushes_get_4xx_and_change_nothing(server, trained):
     r = httpx.put(url, content=bad, headers=auth, timeout=60)
     assert r.status_code == 400 and "q_proj" in r.json()["error"]["message"], r.text
     assert httpx.get(server.url + "/v1/adapters/live2").status_code == 404
+
+
+def peft_body(adapter, tmp_path, dtype, **config_extra) -> bytes:
+    """Adapter ``adapter`` as PEFT writes it (PEFT's names, ``dtype``), as one push body."""
+    import mlx.core as mx
+
+    from mola.adapters.formats import read_adapter
+    from mola.testing.peft import save_peft_adapter
+
+    path = save_peft_adapter(tmp_path / f"peft-{dtype}", read_adapter(adapter), dtype=dtype)
+    config = {**json.loads((path / "adapter_config.json").read_text()), **config_extra}
+    mx.save_safetensors(str(tmp_path / "body.safetensors"), mx.load(str(path / "adapter_model.safetensors")),
+                        metadata={"adapter_config": json.dumps(config)})
+    return (tmp_path / "body.safetensors").read_bytes()
+
+
+def test_peft_named_pushes_and_persisted_ones(server, adapters, tmp_path):
+    """PEFT's names push as mlx-lm's do (float32: adapter a's answer); bfloat16
+    factors too. persist=true writes the adapter directory under the first
+    --adapter-dir, which serves from disk what the push serves from memory; a
+    later persisted push replaces it whole, and a directory no push wrote is
+    never replaced (409, nothing served)."""
+    import mlx.core as mx
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def put(name, body, **params):
+        return httpx.put(f"{server.url}/v1/adapters/{name}/weights", content=body, headers=auth, params=params,
+                         timeout=60)
+
+    def answer(model):
+        return chat(server.url, model).json()["choices"][0]["message"]["content"]
+
+    r = put("peft32", peft_body(adapters["a"], tmp_path, mx.float32, alora_invocation_tokens=[7, 11]))
+    assert r.status_code == 200 and r.json()["alora_invocation_tokens"] == [7, 11], r.text
+    assert put("peft32", peft_body(adapters["a"], tmp_path, mx.float32)).status_code == 200
+    assert answer("peft32") == answer("a")
+    body16 = peft_body(adapters["a"], tmp_path, mx.bfloat16)
+    r = put("peft16", body16, persist="true")
+    assert r.status_code == 200, r.text
+    persisted, version = Path(r.json()["persisted"]), r.json()["version"]
+    root = Path(server.config.adapter_dirs[0])
+    assert persisted == root / "peft16" and (persisted / "adapter_model.safetensors").read_bytes() == body16
+    r = httpx.post(server.url + "/v1/adapters", json={"name": "peft16-disk", "path": str(persisted)},
+                   headers=auth, timeout=60)
+    assert r.status_code == 200, r.text
+    assert answer("peft16") == answer("peft16-disk")
+    body32 = peft_body(adapters["a"], tmp_path, mx.float32)
+    assert put("peft16", body32, persist="true").json()["version"] > version
+    assert (persisted / "adapter_model.safetensors").read_bytes() == body32
+    (root / "theirs").mkdir()
+    (root / "theirs" / "notes.txt").write_text("not a push")
+    r = put("theirs", body32, persist="true")
+    assert r.status_code == 409 and "not written by a push" in r.json()["error"]["message"], r.text
+    assert (root / "theirs" / "notes.txt").read_text() == "not a push"
+    theirs = httpx.get(server.url + "/v1/adapters/theirs").json()  # known from the directory, not pushed
+    assert theirs.get("source") != "push" and theirs.get("version", 0) <= 1, theirs

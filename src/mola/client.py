@@ -18,9 +18,10 @@ from __future__ import annotations
 import json
 
 
-def adapter_body(model) -> bytes:
+def adapter_body(model, alora_invocation_tokens: list[int] | None = None) -> bytes:
     """The safetensors body of ``model``'s LoRA factors (mlx-lm LoRALinear layers,
-    one scale), with its adapter_config in the metadata (mola.adapters.pushed)."""
+    one scale), with its adapter_config in the metadata (mola.adapters.pushed);
+    ``alora_invocation_tokens``: an activated LoRA's invocation."""
     import numpy as np
     import safetensors.numpy
     from mlx.utils import tree_flatten
@@ -31,20 +32,26 @@ def adapter_body(model) -> bytes:
         raise ValueError(f"expected LoRA layers of one scale, found {len(factors)} factors and scales {scales}")
     ranks = {v.shape[-1] for k, v in factors.items() if k.endswith(".lora_a")}
     config = {"fine_tune_type": "lora", "lora_parameters": {"rank": max(ranks), "scale": scales.pop()}}
+    if alora_invocation_tokens is not None:
+        config["alora_invocation_tokens"] = [int(t) for t in alora_invocation_tokens]
     return safetensors.numpy.save(factors, metadata={"adapter_config": json.dumps(config)})
 
 
 def push_adapter(url: str, name: str, model, *, scale: float = 1.0, base: str | None = None,
-                 admin_key: str | None = None, timeout: float = 120.0) -> dict:
+                 admin_key: str | None = None, persist: bool = False,
+                 alora_invocation_tokens: list[int] | None = None, timeout: float = 120.0) -> dict:
     """PUT ``model``'s LoRA factors as adapter ``name`` (``scale`` multiplies them
-    on top of their own; ``base``: the base model, default the server's); the
-    server's adapter object (its ``version``), or httpx.HTTPStatusError with
-    the server's error."""
+    on top of their own; ``base``: the base model, default the server's;
+    ``persist``: the server also writes them under its first --adapter-dir;
+    ``alora_invocation_tokens``: an activated LoRA's invocation); the server's
+    adapter object (its ``version``), or httpx.HTTPStatusError with the
+    server's error."""
     import httpx
 
-    params = {"scale": scale, **({"base": base} if base else {})}
+    params = {"scale": scale, **({"base": base} if base else {}), **({"persist": "true"} if persist else {})}
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
-    r = httpx.put(f"{url.rstrip('/')}/v1/adapters/{name}/weights", content=adapter_body(model), params=params,
+    body = adapter_body(model, alora_invocation_tokens)
+    r = httpx.put(f"{url.rstrip('/')}/v1/adapters/{name}/weights", content=body, params=params,
                   headers={"content-type": "application/octet-stream", **headers}, timeout=timeout)
     r.raise_for_status()
     return r.json()

@@ -63,6 +63,14 @@ class AdapterExists(MolaError):
         self.name = name
 
 
+class AdapterDirExists(MolaError):
+    """A push asks to be persisted where a directory no push wrote already is."""
+
+
+class PersistFailed(MolaError):
+    """A push's adapter directory could not be written (the disk refused it)."""
+
+
 class AdapterPathNotFound(MolaError):
     """The path given for an adapter does not exist."""
 

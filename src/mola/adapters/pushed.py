@@ -1,66 +1,122 @@
 """Adapters pushed from memory (PUT /v1/adapters/{name}/weights): a training
 loop sends its LoRA factors as one safetensors body, no file in between.
 
-The body holds mlx-lm's factor names (``model.layers.0.self_attn.q_proj.lora_a``
-[in, r] and ``.lora_b`` [r, out], as its LoRALinear names its parameters) and
-its adapter_config.json as the safetensors metadata entry ``adapter_config``
-(``lora_parameters.scale`` is read from it). The factors are kept here, in
-host memory, under a source name of their own (``pushed:NAME@N``), which the
-registry treats as it treats an adapter's path: slot writes, evictions and
-reloads read it from here (mola.adapters.recipe.read_checked). Nothing is
-written to disk.
+The body holds the factors by the names of an adapter directory's weights
+file, with that directory's adapter_config.json as the safetensors metadata
+entry ``adapter_config``:
+
+- mlx-lm's (``model.layers.0.self_attn.q_proj.lora_a`` [in, r] and
+  ``.lora_b`` [r, out], as its LoRALinear names its parameters; the config's
+  ``lora_parameters.scale``), or
+- PEFT's (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``
+  [r, in] and ``lora_B.weight`` [out, r]; the config's ``r``, ``lora_alpha``,
+  ``target_modules``... checked as a PEFT directory's are).
+
+Either may name an activated LoRA's ``alora_invocation_tokens``. Factors come
+in float32, float16 or bfloat16. They are kept here, in host memory, under a
+source name of their own (``pushed:NAME@N``), which the registry treats as it
+treats an adapter's path: slot writes, evictions and reloads read it from
+here (mola.adapters.recipe.read_checked). Nothing is written to disk, unless
+the push asks for it (``?persist=true``: :func:`persist` writes the adapter
+directory the body describes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import os
+import shutil
 import struct
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
-from ..errors import InvalidAdapter
-from .formats.mlx_lm import adapter_scale, mlx_lm_weights
-from .weights import LoRAWeights, ModuleLoRA
+from ..errors import AdapterDirExists, InvalidAdapter, PersistFailed
+from .formats.common import CONFIG_FILE
+from .formats.mlx_lm import WEIGHTS_FILE as MLX_LM_WEIGHTS_FILE, adapter_scale, alora_tokens, mlx_lm_weights
+from .formats.peft import WEIGHTS_FILE as PEFT_WEIGHTS_FILE, peft_weights
+from .weights import LoRAWeights, ModuleLoRA, with_invocation
 
 PREFIX = "pushed:"
 CONFIG_KEY = "adapter_config"  # the safetensors metadata entry holding adapter_config.json
+MARKER = ".mola-pushed"  # in a directory persist() wrote: a later push of the name may replace it
+DTYPES = {"F32": (np.float32, None), "F16": (np.float16, None), "BF16": (np.uint16, mx.bfloat16)}
 
 _store: dict[str, LoRAWeights] = {}  # source name -> its factors (float32, as sent)
 _numbers = itertools.count(1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pushed:
+    """A pushed body read: its factors, and the adapter directory it describes."""
+    weights: LoRAWeights
+    files: dict[str, bytes]  # file name -> contents: adapter_config.json and the weights file
 
 
 def is_pushed(path: str) -> bool:
     return str(path).startswith(PREFIX)
 
 
-def parse(name: str, body: bytes) -> LoRAWeights:
-    """The factors of a pushed body; InvalidAdapter naming what is wrong."""
-    import safetensors.numpy
-
+def parse(name: str, body: bytes, model_config: dict | None = None) -> Pushed:
+    """The factors of a pushed body (``model_config``: the base's, which places
+    PEFT's expert factors); InvalidAdapter naming what is wrong."""
     where = f"the adapter pushed as '{name}'"
-    if len(body) < 8:
-        raise InvalidAdapter(f"{where} is not a safetensors body ({len(body)} bytes).")
-    (size,) = struct.unpack("<Q", body[:8])
-    try:
-        header = json.loads(body[8 : 8 + size])
-        tensors = safetensors.numpy.load(body)
-    except Exception as e:
-        raise InvalidAdapter(f"{where} is not a readable safetensors body: {e}") from None
+    header, tensors = _read_safetensors(body, where)
     text = (header.get("__metadata__") or {}).get(CONFIG_KEY)
     if text is None:
-        raise InvalidAdapter(f"{where} has no '{CONFIG_KEY}' metadata entry (its adapter_config.json, with "
-                             "lora_parameters.scale).")
+        raise InvalidAdapter(f"{where} has no '{CONFIG_KEY}' metadata entry (its adapter_config.json: mlx-lm's, "
+                             "with lora_parameters.scale, or PEFT's).")
     try:
         config = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidAdapter(f"{where}: its '{CONFIG_KEY}' metadata is not JSON: {e}") from None
     if not isinstance(config, dict):
         raise InvalidAdapter(f"{where}: its '{CONFIG_KEY}' metadata is not a JSON object.")
+    files = {CONFIG_FILE: (json.dumps(config, indent=2) + "\n").encode()}
+    if any(".lora_A" in k or ".lora_B" in k for k in tensors):  # PEFT's names
+        model_config = model_config or {}
+        weights = peft_weights(config, tensors, Path(f"<{name}>"), Path(f"<{name}: body>"),
+                               model_type=model_config.get("model_type"), model_config=model_config)
+        return Pushed(dataclasses.replace(weights, source=where), {**files, PEFT_WEIGHTS_FILE: body})
     scale = adapter_scale(config, Path(f"<{name}>"))
-    arrays = {k: mx.array(v) for k, v in tensors.items()}
-    return mlx_lm_weights(arrays, scale, where, where)
+    weights = with_invocation(mlx_lm_weights(tensors, scale, where, where), alora_tokens(config, where))
+    return Pushed(weights, {**files, MLX_LM_WEIGHTS_FILE: body})
+
+
+def _read_safetensors(body: bytes, where: str) -> tuple[dict, dict[str, mx.array]]:
+    """(header, tensors) of a safetensors body in memory; float32, float16 and
+    bfloat16 tensors (numpy has no bfloat16: its bits are read as uint16)."""
+    if len(body) < 8:
+        raise InvalidAdapter(f"{where} is not a safetensors body ({len(body)} bytes).")
+    (size,) = struct.unpack("<Q", body[:8])
+    try:
+        header = json.loads(body[8 : 8 + size])
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidAdapter(f"{where} is not a readable safetensors body: {e}") from None
+    data, tensors = memoryview(body)[8 + size:], {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype, view = DTYPES[info["dtype"]]
+            begin, end = (int(x) for x in info["data_offsets"])
+            shape = tuple(int(n) for n in info["shape"])
+            array = np.frombuffer(data[begin:end], dtype=dtype).reshape(shape)
+        except KeyError as e:
+            if isinstance(info, dict) and info.get("dtype") not in DTYPES:
+                raise InvalidAdapter(f"{where}: '{key}' is of type {info.get('dtype')!r}; pushed factors are "
+                                     f"{', '.join(DTYPES)}.") from None
+            raise InvalidAdapter(f"{where}: '{key}' lacks its {e} in the safetensors header.") from None
+        except (TypeError, ValueError) as e:
+            raise InvalidAdapter(f"{where}: '{key}' does not fit the body: {e}") from None
+        tensors[key] = mx.array(array) if view is None else mx.array(array).view(view)
+    return header, tensors
 
 
 def keep(name: str, weights: LoRAWeights) -> str:
@@ -86,4 +142,34 @@ def read_pushed(source: str, dtype: mx.Dtype | None) -> LoRAWeights:
         return weights
     modules = {p: ModuleLoRA(a=m.a.astype(dtype), b=m.b.astype(dtype), scale=m.scale)
                for p, m in weights.modules.items()}
-    return LoRAWeights(source=weights.source, format="pushed", modules=modules)
+    return dataclasses.replace(weights, format="pushed", modules=modules)
+
+
+def persist(name: str, pushed: Pushed, root: Path) -> Path:
+    """Write the adapter directory a push describes as ``root/name``, through a
+    temporary directory beside it (the old one, if a push wrote it, replaced
+    whole). A directory there that no push wrote is not touched: AdapterDirExists."""
+    target = Path(root) / name
+    if not target.resolve().is_relative_to(Path(root).resolve()):
+        raise InvalidAdapter(f"'{name}' does not name a directory under {root}.")
+    if target.exists() and not (target / MARKER).is_file():
+        raise AdapterDirExists(f"{target} exists and was not written by a push; persist=true will not replace "
+                               "it (move it, or push under another name).", param="persist")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.push-", dir=target.parent))
+    except OSError as e:
+        raise PersistFailed(f"the pushed adapter could not be written under {root}: {e}") from None
+    try:
+        for file, data in {**pushed.files, MARKER: b""}.items():
+            (tmp / file).write_bytes(data)
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        if target.exists():
+            os.replace(target, old)
+        os.replace(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        raise PersistFailed(f"the pushed adapter could not be written to {target}: {e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -36,6 +36,10 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
                        "(a llama.cpp GGUF LoRA); give it twice for both, from the same weights")
     train.add_argument("--gguf-outtype", choices=t.GGUF_OUTTYPES, default="f32",
                        help="tensor type of a .gguf output, as llama.cpp's converter's --outtype (default f32)")
+    train.add_argument("--alora-invocation", metavar="TEXT",
+                       help="train an activated LoRA: its delta applies from the last place TEXT's tokens start "
+                       "in each example (e.g. the assistant's role header), the base model alone before it; "
+                       "served so, the base model's cached prompt is reused up to there")
     _train_recipe_flags(train, t)
     return train
 
@@ -93,6 +97,7 @@ def train_config_from_args(args: argparse.Namespace):
         seed=args.seed, steps_per_report=args.steps_per_report, steps_per_eval=args.steps_per_eval,
         val_batches=args.val_batches, grad_checkpoint=args.grad_checkpoint, force=args.force,
         name=args.name, serve_url=args.serve_url, gguf_outtype=args.gguf_outtype, dtype=args.dtype,
+        alora_invocation=getattr(args, "alora_invocation", None),
         api_key=args.api_key or os.environ.get("MOLA_ADMIN_KEY") or os.environ.get("MOLA_API_KEY") or None,
     )
 

@@ -258,17 +258,19 @@ class Scheduler:
         for seq, hit in zip(batch, hits):
             seq.move_to(SequenceStatus.PREFILLING)
             seq.num_cached_tokens = hit.num_tokens if hit else 0
-            if self.prompt_cache is not None and seq.cached_part[0] is not None and prefill_len(seq) > 0:
+            cacheable = any(key is not None for key, _ in seq.cached_parts)
+            if self.prompt_cache is not None and cacheable and prefill_len(seq) > 0:
                 self.prompt_cache.use(hit)
         self.prefilling, self.prefill_done = batch, 0
         plan.prefill_is_new = bool(batch)
         plan.cache.hits = hits
 
     def _lookup(self, seq: Sequence) -> PrefixHit | None:
-        key, tokens = seq.cached_part
-        if self.prompt_cache is None or key is None:
+        """The longest cached prefix of the row's parts (Sequence.cached_parts)."""
+        if self.prompt_cache is None:
             return None
-        return self.prompt_cache.peek(key, tokens)
+        hits = [self.prompt_cache.peek(key, tokens) for key, tokens in seq.cached_parts if key is not None]
+        return max(filter(None, hits), key=lambda hit: hit.num_tokens, default=None)
 
     def _store(self, plan: StepPlan, where: list, index: int, key: tuple | None, tokens: list[int]) -> None:
         """Give ``tokens`` an entry under ``key`` (a Sequence.cache_key) in the prompt
@@ -296,5 +298,6 @@ class Scheduler:
             seq = self.prefilling[i]
             seq.move_to(SequenceStatus.RUNNING)
             self.running.append(seq)
-            self._store(plan, plan.cache.store_joined, i, *seq.cached_part)
+            for key, tokens in seq.cached_parts:
+                self._store(plan, plan.cache.store_joined, i, key, tokens)
         self.prefilling, self.prefill_done = [], 0

@@ -145,21 +145,24 @@ class Sequence:
     @property
     def cache_key(self) -> tuple | None:
         """What the KV state of this row depends on besides the base model and
-        the tokens (None: unknown, so never cached)."""
-        if self.adapter_start is not None:
-            return None  # part base, part adapter: only its base part is cached (cached_part)
+        the tokens (None: unknown, so never cached). An activated LoRA's also
+        depends on where its delta starts."""
         if self.adapter_key is None:
             return BASE_KEY if self.slot == 0 else None
+        if self.adapter_start is not None:
+            return (self.adapter_key, float(self.lora_scale), self.adapter_start)
         return (self.adapter_key, float(self.lora_scale))
 
     @property
-    def cached_part(self) -> tuple[tuple | None, list[int]]:
-        """The key and the tokens the prompt cache serves and keeps for this
-        row when it is prefilled: its context but the last; for an activated
-        LoRA, the tokens before its start, which are the base model's alone."""
+    def cached_parts(self) -> list[tuple[tuple | None, list[int]]]:
+        """The keys and tokens the prompt cache serves and keeps for this row
+        when it is prefilled: its context but the last under its own key; for
+        an activated LoRA, also the tokens before its start under the base
+        model's, since they are the base model's alone."""
+        own = (self.cache_key, self.context[:-1])
         if self.adapter_start is not None:
-            return BASE_KEY, self.context[: self.adapter_start]
-        return self.cache_key, self.context[:-1]
+            return [(BASE_KEY, self.context[: self.adapter_start]), own]
+        return [own]
 
     @property
     def is_finished(self) -> bool:

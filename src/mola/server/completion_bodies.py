@@ -34,12 +34,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
     return out
 
 
-def with_alora(choice: dict, invoked: bool | None) -> dict:
-    """A choice of an activated LoRA says whether its invocation was in the
+def with_alora(answer: dict, invoked: bool | None) -> dict:
+    """An activated LoRA's answer (a chat or completion choice, a Responses
+    response, a Messages message) says whether its invocation was in the
     prompt (mola's own field, ``alora_invoked``; false: the base alone answered)."""
     if invoked is not None:
-        choice["alora_invoked"] = invoked
-    return choice
+        answer["alora_invoked"] = invoked
+    return answer
 
 
 # ---- chat ---------------------------------------------------------------------

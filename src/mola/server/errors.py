@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import (
+    AdapterDirExists,
     AdapterExists,
     AdapterNotFound,
     AdapterPathNotAllowed,
@@ -29,6 +30,7 @@ from ..errors import (
     ModelNotFound,
     MolaError,
     Overloaded,
+    PersistFailed,
     RequestTimedOut,
     ResponseNotFound,
     ShuttingDown,
@@ -45,6 +47,8 @@ STATUS: dict[type, tuple[int, str, str | None]] = {
     AdapterPathNotAllowed: (403, "permission_error", "adapter_path_not_allowed"),
     AdapterExists: (409, "invalid_request_error", "adapter_exists"),
     BaseBusy: (409, "invalid_request_error", "model_busy"),
+    AdapterDirExists: (409, "invalid_request_error", "adapter_dir_exists"),
+    PersistFailed: (507, "server_error", "persist_failed"),
     KVBudgetExceeded: (400, "invalid_request_error", "kv_budget_exceeded"),
     InvalidAdapter: (400, "invalid_request_error", "invalid_adapter"),
     InvalidAdapterName: (400, "invalid_request_error", "invalid_adapter_name"),

@@ -65,6 +65,9 @@ class TrainConfig:
     # the QuantizedLinear layers, as mlx-lm's tuner does) or a float dtype it is
     # dequantized to (mola serve's --dtype).
     dtype: str = "keep"
+    # An activated LoRA: its delta applies from the last place this text's
+    # tokens start in each example (None: a plain LoRA).
+    alora_invocation: str | None = None
     outputs: tuple[Path, ...] = field(init=False)
 
     def __post_init__(self):
@@ -121,6 +124,9 @@ class TrainConfig:
             if not targets or not all(targets):
                 raise ValueError("targets must be module names such as q_proj,v_proj (none empty)")
             object.__setattr__(self, "targets", targets)
+        if self.alora_invocation is not None and (not isinstance(self.alora_invocation, str)
+                                                  or not self.alora_invocation):
+            raise ValueError("alora_invocation must be a non-empty text (the invocation, e.g. a role header)")
         if self.serve_url is not None and not re.match(r"^https?://[^\s/]+", self.serve_url):
             raise ValueError(f"serve_url must be an http:// or https:// URL, got {self.serve_url!r}")
         if self.name is not None or self.serve_url is not None:

@@ -114,10 +114,13 @@ def train_adapter(config: TrainConfig, log: Callable[[str], None] = _stderr) -> 
     train_set = tokenize(data.train.examples, tokenizer, config.mask_prompt)
     valid_set = tokenize(data.valid.examples, tokenizer, config.mask_prompt) if data.valid else []
     _check_lengths(config, train_set, valid_set, log)
+    invocation = _invocation(config, tokenizer, train_set, valid_set, log)
     lora_parameters, trainable = add_lora_layers(model, config, keys, num_layers, log)
     progress = Progress(config.iters, log)
-    _fit_and_write(model, config, train_set, valid_set, progress,
-                   train_adapter_config(config, num_layers, lora_parameters), model_config)
+    adapter_config = train_adapter_config(config, num_layers, lora_parameters)
+    if invocation is not None:
+        adapter_config.update(alora_invocation_tokens=list(invocation), alora_invocation=config.alora_invocation)
+    _fit_and_write(model, config, train_set, valid_set, progress, adapter_config, model_config, invocation)
     linears, quantized = _count_linears(model)
     result = TrainResult(
         path=config.out, seconds=time.perf_counter() - t_start, train_loss=progress.train_loss,
@@ -133,6 +136,20 @@ def train_adapter(config: TrainConfig, log: Callable[[str], None] = _stderr) -> 
         result.served = hot_load(config.serve_url, config.adapter_name, config.out, config.api_key)
         log(f"[mola] {config.serve_url} now serves the adapter as model '{config.adapter_name}'")
     return result
+
+
+def _invocation(config: TrainConfig, tokenizer, train_set, valid_set, log) -> tuple[int, ...] | None:
+    """An activated LoRA's invocation tokens, found in every example (None: a plain LoRA)."""
+    if config.alora_invocation is None:
+        return None
+    from .alora import check_invoked, invocation_tokens
+
+    invocation = invocation_tokens(tokenizer, config.alora_invocation)
+    check_invoked(train_set, invocation, config.max_seq_length, "training", config.alora_invocation)
+    check_invoked(valid_set, invocation, config.max_seq_length, "validation", config.alora_invocation)
+    log(f"[mola] an activated LoRA: its delta applies from {config.alora_invocation!r} (tokens "
+        f"{list(invocation)}) on, the base model alone before it")
+    return invocation
 
 
 def _check_inputs(config: TrainConfig, log: Callable[[str], None]):
@@ -252,10 +269,17 @@ def train_adapter_config(config: TrainConfig, num_layers: int, lora_parameters: 
 
 
 def _fit_and_write(model, config: TrainConfig, train_set, valid_set, progress: "Progress",
-                   adapter_config: dict, model_config: dict) -> None:
+                   adapter_config: dict, model_config: dict, invocation: tuple[int, ...] | None = None) -> None:
     """mlx-lm's training loop into a temporary directory beside the output,
-    then moved into place (and written as GGUF for a .gguf output)."""
+    then moved into place (and written as GGUF for a .gguf output). With an
+    ``invocation``, the LoRA layers are activated ones (mola.train.alora)."""
     from mlx_lm.tuner.trainer import TrainingArgs, train
+
+    activated = {}
+    if invocation is not None:
+        from . import alora
+
+        activated = {"loss": alora.loss(alora.activate(model)), "iterate_batches": alora.batches(invocation)}
 
     out = config.mlx_lm_out or config.gguf_out  # the directory is moved into place: beside it
     out.resolve().parent.mkdir(parents=True, exist_ok=True)
@@ -274,7 +298,7 @@ def _fit_and_write(model, config: TrainConfig, train_set, valid_set, progress: "
             train(model=model, optimizer=adam(learning_rate_schedule(config), config.grad_clip),
                   train_dataset=batchable(train_set, config.seed),
                   val_dataset=batchable(valid_set, None) if valid_set else None, args=args,
-                  training_callback=progress.callback)
+                  training_callback=progress.callback, **activated)
         (tmp / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
         if config.gguf_out is not None:
             write_gguf(tmp, config.gguf_out, model_config, config.model, config.gguf_outtype)

@@ -23,7 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..weights import LoRAWeights
-from .gguf import KEY_ADAPTER_TYPE, KEY_LORA_ALPHA
+from .gguf import KEY_ADAPTER_TYPE, KEY_ALORA_TOKENS, KEY_LORA_ALPHA
 from .gguf_names import ARCHITECTURES, Architecture, llama_cpp_row_order, tensor_base_name
 
 OUTTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -98,7 +98,7 @@ def save_gguf_adapter(
     heads = {"attn_q": n_head, "attn_k": n_kv_head if n_kv_head is not None else n_head}
     tensors = _tensors(weights, factors, arch, heads)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write(path, arch.name, tensors, alpha, dtype, name or path.stem, base_model)
+    _write(path, arch.name, tensors, alpha, dtype, name or path.stem, base_model, weights.invocation_tokens)
     return path
 
 
@@ -128,8 +128,9 @@ def _tensors(weights: LoRAWeights, factors: dict[str, float], arch: Architecture
 
 
 def _write(path: Path, arch_name: str, tensors: list[tuple[str, np.ndarray]], alpha: float, dtype: str,
-           name: str, base_model: str | None) -> None:
-    """The GGUF file: its tensors (encoded as ``dtype``) and its adapter metadata."""
+           name: str, base_model: str | None, invocation: tuple[int, ...] | None = None) -> None:
+    """The GGUF file: its tensors (encoded as ``dtype``) and its adapter metadata
+    (an activated LoRA's ``invocation`` as llama.cpp's convert_lora_to_gguf.py writes it)."""
     from gguf import GGML_QUANT_VERSION, GGUFWriter
 
     writer = GGUFWriter(str(path), arch_name)  # writes general.architecture
@@ -143,6 +144,8 @@ def _write(path: Path, arch_name: str, tensors: list[tuple[str, np.ndarray]], al
         writer.add_base_model_count(1)
         writer.add_base_model_name(0, base_model)
     writer.add_float32(KEY_LORA_ALPHA, alpha)
+    if invocation is not None:
+        writer.add_array(KEY_ALORA_TOKENS, list(invocation))
     writer.add_quantization_version(GGML_QUANT_VERSION)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -6,6 +6,7 @@
                           model.layers.3.self_attn.q_proj.lora_b  [r, out]
 
 delta(x) = scale * (x @ lora_a) @ lora_b, as mlx-lm's LoRALinear computes it.
+An activated LoRA's config also holds ``alora_invocation_tokens`` (PEFT's name).
 
 The experts of a mixture of experts (mlx-lm's LoRASwitchLinear) store
 lora_a [E, r, in] and lora_b [E, out, r]; they are read as a [E, in, r] and
@@ -21,7 +22,7 @@ import mlx.core as mx
 
 from ...errors import InvalidAdapter
 from .common import CONFIG_FILE, read_config
-from ..weights import LoRAWeights, ModuleLoRA
+from ..weights import LoRAWeights, ModuleLoRA, invocation_tokens, with_invocation
 
 WEIGHTS_FILE = "adapters.safetensors"
 
@@ -67,7 +68,15 @@ def read_mlx_lm_adapter(path: Path, dtype: mx.Dtype | None = None) -> LoRAWeight
         tensors = mx.load(str(weights_file))
     except Exception as e:  # mlx raises RuntimeError/ValueError for bad files
         raise InvalidAdapter(f"{weights_file} is not a readable safetensors file: {e}")
-    return mlx_lm_weights(tensors, scale, str(path), str(weights_file), dtype)
+    weights = mlx_lm_weights(tensors, scale, str(path), str(weights_file), dtype)
+    return with_invocation(weights, alora_tokens(config, path / CONFIG_FILE))
+
+
+def alora_tokens(config: dict, where) -> tuple[int, ...] | None:
+    """An activated LoRA's invocation tokens, under PEFT's name
+    (``alora_invocation_tokens``, which `mola train --alora-invocation` writes
+    into adapter_config.json); None: a plain LoRA."""
+    return invocation_tokens(config.get("alora_invocation_tokens"), f"{where}: alora_invocation_tokens")
 
 
 def mlx_lm_weights(tensors: dict[str, mx.array], scale: float, source: str, weights_file: str,

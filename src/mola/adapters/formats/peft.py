@@ -170,9 +170,18 @@ def read_peft_adapter(
     :func:`mola.adapters.weights.validate`."""
     path = Path(path)
     config = read_config(path)
-    check_config(config, path)
     weights_file = _weights_file(path)
-    pairs = _pair_factors(_load_tensors(weights_file), weights_file)
+    return peft_weights(config, _load_tensors(weights_file), path, weights_file, dtype, model_type, model_config)
+
+
+def peft_weights(config: dict, tensors: dict[str, mx.array], path: Path, weights_file: Path,
+                 dtype: mx.Dtype | None = None, model_type: str | None = None,
+                 model_config: dict | None = None) -> LoRAWeights:
+    """PEFT's factors (``tensors``, by PEFT's names) under its adapter_config
+    ``config`` as LoRAWeights; ``path`` and ``weights_file`` name where they
+    came from in messages (a directory, or a pushed body)."""
+    check_config(config, path)
+    pairs = _pair_factors(tensors, weights_file)
     _check_pairs(pairs, path, weights_file)
     modules = _targeted_modules(config, pairs, path, weights_file, model_type, model_config)
     modules = to_mlx_lm(modules, model_type, model_config, path)

@@ -8,10 +8,11 @@
     POST   /v1/adapters            {"name", "path", "scale"?, "base"?}: check it against that base
                                    (default: the default base) now, serve it
     DELETE /v1/adapters/{name}     stop serving it; its slot frees when in-flight requests end
-    PUT    /v1/adapters/{name}/weights[?scale=S&base=B]
-                                   serve the factors in the body (safetensors, mlx-lm's names,
-                                   adapter_config in its metadata) as a new version of name,
-                                   from memory (mola.adapters.pushed)
+    PUT    /v1/adapters/{name}/weights[?scale=S&base=B&persist=true]
+                                   serve the factors in the body (safetensors, mlx-lm's or PEFT's
+                                   names, adapter_config in its metadata) as a new version of name,
+                                   from memory (mola.adapters.pushed); persist: also written as an
+                                   adapter directory under the first --adapter-dir
 
 Names follow the adapter id grammar (mola/registry/names.py); one with '/' is
 given in the URL as is or %2F-encoded (the server decodes the path first).
@@ -20,10 +21,12 @@ given in the URL as is or %2F-encoded (the server decodes the path first).
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from fastapi import APIRouter, Request
 
 from ...adapters import pushed
+from ...adapters.recipe import read_checked
 from ...errors import AdapterExists, InvalidRequest, ModelNotFound
 from ...registry.names import check_adapter_id
 from .. import protocol as p
@@ -75,7 +78,8 @@ async def load_adapter(body: p.LoadAdapterRequest, request: Request):
 
 
 @router.put("/v1/adapters/{name:path}/weights")
-async def push_adapter(name: str, request: Request, scale: float = 1.0, base: str | None = None):
+async def push_adapter(name: str, request: Request, scale: float = 1.0, base: str | None = None,
+                       persist: bool = False):
     check_adapter_id(name)
     bases = request.app.state.bases
     owner = bases.find(name)
@@ -87,14 +91,23 @@ async def push_adapter(name: str, request: Request, scale: float = 1.0, base: st
     if state.engine.engine.group is not None:
         raise InvalidRequest("A tensor-parallel group reads adapters from files on every rank; it does not "
                              "take pushed weights (POST /v1/adapters a path instead).")
-    weights = await asyncio.to_thread(pushed.parse, name, await request.body())  # off the event loop
-    source = pushed.keep(name, weights)
+    if persist and not state.config.adapter_dirs:
+        raise InvalidRequest("persist=true writes the adapter under the server's first --adapter-dir, and this "
+                             "server has none.", param="persist")
+    loader = state.registry.loader
+    body = await asyncio.to_thread(pushed.parse, name, await request.body(), loader.model_config)  # off the loop
+    source = pushed.keep(name, body.weights)
     try:
+        persisted = None
+        if persist:  # checked against the base first: nothing that cannot be served is written
+            await asyncio.to_thread(read_checked, source, loader.geometry, loader.model_config)
+            root = Path(state.config.adapter_dirs[0])
+            persisted = await asyncio.to_thread(pushed.persist, name, body, root)
         record = await state.registry.load(name, source, scale, source="push")
     except BaseException:
         pushed.drop(source)
         raise
-    return adapter_object(record)
+    return {**adapter_object(record), **({"persisted": str(persisted)} if persisted else {})}
 
 
 @router.delete("/v1/adapters/{name:path}")

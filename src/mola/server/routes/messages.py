@@ -25,6 +25,7 @@ from ..anthropic.events import MessageBuilder, usage
 from ..anthropic.protocol import Conversation, CountTokensRequest, MessagesRequest
 from ..generation import Generation, run_until_disconnect, start_generations, start_reasoning
 from ..base_leases import state_for
+from ..completion_bodies import with_alora
 from ..state import ServerState
 from ..streaming import event_stream, sse_event
 
@@ -45,6 +46,7 @@ async def create_message(body: MessagesRequest, request: Request):
     gen, = await start_generations(state, body, [prompt], tools if body.uses_tools() else None, grammar,
                                    reasoning)
     builder = MessageBuilder(body.served_model())
+    with_alora(builder.message, gen.alora_invoked)
     counts_thinking = state.reasoning is not None
     if body.stream:
         return event_stream(_stream(gen, builder, body, counts_thinking, request), gen.close)

@@ -23,6 +23,7 @@ from ..responses_api.objects import request_fields
 from ..responses_api.protocol import ResponsesRequest, constrain
 from ..responses_api.store import StoredResponse
 from ..base_leases import state_for
+from ..completion_bodies import with_alora
 from ..state import ServerState
 from ..streaming import event_stream, sse_event
 
@@ -49,7 +50,7 @@ async def create_response(body: ResponsesRequest, request: Request):
         thinking=reasoning.grammar if reasoning else None)
     gen, = await start_generations(state, body, [prompt], tools if body.uses_tools() else None, grammar,
                                    reasoning)
-    builder = ResponseBuilder(request_fields(body))
+    builder = ResponseBuilder(with_alora(request_fields(body), gen.alora_invoked))
     if body.stream:
         return event_stream(_stream(state, gen, builder, body, items, request), gen.close)
     result = await run_until_disconnect(_complete(state, gen, builder, body, items), request)
