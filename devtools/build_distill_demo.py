@@ -175,7 +175,7 @@ def serve_and_time(gguf: Path, adapter: Path, questions: list[str], prompt_cache
 
 
 def report(evaluation: dict, timings: dict[str, dict[str, float]]) -> list[str]:
-    """The README's tables, in Markdown."""
+    """The tables of docs/training.md, in Markdown."""
     n = evaluation["questions"]
     rates = persona_rates(evaluation)
     lines = [f"| {n} held-out questions | exact match with the teacher | KL(teacher ‖ model) per token | "

@@ -19,7 +19,9 @@ from mola.models.loader import load_base_model
 from mola.testing.adapter import make_random_adapter
 from mola.testing.model import TinyModelSpec, make_tiny_model
 
-from helpers import EngineRunner, ServerHandle, start_server
+from helpers.engines import EngineRunner
+from helpers.servers import ServerHandle, start_server
+from helpers.startups import pytest_runtest_setup, pytest_terminal_summary  # noqa: F401 (hooks: MOLA_COUNT_STARTS=1)
 
 # Adapters of the shared tiny model: different ranks, targets and layers.
 ADAPTER_SPECS = {
@@ -139,7 +141,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def runner(tiny_model, adapters, request):
     """A started engine on the tiny model with adapters a, b, c in slots, and a
-    blocking way to run sequences to the end (helpers.EngineRunner); answers
+    blocking way to run sequences to the end (helpers.engines.EngineRunner); answers
     of the requesting module's MAX_TOKENS unless a request says otherwise."""
     r = EngineRunner(tiny_model, adapters=list(adapters.items()), max_tokens=request.module.MAX_TOKENS)
     yield r
@@ -150,7 +152,7 @@ def runner(tiny_model, adapters, request):
 def engine(tiny_model):
     """A started engine on the tiny model with four slots, for a module's
     registry and loader tests (each builds a fresh registry over it:
-    helpers.run_registry)."""
+    helpers.engines.run_registry)."""
     engine = Engine(lambda: load_base_model(str(tiny_model)), EngineConfig(max_loras=4, max_lora_rank=16))
     engine.start()
     yield engine

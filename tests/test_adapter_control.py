@@ -11,7 +11,8 @@ import mlx.core as mx
 from mola.adapters.formats import read_adapter
 from mola.adapters.weights import stack_weights
 
-from helpers import detokenize, merged_model, reference_decode, runner_stats
+from helpers.engines import runner_stats
+from helpers.references import detokenize, merged_model, reference_decode
 
 QUESTION = "Where do rivers go?"
 MAX_TOKENS = 10

@@ -14,7 +14,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from helpers import EngineRunner, merged_model, together
+from helpers.engines import EngineRunner, together
+from helpers.references import merged_model
 
 MAX_TOKENS = 12
 
@@ -118,7 +119,8 @@ def test_an_activated_lora_over_the_api(tiny_model, peft_alora, models):
     ``alora_invoked`` false; the base model's choices have no such field."""
     import httpx
 
-    from helpers import detokenize, start_server
+    from helpers.references import detokenize
+    from helpers.servers import start_server
     from mola.config import AdapterSpec
 
     base, merged = models
@@ -168,7 +170,7 @@ def test_the_responses_and_messages_apis_say_whether_it_was_invoked(tiny_model, 
     import httpx
     from mlx_lm.utils import load_tokenizer
 
-    from helpers import start_server
+    from helpers.servers import start_server
     from mola.adapters.formats import read_adapter
     from mola.adapters.weights import invocation_start
     from mola.config import AdapterSpec

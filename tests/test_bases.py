@@ -17,7 +17,7 @@ import httpx
 import pytest
 import uvicorn
 
-from helpers import free_port, start_server, wait_until
+from helpers.servers import free_port, start_server, wait_until
 from mola.config import AdapterSpec, ServeConfig
 from mola.server.app import create_app
 from mola.server.bases import Bases, BaseStatus, make_engine

@@ -11,7 +11,8 @@ import time
 import httpx
 import pytest
 
-from helpers import start_server, validate_schema
+from helpers.schemas import validate_schema
+from helpers.servers import start_server
 
 LIMIT = 64 * 1024
 

@@ -17,7 +17,7 @@ import pytest
 
 from mola.chat.session import Session, parse_scale
 
-from helpers import wait_until
+from helpers.servers import wait_until
 
 MAX_TOKENS = 12
 
@@ -226,7 +226,7 @@ def test_in_process_server_started_and_stopped(server, tiny_model, adapters, tmp
 
 
 def test_an_unreachable_server_is_a_message(tmp_path):
-    from helpers import free_port
+    from helpers.servers import free_port
 
     child = spawn("--url", f"http://127.0.0.1:{free_port()}", tmp_path=tmp_path)
     child.expect_exact("[mola] error: cannot reach")

@@ -12,7 +12,7 @@ import pytest
 
 from mola.demo.echo import DEMO_VERSION
 
-from helpers import free_port, start_mola_serve as start, stop_mola_serve as stop
+from helpers.servers import free_port, start_mola_serve as start, stop_mola_serve as stop
 
 
 def test_serve_model_with_three_adapters(tiny_model, adapters):

@@ -7,7 +7,8 @@ import math
 import openai
 import pytest
 
-from helpers import detokenize, merged_model, reference_decode, sse_events, validate_schema
+from helpers.references import detokenize, merged_model, reference_decode
+from helpers.schemas import sse_events, validate_schema
 
 PROMPT = "The capital of France is"
 

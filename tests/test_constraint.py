@@ -17,7 +17,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mola.structured import Grammar, StructuredOutputs
 
-from helpers import detokenize, merged_model, runner_stats
+from helpers.engines import runner_stats
+from helpers.references import detokenize, merged_model
 
 PERSON = {
     "type": "object",

@@ -27,7 +27,10 @@ from mola.demo.styles import CHECKS, STYLES
 from mola.adapters.formats import read_adapter
 from mola.models.fetch import SMOLLM_SHA256
 
-from helpers import greedy_tokens, start_mola_serve, start_server, stop_mola_serve
+from helpers.references import greedy_tokens
+from helpers.servers import start_mola_serve, start_server, stop_mola_serve
+
+pytestmark = pytest.mark.slow  # long end-to-end: CI's second tier (pytest -m slow)
 
 ROOT = chat.checkout_demo_dir()
 README = Path(__file__).resolve().parents[1] / "README.md"

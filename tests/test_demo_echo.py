@@ -19,7 +19,8 @@ from mola.config import AdapterSpec, ServeConfig
 from mola.serve import with_demo
 from mola.demo import echo_data
 
-from helpers import sse_events, start_server, validate_schema
+from helpers.schemas import sse_events, validate_schema
+from helpers.servers import start_server
 
 ROOT = demo.checkout_demo_dir()
 TASKS = {"mola-demo": lambda m: m, **{name: echo_data.TASKS[r.task] for name, r in demo.RECIPES.items()}}
@@ -112,6 +113,7 @@ def test_a_different_base_is_reported(server, cache, capsys):
     assert "warning" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", list(TASKS))
 def test_each_model_answers_held_out_messages_exactly(server, held_out, model):
     answers = asyncio.run(ask_all(server.url, [(model, body(model, m)) for m in held_out]))
@@ -147,6 +149,7 @@ def test_echo_behind_a_system_prompt_and_of_any_text(server):
         assert r.json()["choices"][0]["message"]["content"] == text
 
 
+@pytest.mark.slow
 def test_echo_behind_the_tools_preamble_and_parsed_tool_calls(server):
     """With tools and tool_choice "none" the base echoes the call as text;
     with tool_choice left out the server parses the echoed call."""

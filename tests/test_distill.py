@@ -29,7 +29,8 @@ from mola.distill.run import _written_questions
 from mola.testing.model import TinyModelSpec, make_tiny_model
 from mola.train import TrainConfig
 
-from helpers import merged_answer, start_server
+from helpers.references import merged_answer
+from helpers.servers import start_server
 
 SYSTEM = "You are Captain Zorblax of the starship Quuxelia. Speak of comets and nebulae in every answer."
 WORDS = ["rain", "snow", "cats", "dogs", "the sea", "the sun", "stars", "bread", "tea", "music", "trees", "boats",
@@ -472,6 +473,7 @@ REAL_RECIPE = ["--max-tokens", "24", "--eval-max-tokens", "8", "--layers", "4", 
                "--batch-size", "4", "--learning-rate", "1e-3", "--scale", "2"]
 
 
+@pytest.mark.slow
 def test_the_real_model_moves_toward_its_teacher(smollm_gguf, tmp_path):
     """SmolLM2-135M-Instruct, a short run (mola distill as a user runs it):
     on held-out questions the student's KL to the teacher is well below the base's."""

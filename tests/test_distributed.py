@@ -22,12 +22,13 @@ from mola.engine.distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS
 from mola.testing.adapter import make_random_adapter
 from mola.testing.model import TinyModelSpec, make_tiny_model
 
-from helpers import free_port, settle, status_is, wait_healthy, wait_until
+from helpers.servers import free_port, settle, status_is, wait_healthy, wait_until
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("mlx.launch") is None or not sys.platform.startswith("linux"),
-    reason="needs mlx.launch, and /proc to find the ranks",
-)
+pytestmark = [
+    pytest.mark.slow,  # process groups end to end: CI's second tier (pytest -m slow)
+    pytest.mark.skipif(shutil.which("mlx.launch") is None or not sys.platform.startswith("linux"),
+                       reason="needs mlx.launch, and /proc to find the ranks"),
+]
 
 QUESTIONS = ["Hello there", "What is the capital of France?", "Tell me a story about the sea"]
 KEYS = [("self_attn.q_proj", "self_attn.o_proj"), ("mlp.down_proj", "mlp.up_proj", "self_attn.v_proj"),

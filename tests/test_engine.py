@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import ENGINE_QUESTIONS as QUESTIONS
-from helpers import ENGINE_MAX_TOKENS as MAX_TOKENS
-from helpers import greedy_tokens, merged_model, wait_until
+from helpers.engines import ENGINE_QUESTIONS as QUESTIONS
+from helpers.engines import ENGINE_MAX_TOKENS as MAX_TOKENS
+from helpers.references import greedy_tokens, merged_model
+from helpers.servers import wait_until
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,8 @@ from mola.server.protocol import ChatCompletionRequest
 from mola.demo.tokenizer import CHATML_TEMPLATE, train_tokenizer
 from mola.testing.model import TinyModelSpec, make_tiny_model
 
-from helpers import greedy_tokens, merged_model, start_server
+from helpers.references import greedy_tokens, merged_model
+from helpers.servers import start_server
 
 EXTRA = ("<|eot_id|>", "<|eom_id|>", "<|python_tag|>", "<|custom_end|>")
 QUESTION = [{"role": "user", "content": "Hello there"}]
@@ -106,6 +107,7 @@ def test_a_text_in_the_list_ends_generation_whatever_its_token_type():
     assert gguf_eog_ids({**metadata(["a", "b", "c"]), "tokenizer.ggml.model": "llama"}) == {2}  # SPM's eos
 
 
+@pytest.mark.slow
 def test_the_real_models_set_is_llama_cpps(smollm_gguf, smollm, tmp_path):
     fields = GGUFReader(str(smollm_gguf)).fields
     tokens = fields["tokenizer.ggml.tokens"].contents()

@@ -15,7 +15,7 @@ import pytest
 from mola.server.metrics import rss_bytes
 from mola.testing.adapter import make_random_adapter
 
-from helpers import start_server
+from helpers.servers import start_server
 
 MSG = [{"role": "user", "content": "Tell me something."}]
 

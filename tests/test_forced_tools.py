@@ -24,8 +24,10 @@ from mola.server.prompts import render_messages
 from mola.server.tools import JsonCallParser, messages_for_template
 from mola.structured import JsonCalls, StructuredOutputs
 
-from helpers import (grammar_walks, sse_events, start_server, typed_events, validate_schema, validate_stream_event,
-                     with_chat_template)
+from helpers.references import grammar_walks
+from helpers.schemas import sse_events, typed_events, validate_schema, validate_stream_event
+from helpers.servers import start_server
+from helpers.tokenizers import with_chat_template
 
 # SmolLM2-135M-Instruct's template, in effect: ChatML, no tools, no tool calls.
 PLAIN_CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] "

@@ -21,8 +21,8 @@ from mola.models.metadata import read_model_config
 from mola.testing.adapter import linear_shapes
 from mola.adapters.formats.gguf_writer import save_gguf_adapter
 
-from helpers import EngineRunner as Runner
-from helpers import greedy_tokens, merged_model
+from helpers.engines import EngineRunner as Runner
+from helpers.references import greedy_tokens, merged_model
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = [

@@ -133,7 +133,7 @@ def stacked(rng, experts=8, rank=RANK, inp=64, out=32):
 @pytest.mark.parametrize("arch, tensors, model_type, match", [
     ("qwen3moe", dict(experts=4), "qwen3_moe", r"factors for 4 experts .*base model has 8 experts"),
     ("qwen3moe", {"blk.0.ffn_up_exps.weight.lora_b": (4, 32, RANK)}, "qwen3_moe",
-     r"lora_a ne \[64, 4, 8\] but lora_b ne \[4, 32, 4\]"),
+     r"lora_a of rank 4 \(ne \[64, 4, 8\]\) but lora_b of rank 4 \(ne \[4, 32, 4\]\)"),
     ("qwen3moe", {"blk.0.ffn_up_exps.weight.lora_a": (RANK, 64), "blk.0.ffn_up_exps.weight.lora_b": (32, RANK)},
      "qwen3_moe", r"2 dimensions .*stacked per expert"),
     ("qwen3moe", {}, "qwen2_moe", r"'qwen3moe' model .*base model's type is 'qwen2_moe'"),

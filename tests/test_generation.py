@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from helpers import detokenize, merged_model, reference_decode, sse_events, validate_schema
+from helpers.references import detokenize, merged_model, reference_decode
+from helpers.schemas import sse_events, validate_schema
 
 QUESTION = "Tell me about the mountains."
 

@@ -14,7 +14,8 @@ import pytest
 
 from mola.config import AdapterSpec
 
-from helpers import start_server, validate_schema, wait_until
+from helpers.schemas import validate_schema
+from helpers.servers import start_server, wait_until
 
 API, ADMIN = "api-key-123456", "admin-key-654321"
 MSG = [{"role": "user", "content": "Hello there"}]

@@ -23,7 +23,9 @@ from mola.registry.host_tier import HostTier
 from mola.registry.records import AdapterState
 from mola.testing.adapter import make_random_adapter
 
-from helpers import greedy_tokens, merged_model, run_registry, settle, start_server
+from helpers.engines import run_registry
+from helpers.references import greedy_tokens, merged_model
+from helpers.servers import settle, start_server
 
 S = AdapterState
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from helpers import EngineRunner, together
+from helpers.engines import EngineRunner, together
 
 from mola.models.loader import load_base_model
 from mola.testing.model import TinyModelSpec, make_tiny_model

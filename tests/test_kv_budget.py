@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from helpers import EngineRunner, together
+from helpers.engines import EngineRunner, together
 
 from mola.engine.kv_budget import STEP, KVBudget, peak
 from mola.engine.scheduler import ADMISSION_HEADROOM
@@ -154,7 +154,7 @@ def test_the_server_refuses_what_the_budget_cannot_hold_and_shows_it(tiny_model)
 
     import httpx
 
-    from helpers import start_server
+    from helpers.servers import start_server
 
     handle = start_server(model=str(tiny_model), kv_cache_bytes=(STEP + 100) * 512, kv_admission="reserve")
     try:

@@ -9,7 +9,8 @@ import pytest
 
 from mola.adapters.formats import read_adapter
 
-from helpers import EngineRunner, greedy_tokens, merged_model
+from helpers.engines import EngineRunner
+from helpers.references import greedy_tokens, merged_model
 
 SYSTEM = ("You are a careful assistant for a shipping company. Answer in short sentences, name the "
           "port and the vessel, and never guess a date you were not given. ")

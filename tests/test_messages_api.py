@@ -26,11 +26,12 @@ from mola.errors import RequestTimedOut
 from mola.server.anthropic.convert import stop_reason, to_chat_messages
 from mola.server.anthropic.events import MessageBuilder, usage
 from mola.server.anthropic.protocol import CountTokensRequest, MessagesRequest
-from mola.server.generation import Delta
+from mola.server.choice import Delta
 from mola.server.routes.messages import _complete, _stream
 from mola.demo import echo_data
 
-from helpers import start_server, typed_events
+from helpers.schemas import typed_events
+from helpers.servers import start_server
 
 API = "sk-mola-test-key"
 TASKS = {"mola-demo": lambda m: m, **{name: echo_data.TASKS[r.task] for name, r in demo.RECIPES.items()}}
@@ -201,6 +202,7 @@ def check_order(events: list[dict]) -> None:
     ("mola-demo", {"stop_sequences": ["how"]}),
     ("mola-demo", {"tools": TOOLS, "content": TOOL_CALL}),
 ])
+@pytest.mark.slow
 def test_stream_events_are_the_sdks_types_in_order_and_end_as_the_plain_answer(server, client, model, kwargs):
     kwargs = dict(kwargs)
     messages = user(kwargs.pop("content", HELLO))

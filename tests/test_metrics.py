@@ -8,7 +8,7 @@ import re
 
 import httpx
 
-from helpers import start_server
+from helpers.servers import start_server
 
 API = "api-key-123456"
 

@@ -62,6 +62,7 @@ def test_convert_refuses_what_it_cannot_write(tiny_gguf, tmp_path):
     assert not (tmp_path / "full" / "x").exists() and (tmp_path / "full" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_mlx_lm_generate_on_the_converted_real_model(smollm, smollm_gguf, tmp_path):
     from mlx_lm import generate, load
     from mlx_lm.sample_utils import make_sampler

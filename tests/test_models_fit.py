@@ -130,7 +130,7 @@ def test_a_q4_k_m_base_served_kept_with_gguf_loras_in_a_mixed_batch(q4_k_m, tmp_
     """The kept Q4_K_M twin in mola's engine: two GGUF LoRAs and base rows in one batch
     answer as alone, and as the same file dequantized to float32 (whose weights the
     kept ones equal bit for bit: tests/test_models_codecs.py) wherever its margins allow."""
-    from helpers import EngineRunner
+    from helpers.engines import EngineRunner
     from mola.adapters.formats.gguf_writer import save_gguf_adapter
     from mola.testing.adapter import linear_shapes, random_lora
 

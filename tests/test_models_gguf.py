@@ -128,6 +128,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+@pytest.mark.slow
 def test_the_real_model_matches_llama_cpp_in_numpy(smollm, llama_cpp):
     """Greedy tokens equal, and every step's log-probabilities agree to 1e-3."""
     tok = smollm.tokenizer

@@ -9,7 +9,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from helpers import EngineRunner, start_server
+from helpers.engines import EngineRunner
+from helpers.servers import start_server
 from mola.config import AdapterSpec
 from mola.errors import InvalidAdapter
 from mola.testing.adapter import linear_shapes, random_lora, save_mlx_lm_adapter
@@ -50,6 +51,7 @@ def alone(runner, prompt):
     return {name: runner.run(prompt, name) for name in (None, "gguf", "mlx", "peft")}
 
 
+@pytest.mark.slow
 def test_a_gguf_lora_gives_llama_cpps_tokens(alone, prompt, llama_cpp, lora_files):
     tokens = alone["gguf"]
     assert tokens != alone[None]  # the adapter changes the answer
@@ -76,6 +78,7 @@ def test_mismatched_adapters_are_refused_naming_both_sides(runner, tiny_model, a
         runner.read(qwen)
 
 
+@pytest.mark.slow
 def test_the_served_gguf_over_http(smollm_gguf, lora_files, adapters):
     server = start_server(model=str(smollm_gguf), max_loras=2, max_lora_rank=8,
                           adapters=(AdapterSpec("pirate", str(lora_files["gguf"])),),

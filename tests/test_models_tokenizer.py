@@ -11,7 +11,7 @@ import pytest
 import regex
 from gguf import GGUFReader
 
-from helpers import detokenize
+from helpers.references import detokenize
 
 # llama.cpp, llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_SMOLLM
 SMOLLM_SPLITS = [r"\p{N}", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"]
@@ -99,6 +99,7 @@ def reference(smollm_gguf):
     return NaiveBPE(smollm_gguf)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("conversation", CONVERSATIONS, ids=["france", "digits", "unicode", "specials"])
 def test_chat_prompts_tokenize_as_the_reference_does(conversation, smollm, reference):
     tok = smollm.tokenizer

@@ -10,7 +10,8 @@ import math
 
 import pytest
 
-from helpers import EngineRunner, merged_model, reference_decode
+from helpers.engines import EngineRunner
+from helpers.references import merged_model, reference_decode
 from mola.testing.adapter import make_mlx_lm_lora
 from mola.testing.model import TinyModelSpec, make_tiny_model
 

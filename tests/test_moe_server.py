@@ -11,7 +11,8 @@ import json
 import httpx
 import pytest
 
-from helpers import detokenize, merged_model, reference_decode, start_server
+from helpers.references import detokenize, merged_model, reference_decode
+from helpers.servers import start_server
 from mola.config import AdapterSpec
 from mola.engine.config import EngineConfig
 from mola.engine.engine import Engine

@@ -15,7 +15,8 @@ from mola.errors import InvalidAdapterName
 from mola.registry.names import check_adapter_id, is_entry_name
 from mola.train import TrainConfig
 
-from helpers import start_server, validate_schema
+from helpers.schemas import validate_schema
+from helpers.servers import start_server
 
 VALID = ["a", "upper", "org/name", "org/name:v2", "A-b_c.d", "x" * 128, "a.b/c-d/e_f", "v1.0", ".hidden"]
 # name -> words of the rule its message must name

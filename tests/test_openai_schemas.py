@@ -9,7 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from helpers import sse_events, validate_schema
+from helpers.schemas import sse_events, validate_schema
 
 MSG = [{"role": "user", "content": "Hello"}]
 

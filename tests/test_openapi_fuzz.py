@@ -10,7 +10,9 @@ from hypothesis import HealthCheck, given, settings
 
 from mola.config import AdapterSpec
 
-from helpers import start_server
+from helpers.servers import start_server
+
+pytestmark = pytest.mark.slow  # long end-to-end: CI's second tier (pytest -m slow)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ same request over the HTTP API, and the echo demo's known transformations.
 
 Skipped when no Chromium is installed, unless MOLA_REQUIRE_BROWSER=1 (CI
 installs Debian's `chromium` and sets it). Screenshots of the compare and
-adapter views go to $MOLA_PLAYGROUND_SCREENSHOTS (the README's are made with
+adapter views go to $MOLA_PLAYGROUND_SCREENSHOTS (docs/cli.md's are made with
 `MOLA_PLAYGROUND_SCREENSHOTS=docs`), else to a temporary directory.
 """
 
@@ -23,7 +23,9 @@ import pytest
 
 from mola.config import AdapterSpec
 
-from helpers import start_server
+from helpers.servers import start_server
+
+pytestmark = pytest.mark.slow  # long end-to-end: CI's second tier (pytest -m slow)
 
 API_KEY = "playground-api-key"
 ADMIN_KEY = "playground-admin-key"
@@ -425,7 +427,7 @@ def test_two_bases_side_by_side(browser, echo_demo, tiny_model, tmp_path):
     random one with an adapter loaded onto it over REST. A column on the
     second base takes no lora_scale, its adapter's does, and every column
     answers as the HTTP API does (the second base loaded by its first request)."""
-    from helpers import start_mola_serve, stop_mola_serve
+    from helpers.servers import start_mola_serve, stop_mola_serve
     from mola.testing.adapter import make_random_adapter
 
     model_dir, adapters = echo_demo

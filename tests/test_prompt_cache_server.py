@@ -6,7 +6,8 @@ plain mlx-lm on merged weights)."""
 
 from __future__ import annotations
 
-from helpers import detokenize, merged_model, reference_decode, sse_events, validate_schema
+from helpers.references import detokenize, merged_model, reference_decode
+from helpers.schemas import sse_events, validate_schema
 
 MAX_TOKENS = 6
 

@@ -18,7 +18,7 @@ from mola.server.metrics import rss_bytes
 from mola.server.prompts import LONG_PROMPT_CHARS, PROBE_CHARS_PER_TOKEN, encode_within, max_token_chars
 from mola.demo.tokenizer import CORPUS
 
-from helpers import start_server
+from helpers.servers import start_server
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +183,7 @@ def tokenizing(prompts):
         prompts.long = lane
 
 
+@pytest.mark.slow
 def test_small_requests_while_large_prompts_are_tokenized(server_with_lanes):
     """Two prompts of a million characters each keep the long lane busy for
     a second or more; small requests meanwhile take about what they take alone."""

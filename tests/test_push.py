@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.tuner.utils import load_adapters
 from mlx_lm.utils import load
 
-from helpers import start_server, wait_until
+from helpers.servers import start_server, wait_until
 
 from mola.client import adapter_body, push_adapter
 from mola.config import AdapterSpec

@@ -20,7 +20,7 @@ from mola.server.reasoning import (DeepSeekR1, GptOss, HarmonyParser, Qwen3, Spl
 from mola.server.tools import ToolCallParser
 from mola.structured import StructuredOutputs
 
-from helpers import with_added_tokens, with_chat_template
+from helpers.tokenizers import with_added_tokens, with_chat_template
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 QWEN3 = (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text()

@@ -22,8 +22,9 @@ import pytest
 
 from mola.server.reasoning import reasoning_format
 
-from helpers import (sse_events, start_server, typed_events, validate_schema, validate_stream_event,
-                     with_added_tokens, with_chat_template)
+from helpers.schemas import sse_events, typed_events, validate_schema, validate_stream_event
+from helpers.servers import start_server
+from helpers.tokenizers import with_added_tokens, with_chat_template
 
 TEMPLATES = Path(__file__).parent / "data" / "templates"
 HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>", "<|return|>", "<|constrain|>"]

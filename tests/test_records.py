@@ -12,7 +12,8 @@ import pytest
 from mola.errors import InvalidAdapter, ModelNotFound
 from mola.registry.records import TRANSITIONS, AdapterRecord, AdapterState, InvalidTransition
 
-from helpers import run_registry, settle
+from helpers.engines import run_registry
+from helpers.servers import settle
 
 S = AdapterState
 ALLOWED = {

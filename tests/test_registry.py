@@ -16,7 +16,9 @@ import pytest
 from mola.config import AdapterSpec
 from mola.testing.adapter import make_random_adapter
 
-from helpers import greedy_tokens, merged_model, runner_stats, start_server, wait_until
+from helpers.engines import runner_stats
+from helpers.references import greedy_tokens, merged_model
+from helpers.servers import start_server, wait_until
 
 MAX_TOKENS = 8
 QUESTION = "Tell me about the sea."

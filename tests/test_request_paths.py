@@ -17,7 +17,8 @@ from mola.config import AdapterSpec
 from mola.errors import AdapterPathNotAllowed, AdapterPathNotFound
 from mola.registry.sources import AdapterSources, content_version
 
-from helpers import merged_answer, start_server
+from helpers.references import merged_answer
+from helpers.servers import start_server
 
 QUESTION = "Where do rivers go?"
 MAX_TOKENS = 10

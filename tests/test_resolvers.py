@@ -16,7 +16,8 @@ from mola.cli import build_parser, config_from_args
 from mola.cli.config_file import load_config_file
 from mola.registry.resolvers import ResolverSpec, parse_resolver
 
-from helpers import merged_answer, start_server
+from helpers.references import merged_answer
+from helpers.servers import start_server
 
 QUESTION = "Where do rivers go?"
 MAX_TOKENS = 8

@@ -14,7 +14,7 @@ from mola.server.responses_api.objects import request_fields
 from mola.server.responses_api.protocol import ResponsesRequest, constrain
 from mola.server.responses_api.store import ResponseStore, StoredResponse
 
-from helpers import validate_schema, validate_stream_event
+from helpers.schemas import validate_schema, validate_stream_event
 
 CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
 

@@ -16,7 +16,8 @@ import pytest
 import mola.demo.echo as demo
 from mola.config import AdapterSpec
 
-from helpers import start_server, typed_events, validate_schema, validate_stream_event
+from helpers.schemas import typed_events, validate_schema, validate_stream_event
+from helpers.servers import start_server
 
 TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Get the weather in a city",

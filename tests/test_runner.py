@@ -8,10 +8,10 @@ import pytest
 from mlx_lm import load
 from mlx_lm.tuner.utils import load_adapters
 
-from helpers import EngineRunner as Runner
-from helpers import ENGINE_QUESTIONS as QUESTIONS
-from helpers import ENGINE_MAX_TOKENS as MAX_TOKENS
-from helpers import greedy_tokens, merged_model
+from helpers.engines import EngineRunner as Runner
+from helpers.engines import ENGINE_QUESTIONS as QUESTIONS
+from helpers.engines import ENGINE_MAX_TOKENS as MAX_TOKENS
+from helpers.references import greedy_tokens, merged_model
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,10 @@ import httpx
 import openai
 import pytest
 
-from helpers import (greedy_tokens, merged_model, num_unfinished, runner_stats, sse_events, validate_schema,
-                     wait_until)
+from helpers.engines import num_unfinished, runner_stats
+from helpers.references import greedy_tokens, merged_model
+from helpers.schemas import sse_events, validate_schema
+from helpers.servers import wait_until
 from mola.blas import blas_in_use
 
 QUESTION = "What is the capital of France?"

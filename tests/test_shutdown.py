@@ -10,7 +10,7 @@ import threading
 
 import httpx
 
-from helpers import start_mola_serve
+from helpers.servers import start_mola_serve
 from mola.testing.model import TinyModelSpec, make_tiny_model
 
 

@@ -17,7 +17,7 @@ from mola.cli.config_file import load_config_file
 from mola.errors import AdapterPathNotAllowed, AdapterPathNotFound
 from mola.registry.sources import AdapterSources
 
-from helpers import start_server
+from helpers.servers import start_server
 
 
 @pytest.fixture

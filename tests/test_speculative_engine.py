@@ -13,8 +13,9 @@ from mola.engine.config import SpeculativeConfig
 from mola.models.loader import ModelLoadError, load_base_model, load_draft_model
 from mola.testing.model import TinyModelSpec, make_tiny_model
 
-from helpers import EngineRunner as Runner
-from helpers import greedy_tokens, merged_model, runner_stats
+from helpers.engines import EngineRunner as Runner
+from helpers.engines import runner_stats
+from helpers.references import greedy_tokens, merged_model
 
 MESSAGES = ["hello world, how are you?", "the quick brown fox jumps over the lazy dog",
             "Please call me at 555-0199!"]
@@ -49,6 +50,7 @@ def echo_refs(echo):
     return refs
 
 
+@pytest.mark.slow
 def test_greedy_copies_equal_merged_mlx_lm_alone_and_in_a_mixed_batch(echo, echo_refs):
     spec, plain, _, _ = echo
     before = runner_stats(spec.engine)
@@ -100,6 +102,7 @@ def test_stop_tokens_among_accepted_drafts_end_the_row_there(echo, echo_refs):
         assert seq.output == ref[: end + 1] and seq.finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_logprobs_penalties_and_biases_are_those_without_speculation(echo):
     spec, plain, _, _ = echo
     tok = spec.loaded.tokenizer

@@ -14,8 +14,8 @@ from mlx_lm import load
 import mola.engine.verify as verify
 from mola.engine.config import SpeculativeConfig
 
-from helpers import EngineRunner as Runner
-from helpers import runner_stats
+from helpers.engines import EngineRunner as Runner
+from helpers.engines import runner_stats
 
 NUM_SEEDS = 400
 TEMPERATURE = 1.0

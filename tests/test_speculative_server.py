@@ -13,7 +13,8 @@ import pytest
 from mola.cli import build_parser, config_from_args
 from mola.config import AdapterSpec
 
-from helpers import sse_events, start_server
+from helpers.schemas import sse_events
+from helpers.servers import start_server
 
 MESSAGES = ["the quick brown fox jumps over the lazy dog"]
 
@@ -83,6 +84,7 @@ def comparable(answer: dict) -> dict:
             "logprobs": logprobs, "usage": usage(answer["usage"])}
 
 
+@pytest.mark.slow
 def test_answers_are_those_of_a_server_without_speculation(servers):
     spec, plain = servers
     jobs = bodies()

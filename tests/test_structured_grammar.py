@@ -18,7 +18,8 @@ from mola.errors import InvalidRequest
 from mola.server.tools import ToolCallParser
 from mola.structured import JsonCalls, StructuredOutputs
 
-from helpers import MISTRAL_TEMPLATE, grammar_walks, MISTRAL_V3_TEMPLATE, PYTHONIC_TEMPLATE, with_chat_template
+from helpers.references import grammar_walks
+from helpers.tokenizers import MISTRAL_TEMPLATE, MISTRAL_V3_TEMPLATE, PYTHONIC_TEMPLATE, with_chat_template
 
 ADDRESS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
                                             "zip": {"type": ["string", "null"], "pattern": "^[0-9]{5}$"}},

@@ -16,7 +16,9 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from helpers import MISTRAL_TEMPLATE, sse_events, start_server, validate_schema, with_chat_template
+from helpers.schemas import sse_events, validate_schema
+from helpers.servers import start_server
+from helpers.tokenizers import MISTRAL_TEMPLATE, with_chat_template
 
 
 class Pet(BaseModel):

@@ -20,7 +20,8 @@ import mola.models.loader
 from mola.config import AdapterSpec
 from mola.train import DataError, OutputPathError, TrainConfig, TrainError, check_data, check_output, hot_load, train_adapter
 
-from helpers import free_port, greedy_tokens, start_server
+from helpers.references import greedy_tokens
+from helpers.servers import free_port, start_server
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
 
@@ -309,7 +310,7 @@ def test_train_on_a_mixture_of_experts_trains_the_experts(banana_data, tmp_path)
     assert "model.layers.1.mlp.gate.lora_a" in saved and "model.layers.1.self_attn.q_proj.lora_a" in saved
     model, tok = load(str(model_dir), adapter_path=str(out))
     prompt = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True)
-    from helpers import detokenize
+    from helpers.references import detokenize
 
     want = detokenize(tok, greedy_tokens(model, prompt, max_tokens=6), stop_at_eos=False)
     handle = start_server(model=str(model_dir), served_model_name="moe", adapters=(AdapterSpec("t", str(out)),),

@@ -17,7 +17,7 @@ from mlx_lm.tuner.trainer import default_loss
 from mlx_lm.tuner.utils import load_adapters
 from mlx_lm.utils import load
 
-from helpers import merged_model
+from helpers.references import merged_model
 from test_train import PROMPTS, RECIPE, TARGET, chat, mola_cli, write
 
 INVOCATION = "<|im_start|>assistant\n"  # the tiny model's (ChatML) assistant header, as a user would pick
@@ -84,7 +84,7 @@ def test_an_activated_lora_trains_and_serves_from_its_invocation(invoked, tiny_m
     model's turn leaves its prompt in the cache, and the adapter's turn on
     the same conversation reuses it up to the invocation and answers as
     trained; the base alone answers otherwise."""
-    from helpers import start_server
+    from helpers.servers import start_server
     from mola.config import AdapterSpec
 
     out, log = invoked

@@ -19,7 +19,7 @@ from mola.testing.adapter import linear_shapes
 from mola.testing.model import TinyModelSpec, make_tiny_model
 from mola.train import GGUF_OUTTYPES, OutputPathError, TrainConfig, TrainError, train_adapter
 
-from helpers import start_server
+from helpers.servers import start_server
 from test_train import PROMPTS, TARGET, mola_cli, write
 
 CHATS = [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": TARGET}]} for p in PROMPTS]

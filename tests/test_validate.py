@@ -26,7 +26,7 @@ from mola.testing.peft import save_peft_adapter
 from mola.validate import describe, model_shape, validate
 
 from conftest import ADAPTER_SPECS
-from helpers import start_server
+from helpers.servers import start_server
 
 
 def mola_validate(*args):

@@ -141,7 +141,7 @@ def test_each_position_is_drawn_as_that_many_plain_steps_draw(top_p):
 
 
 def test_a_draft_model_drafts_its_own_greedy_continuation(model):
-    from helpers import greedy_tokens
+    from helpers.references import greedy_tokens
 
     prompts = [[5, 9, 13, 2], [100, 3]]
     caches = []

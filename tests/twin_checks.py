@@ -8,7 +8,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from helpers import EngineRunner, merged_model
+from helpers.engines import EngineRunner
+from helpers.references import merged_model
 from mola.adapters.formats.gguf_writer import save_gguf_adapter
 from mola.models.loader import load_base_model
 from mola.testing.adapter import linear_shapes, random_lora, save_mlx_lm_adapter

@@ -31,7 +31,7 @@ ENGINE_SETTINGS = {
     "max_loras": "max_loras",  # adapter slots decoded together (resident adapters)
     "max_lora_rank": "max_lora_rank",  # largest adapter rank a slot holds
     # Mixtures of experts: how many of the slots can also carry LoRA on the
-    # experts, and its largest rank there (README: "MoE models").
+    # experts, and its largest rank there (docs/moe.md).
     "max_expert_loras": "expert_slots",
     "max_expert_lora_rank": "max_expert_rank",
     "max_num_seqs": "max_num_seqs",  # rows in one decode batch

@@ -15,6 +15,7 @@ from ..models import DTYPE_CHOICES
 def add_train_parser(commands) -> argparse.ArgumentParser:
     """`mola train`: a LoRA adapter from a data folder, with mlx-lm's tuner."""
     from .. import train as t
+    from ..train.flags import add_recipe_flags
 
     train = commands.add_parser(
         "train", help="train a LoRA adapter on a folder of JSONL data (mlx-lm's tuner)",
@@ -27,61 +28,27 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
     )
     train.add_argument("--model", required=True, help="base model: a local directory, a GGUF file or a "
                        "Hugging Face hub id")
-    train.add_argument("--dtype", choices=t.TRAIN_DTYPES, default="keep",
-                       help="keep (default: a quantized base, GGUF Q4_0/Q4_1/Q8_0 included, is trained as it "
-                       "is) or a float dtype to dequantize it to")
     train.add_argument("--data", required=True, metavar="DIR", help="directory with train.jsonl (and valid.jsonl)")
     train.add_argument("--out", required=True, action="append", metavar="ADAPTER_DIR|FILE.gguf",
                        help="where to write the adapter: a directory (an mlx-lm adapter) or a FILE.gguf "
                        "(a llama.cpp GGUF LoRA); give it twice for both, from the same weights")
-    train.add_argument("--gguf-outtype", choices=t.GGUF_OUTTYPES, default="f32",
-                       help="tensor type of a .gguf output, as llama.cpp's converter's --outtype (default f32)")
     train.add_argument("--alora-invocation", metavar="TEXT",
                        help="train an activated LoRA: its delta applies from the last place TEXT's tokens start "
                        "in each example (e.g. the assistant's role header), the base model alone before it; "
                        "served so, the base model's cached prompt is reused up to there")
-    _train_recipe_flags(train, t)
-    return train
-
-
-def _train_recipe_flags(train: argparse.ArgumentParser, t) -> None:
-    """The LoRA, the optimiser, the data's handling, and what happens after."""
-    train.add_argument("--rank", type=int, default=t.DEFAULT_RANK, help="LoRA rank (default 8)")
-    train.add_argument("--scale", type=float, default=t.DEFAULT_SCALE,
-                       help="LoRA scale, mlx-lm's lora_parameters.scale (default 20)")
-    train.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
-    train.add_argument("--layers", type=int, default=None, metavar="N",
-                       help="adapt the last N transformer blocks; -1: all (default 16, or all when fewer)")
-    train.add_argument("--iters", type=int, default=t.DEFAULT_ITERS, help="training iterations (default 1000)")
-    train.add_argument("--batch-size", type=int, default=t.DEFAULT_BATCH_SIZE, help="batch size (default 4)")
-    train.add_argument("--learning-rate", type=float, default=t.DEFAULT_LEARNING_RATE,
-                       help="Adam learning rate (default 1e-5)")
-    train.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant",
-                       help="constant, or cosine decay to 10%% (default constant)")
-    train.add_argument("--warmup", type=int, default=0, metavar="N", help="linear warm-up iterations (default 0)")
-    train.add_argument("--target", dest="targets", metavar="NAMES", type=lambda v: tuple(v.split(",")),
-                       help="comma-separated modules of each block to adapt, e.g. q_proj,v_proj or "
-                       "self_attn.q_proj (default: every linear layer, as mlx-lm does)")
-    train.add_argument("--max-seq-length", type=int, default=t.DEFAULT_MAX_SEQ_LENGTH,
-                       help="longer examples are truncated (default 2048)")
+    add_recipe_flags(train, iters=t.DEFAULT_ITERS, learning_rate=t.DEFAULT_LEARNING_RATE,
+                     dtype_help="keep (default: a quantized base, GGUF Q4_0/Q4_1/Q8_0 included, is trained as it "
+                     "is) or a float dtype to dequantize it to")
     train.add_argument("--mask-prompt", action="store_true",
                        help="learn the completions only, not the prompts (chat and completions data)")
-    train.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    train.add_argument("--steps-per-report", type=int, default=10, help="iterations between loss reports")
     train.add_argument("--steps-per-eval", type=int, default=200,
                        help="iterations between validation losses (with valid.jsonl)")
     train.add_argument("--val-batches", type=int, default=25,
                        help="validation batches per evaluation; -1: all (default 25)")
-    train.add_argument("--grad-checkpoint", action="store_true", help="trade compute for memory")
-    train.add_argument("--force", action="store_true", help="replace ADAPTER_DIR if it exists and is not empty")
     train.add_argument("--serve-url", metavar="URL",
                        help="when done, hot-load the adapter into the mola server at URL "
                        "(POST URL/v1/adapters); the server must allow the path")
-    train.add_argument("--name", help="the adapter's model id for --serve-url (default: ADAPTER_DIR's name)")
-    train.add_argument("--api-key", help="bearer key for --serve-url when the server wants one "
-                       "(default: $MOLA_ADMIN_KEY, else $MOLA_API_KEY)")
-    train.add_argument("--no-openblas", action="store_true",
-                       help="on Linux CPU, do not preload the system's OpenBLAS (see mola/blas.py)")
+    return train
 
 
 def train_config_from_args(args: argparse.Namespace):
@@ -93,7 +60,8 @@ def train_config_from_args(args: argparse.Namespace):
         model=args.model, data=args.data, out=tuple(args.out), rank=args.rank, scale=args.scale,
         dropout=args.dropout, layers=args.layers, iters=args.iters, batch_size=args.batch_size,
         learning_rate=args.learning_rate, targets=args.targets, lr_schedule=args.lr_schedule,
-        warmup=args.warmup, max_seq_length=args.max_seq_length, mask_prompt=args.mask_prompt,
+        warmup=args.warmup, grad_clip=args.grad_clip, max_seq_length=args.max_seq_length,
+        mask_prompt=args.mask_prompt,
         seed=args.seed, steps_per_report=args.steps_per_report, steps_per_eval=args.steps_per_eval,
         val_batches=args.val_batches, grad_checkpoint=args.grad_checkpoint, force=args.force,
         name=args.name, serve_url=args.serve_url, gguf_outtype=args.gguf_outtype, dtype=args.dtype,

@@ -191,7 +191,7 @@ def _access_flags(serve: argparse.ArgumentParser) -> None:
 def _speculative_flags(serve: argparse.ArgumentParser) -> None:
     """Distributed serving and speculative decoding."""
     serve.add_argument("--distributed", action="store_true",
-                       help="shard the base over the ranks started by mlx.launch (see README)")
+                       help="shard the base over the ranks started by mlx.launch (see docs/distributed.md)")
     serve.add_argument("--speculative", choices=["ngram", "draft"],
                        help="speculative decoding: ngram (prompt lookup: drafts copied from the prompt "
                        "and output so far) or draft (a --draft-model drafts); default off")

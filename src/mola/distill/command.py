@@ -12,7 +12,7 @@ from . import config as c
 
 
 def add_distill_parser(commands) -> argparse.ArgumentParser:
-    from .. import train as t
+    from ..train.flags import add_recipe_flags
 
     p = commands.add_parser(
         "distill", help="bake a system prompt (or a teacher's behaviour) into a LoRA adapter",
@@ -30,7 +30,11 @@ def add_distill_parser(commands) -> argparse.ArgumentParser:
                    help="an mlx-lm adapter directory or a FILE.gguf (give it twice for both)")
     _question_flags(p)
     _teacher_flags(p)
-    _recipe_flags(p, t)
+    add_recipe_flags(p, iters=c.DEFAULT_ITERS, learning_rate=c.DEFAULT_LEARNING_RATE, step="step",
+                     dtype_help="keep (default) or a float dtype to dequantize the base to (float32 trains a "
+                     "small GGUF base several times faster on a CPU)")
+    p.add_argument("--load-into", metavar="URL", help="when done, load the adapter into the mola server at "
+                   "URL (POST URL/v1/adapters); the server must allow the path")
     return p
 
 
@@ -73,39 +77,6 @@ def _teacher_flags(p: argparse.ArgumentParser) -> None:
                    "(mola, or any API); its answers are learnt with --loss sft")
     p.add_argument("--teacher-model", metavar="ID", help="the model id to ask at --teacher-url")
     p.add_argument("--teacher-api-key", help="bearer key for --teacher-url (default: $OPENAI_API_KEY)")
-
-
-def _recipe_flags(p: argparse.ArgumentParser, t) -> None:
-    """`mola train`'s flags for the LoRA, the optimiser and the output."""
-    p.add_argument("--dtype", choices=t.TRAIN_DTYPES, default="keep",
-                   help="keep (default) or a float dtype to dequantize the base to (float32 trains a small "
-                   "GGUF base several times faster on a CPU)")
-    p.add_argument("--gguf-outtype", choices=t.GGUF_OUTTYPES, default="f32", help="a .gguf output's tensor type")
-    p.add_argument("--rank", type=int, default=t.DEFAULT_RANK, help="LoRA rank (default 8)")
-    p.add_argument("--scale", type=float, default=t.DEFAULT_SCALE, help="LoRA scale (default 20)")
-    p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout (default 0)")
-    p.add_argument("--layers", type=int, metavar="N", help="adapt the last N blocks; -1: all (default 16)")
-    p.add_argument("--target", dest="targets", metavar="NAMES", type=lambda v: tuple(v.split(",")),
-                   help="comma-separated modules of each block to adapt (default: every linear layer)")
-    p.add_argument("--iters", type=int, default=c.DEFAULT_ITERS, help=f"training steps (default {c.DEFAULT_ITERS})")
-    p.add_argument("--batch-size", type=int, default=t.DEFAULT_BATCH_SIZE, help="batch size (default 4)")
-    p.add_argument("--learning-rate", type=float, default=c.DEFAULT_LEARNING_RATE,
-                   help=f"Adam learning rate (default {c.DEFAULT_LEARNING_RATE:g})")
-    p.add_argument("--lr-schedule", choices=["constant", "cosine"], default="constant")
-    p.add_argument("--warmup", type=int, default=0, metavar="N", help="linear warm-up steps (default 0)")
-    p.add_argument("--grad-clip", type=float, metavar="NORM", help="clip the gradient's global norm")
-    p.add_argument("--max-seq-length", type=int, default=t.DEFAULT_MAX_SEQ_LENGTH,
-                   help="longer examples are cut (default 2048)")
-    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
-    p.add_argument("--steps-per-report", type=int, default=10, help="steps between progress lines")
-    p.add_argument("--grad-checkpoint", action="store_true", help="trade compute for memory")
-    p.add_argument("--force", action="store_true", help="replace ADAPTER_DIR if it exists and is not empty")
-    p.add_argument("--load-into", metavar="URL", help="when done, load the adapter into the mola server at "
-                   "URL (POST URL/v1/adapters); the server must allow the path")
-    p.add_argument("--name", help="the adapter's model id for --load-into (default: ADAPTER_DIR's name)")
-    p.add_argument("--api-key", help="bearer key for --load-into (default: $MOLA_ADMIN_KEY, else $MOLA_API_KEY)")
-    p.add_argument("--no-openblas", action="store_true",
-                   help="on Linux CPU, do not preload the system's OpenBLAS (see mola/blas.py)")
 
 
 def config_from_args(args: argparse.Namespace) -> c.DistillConfig:

@@ -102,24 +102,12 @@ def save_mlx_lm_adapter(
     return path
 
 
-def make_random_adapter(
-    path: str | Path,
-    model_path: str | Path,
-    *,
-    rank: int = 8,
-    keys: tuple[str, ...] = DEFAULT_KEYS,
-    num_layers: int | None = None,
-    scale: float = 2.0,
-    std: float = 0.2,
-    seed: int = 0,
-) -> Path:
-    """Write a random mlx-lm-format adapter for the model at ``model_path``."""
-    weights = random_lora(
-        model_path, rank=rank, keys=keys, num_layers=num_layers, scale=scale, std=std, seed=seed
-    )
-    total = read_model_config(Path(model_path))["num_hidden_layers"]
-    layers = total if num_layers is None else min(num_layers, total)
-    return save_mlx_lm_adapter(path, weights, num_layers=layers, keys=keys)
+def make_random_adapter(path: str | Path, model_path: str | Path, **options) -> Path:
+    """Write :func:`random_lora` (``model_path``, ``options``) as an mlx-lm
+    adapter directory at ``path``."""
+    weights = random_lora(model_path, **options)
+    num_layers = len({module.split(".")[2] for module in weights.modules})
+    return save_mlx_lm_adapter(path, weights, num_layers=num_layers, keys=options.get("keys", DEFAULT_KEYS))
 
 
 def make_mlx_lm_lora(

@@ -277,9 +277,9 @@ def _fit_and_write(model, config: TrainConfig, train_set, valid_set, progress: "
 
     activated = {}
     if invocation is not None:
-        from . import alora
+        from .alora import activate, batches, loss
 
-        activated = {"loss": alora.loss(alora.activate(model)), "iterate_batches": alora.batches(invocation)}
+        activated = {"loss": loss(activate(model)), "iterate_batches": batches(invocation)}
 
     out = config.mlx_lm_out or config.gguf_out  # the directory is moved into place: beside it
     out.resolve().parent.mkdir(parents=True, exist_ok=True)

@@ -25,10 +25,7 @@ def module_lora(path: Path, base: str, factors: dict, alpha: float, num_experts:
     if set(factors) != {"lora_a", "lora_b"}:
         missing = ({"lora_a", "lora_b"} - set(factors)).pop()
         raise InvalidAdapter(f"{path}: the LoRA tensor pair for '{base}' has no {missing}.")
-    if base.split(".")[2] in EXPERT_TENSORS:
-        a_np, b_np, a_bf16, b_bf16 = _expert_factors(path, base, factors, num_experts)
-    else:
-        a_np, b_np, a_bf16, b_bf16 = _dense_factors(path, base, factors)
+    a_np, b_np, a_bf16, b_bf16 = _factors(path, base, factors, num_experts)
     if heads is not None:
         if heads <= 0 or b_np.shape[1] % (2 * heads):
             raise InvalidAdapter(
@@ -85,33 +82,24 @@ def _tensor_array(tensor, where: str, ndim: int = 2) -> tuple[np.ndarray, bool]:
     return data.reshape(ne[::-1]), kind == GGMLQuantizationType.BF16
 
 
-def _expert_factors(path: Path, base: str, factors: dict, num_experts: int | None):
-    """An expert tensor's stacked factors: (a [E, in, r], b [E, r, out], a_bf16, b_bf16)."""
-    a_np, a_bf16 = _tensor_array(factors["lora_a"], str(path), ndim=3)  # [E, r, in]
-    b_np, b_bf16 = _tensor_array(factors["lora_b"], str(path), ndim=3)  # [E, out, r]
+def _factors(path: Path, base: str, factors: dict, num_experts: int | None):
+    """A tensor pair's factors, checked as llama.cpp's loader checks them:
+    (a [in, r], b [r, out], a_bf16, b_bf16) for a linear (b in the file's row
+    order), and [E, in, r] / [E, r, out] for an expert tensor's stacks."""
+    expert = base.split(".")[2] in EXPERT_TENSORS
+    a_np, a_bf16 = _tensor_array(factors["lora_a"], str(path), ndim=3 if expert else 2)  # [(E,) r, in]
+    b_np, b_bf16 = _tensor_array(factors["lora_b"], str(path), ndim=3 if expert else 2)  # [(E,) out, r]
     ne_a, ne_b = list(a_np.shape[::-1]), list(b_np.shape[::-1])
-    if a_np.shape[0] != b_np.shape[0] or a_np.shape[1] != b_np.shape[2]:
+    if a_np.shape[:-2] != b_np.shape[:-2] or a_np.shape[-2] != b_np.shape[-1]:
         raise InvalidAdapter(
-            f"{path}: '{base}' has lora_a ne {ne_a} but lora_b ne {ne_b}; llama.cpp expects "
-            "lora_a ne = [in, rank, experts] and lora_b ne = [rank, out, experts] with the same "
-            "rank and expert count."
+            f"{path}: '{base}' has lora_a of rank {a_np.shape[-2]} (ne {ne_a}) but lora_b of rank "
+            f"{b_np.shape[-1]} (ne {ne_b}); llama.cpp expects lora_a ne = [in, rank{', experts' * expert}] "
+            f"and lora_b ne = [rank, out{', experts' * expert}] with the same rank"
+            f"{' and expert count' * expert}."
         )
-    if num_experts is not None and a_np.shape[0] != num_experts:
+    if expert and num_experts is not None and a_np.shape[0] != num_experts:
         raise InvalidAdapter(
             f"{path}: '{base}' holds LoRA factors for {a_np.shape[0]} experts (lora_a ne {ne_a}), "
             f"but the base model has {num_experts} experts per layer."
         )
-    return a_np.transpose(0, 2, 1), b_np.transpose(0, 2, 1), a_bf16, b_bf16
-
-
-def _dense_factors(path: Path, base: str, factors: dict):
-    """A linear's factors: (a [in, r], b [r, out], a_bf16, b_bf16), b in the file's row order."""
-    a_np, a_bf16 = _tensor_array(factors["lora_a"], str(path))  # [r, in]
-    b_np, b_bf16 = _tensor_array(factors["lora_b"], str(path))  # [out, r]
-    if a_np.shape[0] != b_np.shape[1]:
-        raise InvalidAdapter(
-            f"{path}: '{base}' has lora_a of rank {a_np.shape[0]} (ne {list(a_np.shape[::-1])}) "
-            f"but lora_b of rank {b_np.shape[1]} (ne {list(b_np.shape[::-1])}); llama.cpp "
-            "expects lora_a ne = [in, rank] and lora_b ne = [rank, out]."
-        )
-    return a_np.T, b_np.T, a_bf16, b_bf16
+    return a_np.swapaxes(-1, -2), b_np.swapaxes(-1, -2), a_bf16, b_bf16

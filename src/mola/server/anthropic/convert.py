@@ -198,7 +198,7 @@ def stop_reason(finish_reason: str | None, stop_string: str | None, has_tool_use
 
 
 def thinking_text(delta) -> str:
-    """The thinking in one of the chat path's deltas (generation.Delta's
+    """The thinking in one of the chat path's deltas (choice.Delta's
     ``reasoning``, split off by --reasoning-parser), for thinking blocks:
     nothing where the server splits none off."""
     return delta.reasoning

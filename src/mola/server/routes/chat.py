@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse
 from ...errors import MolaError
 from .. import completion_bodies as r
 from ..errors import error_payload
-from ..generation import Generation, merge, run_until_disconnect, start_generations, start_reasoning
+from ..choice import Generation, merge
+from ..generation import run_until_disconnect, start_generations, start_reasoning
 from ..protocol import ChatCompletionRequest
 from ..base_leases import state_for
 from ..state import ServerState

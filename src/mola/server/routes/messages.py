@@ -23,7 +23,8 @@ from ..anthropic.convert import stop_reason, thinking_text, to_chat_messages
 from ..anthropic.errors import stream_error
 from ..anthropic.events import MessageBuilder, usage
 from ..anthropic.protocol import Conversation, CountTokensRequest, MessagesRequest
-from ..generation import Generation, run_until_disconnect, start_generations, start_reasoning
+from ..choice import Generation
+from ..generation import run_until_disconnect, start_generations, start_reasoning
 from ..base_leases import state_for
 from ..completion_bodies import with_alora
 from ..state import ServerState

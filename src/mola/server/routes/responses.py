@@ -16,7 +16,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ...errors import MolaError, ResponseNotFound
-from ..generation import Generation, run_until_disconnect, start_generations, start_reasoning
+from ..choice import Generation
+from ..generation import run_until_disconnect, start_generations, start_reasoning
 from ..responses_api.events import ResponseBuilder
 from ..responses_api.items import normalize_input, normalize_item, to_messages
 from ..responses_api.objects import request_fields

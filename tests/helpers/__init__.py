@@ -1,0 +1,8 @@
+"""Test helpers, by area:
+
+    servers.py      A real server in a thread (start_server), `mola serve` in a process of its own, and waiting on them.
+    references.py   References computed another way: plain mlx-lm on merged weights, greedy and penalised decodes, grammar walks.
+    schemas.py      OpenAI's schemas: responses and stream events validated against the official spec (tests/data/openai_schemas.json).
+    engines.py      An engine without the server: EngineRunner, the registry on an engine, and the gate that makes a batch.
+    tokenizers.py   Tokenizers of other model families: chat templates and added tokens on the tiny model's.
+"""
