@@ -28,6 +28,7 @@ SCHEMAS = [
     "ErrorResponse",
     "Response",  # POST /v1/responses
     "ResponseStreamEvent",  # its typed stream events (anyOf every event)
+    "ImagesResponse",  # POST /v1/images/generations
 ]
 PREFIX = "#/components/schemas/"
 

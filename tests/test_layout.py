@@ -45,19 +45,22 @@ BELOW = {
     "models": (*BASE, "lora", "adapters"),
     "engine": (*BASE, "lora", "adapters", "models"),
     "structured": (*BASE, "lora", "adapters", "models", "engine"),
+    # images on a resident diffusion base (mflux): the LoRA layer and the adapter path policy
+    "images": (*BASE, "lora", "registry"),
     "config": (*BASE, "lora", "adapters", "registry", "models", "engine"),
     "train": (*BASE, "blas", "lora", "adapters", "registry", "models"),
     "validate": (*BASE, "lora", "adapters", "registry", "models", "engine"),
     # everything the first command serves: built with mola train, never served from here
     "demo": (*BASE, "lora", "adapters", "models", "train"),
     # test fixtures: they build models and adapters, never serve them
-    "testing": (*BASE, "lora", "adapters", "models", "demo"),
+    "testing": (*BASE, "lora", "adapters", "models", "demo", "images"),
     "distill": (*BASE, "blas", "lora", "adapters", "registry", "models", "train", "demo"),
     # mola chat is a client: it speaks HTTP to a server, never to the model
     "chat": BASE,
     # what a training loop imports to push its adapter to a server: HTTP only
     "client": (),
-    "server": (*BASE, "blas", "lora", "adapters", "registry", "models", "engine", "structured", "config"),
+    "server": (*BASE, "blas", "lora", "adapters", "registry", "models", "engine", "structured", "config",
+               "images"),
     "serve": (*BASE, "blas", "lora", "adapters", "registry", "models", "engine", "structured", "config", "server",
               "demo"),
     "cli": (*BASE, "blas", "adapters", "registry", "models", "engine", "config", "serve", "train", "validate",

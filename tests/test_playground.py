@@ -65,7 +65,9 @@ def browser():
 
     expect.set_options(timeout=TIMEOUT_MS)
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=path)
+        # not under a preloaded BLAS (CI's slow tier preloads OpenBLAS; Chromium's sandbox dies of it)
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        browser = p.chromium.launch(executable_path=path, env=env)
         yield browser
         browser.close()
 

@@ -115,6 +115,26 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
+class ImageModelSpec:
+    """The diffusion base POST /v1/images/generations serves (docs/images.md): an mflux
+    FLUX.2-klein directory (or an mflux model name), resident beside the text base."""
+
+    name: str  # the id clients send as ``model``
+    path: str
+
+    def __post_init__(self):
+        try:
+            check_adapter_id(self.name)
+        except InvalidAdapterName as e:
+            raise ValueError(f"image model name: {e.message}") from None
+        if not self.path:
+            raise ValueError(f"image model '{self.name}' has no path")
+
+
+IMAGE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     # The base model: a local directory, a Hugging Face hub id or a GGUF file.
     # None serves the embedded demo (mola.demo: SmolLM2-135M-Instruct, fetched
@@ -201,6 +221,18 @@ class ServeConfig:
     models_memory_bytes: int | str | None = None
     # A base idle this many seconds unloads (None: never; a model's own keep_alive wins).
     keep_alive: float | None = None
+    # Images (docs/images.md): a FLUX.2-klein base kept resident by one worker
+    # thread, its LoRAs named at start (image_adapters: chosen by a request's
+    # model) or by path in a request (under adapter_dirs), applied unmerged per
+    # row of one batched denoising loop. image_max_batch: images denoised together
+    # (also how many different LoRA sets one batch holds); image_max_lora_rank: the
+    # largest rank of a LoRA (or a stack's summed ranks); image_dtype: mflux's
+    # compute dtype (its ModelConfig.precision, one per process).
+    image_model: ImageModelSpec | None = None
+    image_adapters: tuple[AdapterSpec, ...] = ()
+    image_dtype: str = "bfloat16"
+    image_max_batch: int = 4
+    image_max_lora_rank: int = 64
     # The engine: adapter slots and ranks, the batch, the prompt cache and
     # speculative decoding (ENGINE_SETTINGS, SPECULATIVE_SETTINGS).
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -210,6 +242,28 @@ class ServeConfig:
         self._check_adapters()
         self._check_choices()
         self._check_models()
+        self._check_images()
+
+    def _check_images(self) -> None:
+        """The image base, its adapters and its limits."""
+        if isinstance(self.image_model, dict):
+            object.__setattr__(self, "image_model", ImageModelSpec(**self.image_model))
+        object.__setattr__(self, "image_adapters", tuple(
+            a if isinstance(a, AdapterSpec) else AdapterSpec(**a) for a in self.image_adapters))
+        names = [a.name for a in self.image_adapters]
+        if self.image_model is not None:
+            names.append(self.image_model.name)
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"image model or adapter names given more than once: {', '.join(dupes)}")
+        if self.image_adapters and self.image_model is None:
+            raise ValueError("image_adapters need an image_model (--image-model NAME=PATH)")
+        if self.image_dtype not in IMAGE_DTYPES:
+            raise ValueError(f"unknown image_dtype {self.image_dtype!r}; choose one of {', '.join(IMAGE_DTYPES)}")
+        for name in ("image_max_batch", "image_max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
     def _check_models(self) -> None:
         """The declared bases: names unique, limits positive."""

@@ -6,7 +6,8 @@ import argparse
 
 import os
 
-from ..config import DEMO_CHOICES, LOG_LEVELS, REASONING_PARSERS, AdapterSpec, ModelSpec, parse_bytes
+from ..config import (DEMO_CHOICES, IMAGE_DTYPES, LOG_LEVELS, REASONING_PARSERS, AdapterSpec, ImageModelSpec, ModelSpec,
+                      parse_bytes)
 from ..engine.config import KV_ADMISSION_MODES, KV_BITS, KV_GROUP_SIZES
 from ..models import DTYPE_CHOICES
 
@@ -37,6 +38,17 @@ class ModelFlag(argparse.Action):
         setattr(namespace, "models", [*getattr(namespace, "models", []), spec])
 
 
+def image_model_arg(value: str) -> ImageModelSpec:
+    """NAME=PATH -> ImageModelSpec."""
+    name, sep, path = value.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=PATH, got {value!r}")
+    try:
+        return ImageModelSpec(name.strip(), path.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e))
+
+
 def size_arg(value: str) -> int:
     try:
         return parse_bytes(value)
@@ -61,6 +73,7 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     _engine_flags(serve)
     _access_flags(serve)
     _speculative_flags(serve)
+    _image_flags(serve)
     return serve
 
 
@@ -208,3 +221,19 @@ def _speculative_flags(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--speculate-always", action="store_true",
                        help="speculate whenever a row has a draft (default: only when the step costs "
                        "measured as the server runs say it pays)")
+
+
+def _image_flags(serve: argparse.ArgumentParser) -> None:
+    """POST /v1/images/generations on a resident diffusion base (docs/images.md)."""
+    serve.add_argument("--image-model", type=image_model_arg, metavar="NAME=PATH",
+                       help="serve images from the FLUX.2-klein model at PATH (an mflux directory) as model "
+                       "id NAME; needs the images extra and mflux (docs/images.md)")
+    serve.add_argument("--image-adapter", dest="image_adapters", action="append", type=adapter_arg,
+                       metavar="NAME=PATH", help="an image LoRA (.safetensors) served as model id NAME on "
+                       "/v1/images/generations (repeatable)")
+    serve.add_argument("--image-dtype", choices=IMAGE_DTYPES,
+                       help="the image model's compute dtype (default bfloat16, as mflux's)")
+    serve.add_argument("--image-max-batch", type=int, metavar="N",
+                       help="images denoised together in one batch, each with its own LoRA (default 4)")
+    serve.add_argument("--image-max-lora-rank", type=int, metavar="R",
+                       help="largest rank of an image LoRA, or of the LoRAs one request stacks (default 64)")

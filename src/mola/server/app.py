@@ -12,12 +12,13 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ..blas import blas_in_use
+from ..images.service import ImageService
 from .base_leases import BaseLeases
 from .bases import Bases
 from .anthropic.errors import AnthropicErrorsMiddleware
 from .errors import error_response, install_error_handlers
 from .middleware import AuthMiddleware, BodyLimitMiddleware, HTTPMetricsMiddleware, RequestIdMiddleware
-from .routes import adapters, chat, completions, messages, models, responses, tokenize, ui, vllm
+from .routes import adapters, chat, completions, images, messages, models, responses, tokenize, ui, vllm
 from .state import ServerState
 
 log = logging.getLogger("mola.server")
@@ -27,14 +28,20 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
     """An app serving ``state`` (engine started, adapters loaded), the default
     base of ``bases`` when several are declared."""
     bases = bases or Bases.serving(state)
+    # The image base (docs/images.md): its worker thread loads it as the app starts.
+    image_service = ImageService.from_config(state.config) if state.config.image_model is not None else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        if image_service is not None:
+            await asyncio.to_thread(image_service.start)
         idle = asyncio.create_task(bases.watch_idle())  # keep_alive
         try:
             yield
         finally:
             idle.cancel()
+            if image_service is not None:
+                await asyncio.to_thread(image_service.stop)
             bases.draining = True
             for s in bases.loaded_states():
                 s.draining = True
@@ -49,6 +56,7 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
     app = FastAPI(title="mola", version="0.1.0", lifespan=lifespan)
     app.state.mola = state  # the default base's state while it is loaded
     app.state.bases = bases
+    app.state.images = image_service
     bases.app_state = app.state
     install_error_handlers(app)
     app.include_router(chat.router)
@@ -59,6 +67,7 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
     app.include_router(adapters.router)
     app.include_router(vllm.router)
     app.include_router(tokenize.router)
+    app.include_router(images.router)
     if state.config.ui:
         ui.install(app)  # the playground at /
     state.metrics.watch(lambda: bases.default.state, bases)
