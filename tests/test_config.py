@@ -49,6 +49,30 @@ def test_toml_file_with_relative_paths(tmp_path):
                           AdapterSpec("hub", "org/some-adapter"))
 
 
+def test_an_image_model_and_its_adapters_from_a_file(tmp_path):
+    """[image_model] and [image_adapters], paths from the file's directory (docs/images.md)."""
+    (tmp_path / "flux").mkdir()
+    (tmp_path / "loras").mkdir()
+    (tmp_path / "loras" / "ghibli.safetensors").write_bytes(b"")
+    f = tmp_path / "mola.toml"
+    f.write_text(textwrap.dedent("""
+        image_dtype = "float32"
+
+        [image_model]
+        name = "klein"
+        path = "flux"
+
+        [image_adapters]
+        ghibli = {path = "loras/ghibli.safetensors", scale = 0.7}
+    """))
+    c = parse("--config", str(f))
+    assert (c.image_model.name, c.image_model.path, c.image_dtype) == ("klein", str(tmp_path / "flux"), "float32")
+    assert c.image_adapters == (AdapterSpec("ghibli", str(tmp_path / "loras" / "ghibli.safetensors"), 0.7),)
+    f.write_text('image_model = "klein=flux"\n')
+    with pytest.raises(ValueError, match="'image_model' must be a table with a name and a path"):
+        parse("--config", str(f))
+
+
 def test_flags_override_the_file(tmp_path):
     f = tmp_path / "mola.yaml"
     f.write_text(textwrap.dedent("""

@@ -169,6 +169,16 @@ def test_the_openai_client_gets_mflux_image(server, files):
     assert len(out.data) == 2 and out.data[0].b64_json != out.data[1].b64_json  # seeds 5 and 6
     want = mflux_image(files, 6, "a cat", [(files["l1"], S1 * 0.5)], steps=1)
     assert same(pixels(out.data[1].b64_json), want)
+    # /v1/models lists the image base and its adapter after the text models
+    listed = httpx.get(f"{server.url}/v1/models").json()
+    validate_schema("ListModelsResponse", listed)
+    images = {m["id"]: m for m in listed["data"] if m.get("kind") == "image"}
+    assert images.keys() == {"tiny-flux", "style-a"} and images["style-a"]["parent"] == "tiny-flux"
+    assert images["tiny-flux"]["status"] == "loaded" and listed["data"][-2]["id"] == "tiny-flux"
+    assert client.models.retrieve("style-a").id == "style-a"
+    chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                      json={"model": "tiny-flux", "messages": [{"role": "user", "content": "hi"}]})
+    assert chat.status_code == 404 and chat.json()["error"]["param"] == "model", chat.text
 
 
 @pytest.mark.parametrize("body, status, param, says", [

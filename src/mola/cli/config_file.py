@@ -74,6 +74,13 @@ def _resolve_paths(data: dict, base: Path) -> dict:
         data["adapter_resolvers"] = tuple(parse_resolver(spec, base) for spec in specs)
     if "models" in data:
         data["models"] = _models_from_file(data["models"], base)
+    if "image_model" in data:  # [image_model] name, path (docs/images.md)
+        image = data["image_model"]
+        if not isinstance(image, dict) or set(image) != {"name", "path"} or not isinstance(image["path"], str):
+            raise ValueError(f"'image_model' must be a table with a name and a path; got {image!r}")
+        data["image_model"] = {**image, "path": _resolve_relative(image["path"], base)}
+    if "image_adapters" in data:
+        data["image_adapters"] = _adapters_from_file(data["image_adapters"], base)
     if "cache_dir" in data and data["cache_dir"] is not None:
         data["cache_dir"] = Path(_resolve_relative(str(data["cache_dir"]), base))
     return data

@@ -1,6 +1,7 @@
 """GET /v1/models and /v1/models/{id}: every declared base, loaded or not,
 with its status (parent null), and every adapter it serves, resident or not
-(parent = its base's id, root = its path), as vLLM reports them. POST
+(parent = its base's id, root = its path), as vLLM reports them; then the image
+base and its adapters, if one is served (``"kind": "image"``). POST
 /v1/models/{id}/load and /unload load a base now (one that failed is tried
 again at once) and unload an idle one (admin routes)."""
 
@@ -31,10 +32,22 @@ def _base_cards(base: Base, created: int) -> list[dict]:
     return [card, *(p.model_card(n, c, path, card["id"], max_len) for n, c, path in adapters)]
 
 
+def _image_cards(request: Request, created: int) -> list[dict]:
+    """The image base (POST /v1/images/generations, docs/images.md) and its named
+    adapters, marked ``"kind": "image"`` (mola's field); none without one."""
+    images = getattr(request.app.state, "images", None)
+    if images is None:
+        return []
+    card = {**p.model_card(images.name, created, images.worker.path, None, None), "kind": "image",
+            "status": "loaded" if images.worker.is_alive else "failed"}
+    return [card, *({**p.model_card(name, created, use.path, images.name, None), "kind": "image"}
+                    for name, use in images.adapters.items())]
+
+
 def _cards(request: Request) -> list[dict]:
     bases = request.app.state.bases
     created = request.app.state.mola.created if request.app.state.mola is not None else 0
-    return [card for base in bases for card in _base_cards(base, created)]
+    return [card for base in bases for card in _base_cards(base, created)] + _image_cards(request, created)
 
 
 @router.get("/v1/models")
