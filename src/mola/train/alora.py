@@ -79,6 +79,17 @@ def check_invoked(examples: list[tuple[list[int], int]], invocation: tuple[int, 
                          "LoRA learns only from where its invocation starts")
 
 
+def find_invocation(text: str, tokenizer, max_seq_length: int, *example_sets, log) -> tuple[int, ...]:
+    """The invocation's tokens, checked to be in every example of each
+    (examples, what) set; said on the log."""
+    invocation = invocation_tokens(tokenizer, text)
+    for examples, what in example_sets:
+        check_invoked(examples, invocation, max_seq_length, what, text)
+    log(f"[mola] an activated LoRA: its delta applies from {text!r} (tokens {list(invocation)}) on, the base "
+        "model alone before it")
+    return invocation
+
+
 def batches(invocation: tuple[int, ...]) -> Callable:
     """mlx-lm's iterate_batches, each batch with its rows' starts: (batch,
     lengths, starts), found again in the rows (the last place the invocation

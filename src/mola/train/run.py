@@ -114,7 +114,12 @@ def train_adapter(config: TrainConfig, log: Callable[[str], None] = _stderr) -> 
     train_set = tokenize(data.train.examples, tokenizer, config.mask_prompt)
     valid_set = tokenize(data.valid.examples, tokenizer, config.mask_prompt) if data.valid else []
     _check_lengths(config, train_set, valid_set, log)
-    invocation = _invocation(config, tokenizer, train_set, valid_set, log)
+    invocation = None
+    if config.alora_invocation is not None:  # an activated LoRA (train/alora.py)
+        from .alora import find_invocation
+
+        invocation = find_invocation(config.alora_invocation, tokenizer, config.max_seq_length,
+                                     (train_set, "training"), (valid_set, "validation"), log=log)
     lora_parameters, trainable = add_lora_layers(model, config, keys, num_layers, log)
     progress = Progress(config.iters, log)
     adapter_config = train_adapter_config(config, num_layers, lora_parameters)
@@ -136,20 +141,6 @@ def train_adapter(config: TrainConfig, log: Callable[[str], None] = _stderr) -> 
         result.served = hot_load(config.serve_url, config.adapter_name, config.out, config.api_key)
         log(f"[mola] {config.serve_url} now serves the adapter as model '{config.adapter_name}'")
     return result
-
-
-def _invocation(config: TrainConfig, tokenizer, train_set, valid_set, log) -> tuple[int, ...] | None:
-    """An activated LoRA's invocation tokens, found in every example (None: a plain LoRA)."""
-    if config.alora_invocation is None:
-        return None
-    from .alora import check_invoked, invocation_tokens
-
-    invocation = invocation_tokens(tokenizer, config.alora_invocation)
-    check_invoked(train_set, invocation, config.max_seq_length, "training", config.alora_invocation)
-    check_invoked(valid_set, invocation, config.max_seq_length, "validation", config.alora_invocation)
-    log(f"[mola] an activated LoRA: its delta applies from {config.alora_invocation!r} (tokens "
-        f"{list(invocation)}) on, the base model alone before it")
-    return invocation
 
 
 def _check_inputs(config: TrainConfig, log: Callable[[str], None]):
