@@ -70,6 +70,32 @@ def test_activated_rows_match_a_per_position_loop_in_a_mixed_batch(tiny_model, a
     assert references[1] not in (references[0], activated_reference(base, base, prompts[0], 0))
 
 
+def test_activated_rows_on_expert_slots_of_a_mixture_of_experts(tmp_path):
+    """On a mixture of experts whose every slot can carry expert LoRA, an
+    activated (attention-only) LoRA takes an expert slot and shares its prefill
+    with an expert LoRA's row: each answers as its reference does."""
+    from mola.testing.adapter import make_mlx_lm_lora
+    from mola.testing.model import TinyModelSpec, make_tiny_model
+
+    model = make_tiny_model(tmp_path / "moe", TinyModelSpec(model_type="qwen3_moe"))
+    attn = make_mlx_lm_lora(tmp_path / "attn", model, rank=4, keys=("self_attn.q_proj", "self_attn.v_proj"), seed=3)
+    experts = make_mlx_lm_lora(tmp_path / "experts", model, rank=4, seed=1)  # every linear, experts too
+    rng = random.Random(7)
+    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (30, 22)]
+    r = EngineRunner(model, max_tokens=MAX_TOKENS, max_loras=2, max_lora_rank=8, expert_slots=2, max_expert_rank=8)
+    try:
+        r.add("attn", r.read(attn))  # slot 1 and 2: both expert slots
+        r.add("experts", r.read(experts))
+        outputs = r.wait(together(r, lambda: [r.submit(prompts[0], "attn", adapter_start=12),
+                                              r.submit(prompts[1], "experts")]))
+    finally:
+        r.stop()
+    base = merged_model(model)[0]
+    assert outputs[0] == activated_reference(base, merged_model(model, [attn])[0], prompts[0], 12)
+    with_experts = merged_model(model, [experts])[0]
+    assert outputs[1] == activated_reference(with_experts, with_experts, prompts[1], 0)
+
+
 # ---- formats: PEFT's alora_invocation_tokens, llama.cpp's adapter.alora.invocation_tokens ----------
 
 INVOCATION = [7, 11, 13]

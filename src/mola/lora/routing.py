@@ -45,7 +45,7 @@ class LoRARouting:
     single_slot: int | None = 0
     slots: frozenset[int] = field(default_factory=lambda: frozenset({0}))
     idx: mx.array | None = None  # [B] int32, row -> slot (mixed batches only)
-    row_scale: mx.array | None = None  # [B, 1, 1] per-row multiplier, None: all 1
+    row_scale: mx.array | None = None  # [B, 1, 1] per-row multiplier ([B, L, 1] with a mask), None: all 1
     order: mx.array | None = None  # [B] rows sorted by slot (sorted path only)
     inv_order: mx.array | None = None  # [B] inverse permutation of ``order``
     sorted_idx: mx.array | None = None  # [B] idx[order]
@@ -75,9 +75,9 @@ class LoRARouting:
             ones = mx.ones((len(slots), 1, 1), dtype=mx.float32)
             self.row_scale = (self.row_scale if self.row_scale is not None else ones) * active[:, :, None]
         self.idx = self.order = self.inv_order = self.sorted_idx = None
+        # (an activated LoRA has no expert LoRA, which weights.with_invocation refuses: its expert
+        # slot rows are zero, and other rows' masks are all ones, so the experts need no mask)
         self._set_experts(slots, scales)
-        if active is not None and self.expert_slots_used:
-            raise ValueError("activated LoRA is not applied to expert LoRA: its rows must not use an expert slot")
         if len(self.slots) == 1:
             self.single_slot = slots[0]
             return
