@@ -173,3 +173,19 @@ def test_peft_named_pushes_and_persisted_ones(server, adapters, tmp_path):
     assert (root / "theirs" / "notes.txt").read_text() == "not a push"
     theirs = httpx.get(server.url + "/v1/adapters/theirs").json()  # known from the directory, not pushed
     assert theirs.get("source") != "push" and theirs.get("version", 0) <= 1, theirs
+
+
+def test_a_bfloat16_training_model_pushes_as_it_is(tiny_model):
+    """adapter_body writes the factors in their own dtype (bfloat16 too) and the server reads them back."""
+    import mlx.core as mx
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    from mola.adapters import pushed
+
+    model = load(str(tiny_model))[0]
+    linear_to_lora_layers(model, 1, {"rank": 2, "scale": 3.0, "dropout": 0.0, "keys": ["self_attn.q_proj"]})
+    model.set_dtype(mx.bfloat16)
+    read = pushed.parse("bf16", adapter_body(model, alora_invocation_tokens=[5, 6]))
+    (path, module), = read.weights.modules.items()
+    assert path.endswith("self_attn.q_proj") and module.a.dtype == mx.bfloat16 and module.scale == 3.0
+    assert read.weights.invocation_tokens == (5, 6)

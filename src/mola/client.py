@@ -22,11 +22,12 @@ def adapter_body(model, alora_invocation_tokens: list[int] | None = None) -> byt
     """The safetensors body of ``model``'s LoRA factors (mlx-lm LoRALinear layers,
     one scale), with its adapter_config in the metadata (mola.adapters.pushed);
     ``alora_invocation_tokens``: an activated LoRA's invocation."""
-    import numpy as np
-    import safetensors.numpy
+    import io
+
+    import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    factors = {k: np.array(v) for k, v in tree_flatten(model.parameters()) if k.endswith((".lora_a", ".lora_b"))}
+    factors = {k: v for k, v in tree_flatten(model.parameters()) if k.endswith((".lora_a", ".lora_b"))}
     scales = {float(m.scale) for _, m in model.named_modules() if hasattr(m, "lora_a") and hasattr(m, "scale")}
     if not factors or len(scales) != 1:
         raise ValueError(f"expected LoRA layers of one scale, found {len(factors)} factors and scales {scales}")
@@ -34,7 +35,9 @@ def adapter_body(model, alora_invocation_tokens: list[int] | None = None) -> byt
     config = {"fine_tune_type": "lora", "lora_parameters": {"rank": max(ranks), "scale": scales.pop()}}
     if alora_invocation_tokens is not None:
         config["alora_invocation_tokens"] = [int(t) for t in alora_invocation_tokens]
-    return safetensors.numpy.save(factors, metadata={"adapter_config": json.dumps(config)})
+    body = io.BytesIO()
+    mx.save_safetensors(body, factors, metadata={"adapter_config": json.dumps(config)})
+    return body.getvalue()
 
 
 def push_adapter(url: str, name: str, model, *, scale: float = 1.0, base: str | None = None,

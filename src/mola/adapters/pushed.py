@@ -24,29 +24,28 @@ directory the body describes).
 from __future__ import annotations
 
 import dataclasses
+import io
 import itertools
 import json
 import os
 import shutil
-import struct
 import tempfile
 from pathlib import Path
 
 import mlx.core as mx
-import numpy as np
 
 from ..errors import AdapterDirExists, InvalidAdapter, PersistFailed
 from .formats.common import CONFIG_FILE
-from .formats.mlx_lm import WEIGHTS_FILE as MLX_LM_WEIGHTS_FILE, adapter_scale, alora_tokens, mlx_lm_weights
+from .formats.mlx_lm import WEIGHTS_FILE as MLX_LM_WEIGHTS_FILE, adapter_scale, mlx_lm_weights
 from .formats.peft import WEIGHTS_FILE as PEFT_WEIGHTS_FILE, peft_weights
-from .weights import LoRAWeights, ModuleLoRA, with_invocation
+from .weights import LoRAWeights, ModuleLoRA, alora_tokens, with_invocation
 
 PREFIX = "pushed:"
 CONFIG_KEY = "adapter_config"  # the safetensors metadata entry holding adapter_config.json
 MARKER = ".mola-pushed"  # in a directory persist() wrote: a later push of the name may replace it
-DTYPES = {"F32": (np.float32, None), "F16": (np.float16, None), "BF16": (np.uint16, mx.bfloat16)}
+FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
-_store: dict[str, LoRAWeights] = {}  # source name -> its factors (float32, as sent)
+_store: dict[str, LoRAWeights] = {}  # source name -> its factors, as sent
 _numbers = itertools.count(1)
 
 
@@ -65,8 +64,8 @@ def parse(name: str, body: bytes, model_config: dict | None = None) -> Pushed:
     """The factors of a pushed body (``model_config``: the base's, which places
     PEFT's expert factors); InvalidAdapter naming what is wrong."""
     where = f"the adapter pushed as '{name}'"
-    header, tensors = _read_safetensors(body, where)
-    text = (header.get("__metadata__") or {}).get(CONFIG_KEY)
+    metadata, tensors = _read_safetensors(body, where)
+    text = metadata.get(CONFIG_KEY)
     if text is None:
         raise InvalidAdapter(f"{where} has no '{CONFIG_KEY}' metadata entry (its adapter_config.json: mlx-lm's, "
                              "with lora_parameters.scale, or PEFT's).")
@@ -88,35 +87,17 @@ def parse(name: str, body: bytes, model_config: dict | None = None) -> Pushed:
 
 
 def _read_safetensors(body: bytes, where: str) -> tuple[dict, dict[str, mx.array]]:
-    """(header, tensors) of a safetensors body in memory; float32, float16 and
-    bfloat16 tensors (numpy has no bfloat16: its bits are read as uint16)."""
-    if len(body) < 8:
-        raise InvalidAdapter(f"{where} is not a safetensors body ({len(body)} bytes).")
-    (size,) = struct.unpack("<Q", body[:8])
+    """(metadata, tensors) of a safetensors body in memory; float32, float16
+    and bfloat16 factors only."""
     try:
-        header = json.loads(body[8 : 8 + size])
-        if not isinstance(header, dict):
-            raise ValueError("its header is not a JSON object")
-    except (ValueError, UnicodeDecodeError) as e:
+        tensors, metadata = mx.load(io.BytesIO(body), format="safetensors", return_metadata=True)
+    except (RuntimeError, ValueError) as e:  # MLX's reader names what is wrong with the bytes
         raise InvalidAdapter(f"{where} is not a readable safetensors body: {e}") from None
-    data, tensors = memoryview(body)[8 + size:], {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            dtype, view = DTYPES[info["dtype"]]
-            begin, end = (int(x) for x in info["data_offsets"])
-            shape = tuple(int(n) for n in info["shape"])
-            array = np.frombuffer(data[begin:end], dtype=dtype).reshape(shape)
-        except KeyError as e:
-            if isinstance(info, dict) and info.get("dtype") not in DTYPES:
-                raise InvalidAdapter(f"{where}: '{key}' is of type {info.get('dtype')!r}; pushed factors are "
-                                     f"{', '.join(DTYPES)}.") from None
-            raise InvalidAdapter(f"{where}: '{key}' lacks its {e} in the safetensors header.") from None
-        except (TypeError, ValueError) as e:
-            raise InvalidAdapter(f"{where}: '{key}' does not fit the body: {e}") from None
-        tensors[key] = mx.array(array) if view is None else mx.array(array).view(view)
-    return header, tensors
+    for key, value in tensors.items():
+        if value.dtype not in FLOATS:
+            raise InvalidAdapter(f"{where}: '{key}' is of type {value.dtype}; pushed factors are float32, "
+                                 "float16 or bfloat16.")
+    return metadata, tensors
 
 
 def keep(name: str, weights: LoRAWeights) -> str:

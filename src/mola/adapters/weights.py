@@ -205,6 +205,13 @@ def invocation_tokens(value, what: str) -> tuple[int, ...] | None:
     return tuple(value)
 
 
+def alora_tokens(config: dict, where) -> tuple[int, ...] | None:
+    """An adapter config's ``alora_invocation_tokens`` (PEFT's name, which mlx-lm
+    adapters written by `mola train --alora-invocation` and pushed configs use too),
+    checked; None: a plain LoRA. ``where`` names the config in messages."""
+    return invocation_tokens(config.get("alora_invocation_tokens"), f"{where}: alora_invocation_tokens")
+
+
 def with_invocation(weights: LoRAWeights, tokens: tuple[int, ...] | None) -> LoRAWeights:
     """``weights`` as an activated LoRA invoked by ``tokens`` (None: as they are).
     Its delta is masked by position on the dense linears only: one on experts is refused."""

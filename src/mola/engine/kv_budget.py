@@ -13,7 +13,7 @@ sequence, stays within the budget:
 - ``reserve``: at every future step, with each row allowed to run to its
   ``max_tokens`` (:func:`peak`); admitted rows then never outgrow it.
 - ``optimistic``: for the next steps only (ADMISSION_HEADROOM of them when
-  admitting, one while running). Rows that outgrow the budget later are
+  admitting, the next step's while running). Rows that outgrow the budget later are
   preempted, the youngest first, and recomputed when there is room again
   (their KV goes to the prompt cache, if there is one, so that most of it
   comes back as a prefix hit).

@@ -45,6 +45,8 @@ def count_tokens(counts: mx.array, tokens: mx.array) -> mx.array:
 
 def output_counts(seqs, vocab_size: int) -> mx.array:
     """[B, V] counts of each row's generated tokens (a preempted row rejoins with them)."""
+    if not any(seq.output for seq in seqs):  # new rows: nothing generated yet
+        return mx.zeros((len(seqs), vocab_size))
     counts = np.zeros((len(seqs), vocab_size), dtype=np.float32)
     for row, seq in enumerate(seqs):
         np.add.at(counts[row], seq.output, 1)

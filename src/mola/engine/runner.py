@@ -113,7 +113,6 @@ class ModelRunner:
         # the decode and prefill batches' caches
         self.stats.kv_bytes = held_nbytes(self.cache) + held_nbytes(self.prefill.cache if self.prefill else None)
         self.stats.peak_kv_bytes = max(self.stats.peak_kv_bytes, self.stats.kv_bytes)
-        self.stats.peak_active_bytes = max(self.stats.peak_active_bytes, mx.get_active_memory())
         self.num_steps += 1
         if self.num_steps % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
@@ -133,8 +132,10 @@ class ModelRunner:
             return result
         if forward is not None:
             self.inflight = self._sample(forward)
-        # (a constrained row that left the batch, preempted, still takes its token)
-        return advance_matchers(read_launch(previous) if previous is not None else None)
+        result = read_launch(previous) if previous is not None else None
+        # the rows of an unconstrained batch need no matcher, but a constrained row preempted
+        # out of it this step still takes the token it had in flight
+        return advance_matchers(result) if plan.preempted else result
 
     def _speculate(self, plan: StepPlan, previous: Launch | None) -> StepResult | None:
         """A speculative step: verify every row's drafts in one forward pass
@@ -152,7 +153,8 @@ class ModelRunner:
             forward, drafts, num_draft, self.keys, self.counts, bitmask)
         if not constrained and previous is not None:
             result = read_launch(previous)
-            advance_matchers(result)  # a constrained row that left the batch (preempted) still takes its token
+            if plan.preempted:  # a constrained row preempted out of the batch still takes its token
+                advance_matchers(result)
         mine, rejected = verify.read(launched)  # waits for the step
         verify.rewind(self.cache.layers, rejected)
         advance_matchers(mine)

@@ -59,7 +59,6 @@ class RunnerStats:
     # the prompt cache, ...).
     kv_bytes: int = 0
     peak_kv_bytes: int = 0
-    peak_active_bytes: int = 0
 
     def count_decode(self, slots: list[int]) -> None:
         """A decode step of rows on ``slots``."""

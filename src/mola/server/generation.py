@@ -68,9 +68,6 @@ def sampling_params(state: ServerState, body: _Sampling, num_prompt_tokens: int,
     )
 
 
-# ---- one choice ----------------------------------------------------------------------
-
-
 # ---- plumbing shared by the routes ---------------------------------------------------------
 
 

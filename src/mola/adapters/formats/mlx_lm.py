@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from ...errors import InvalidAdapter
 from .common import CONFIG_FILE, read_config
-from ..weights import LoRAWeights, ModuleLoRA, invocation_tokens, with_invocation
+from ..weights import LoRAWeights, ModuleLoRA, alora_tokens, with_invocation
 
 WEIGHTS_FILE = "adapters.safetensors"
 
@@ -70,13 +70,6 @@ def read_mlx_lm_adapter(path: Path, dtype: mx.Dtype | None = None) -> LoRAWeight
         raise InvalidAdapter(f"{weights_file} is not a readable safetensors file: {e}")
     weights = mlx_lm_weights(tensors, scale, str(path), str(weights_file), dtype)
     return with_invocation(weights, alora_tokens(config, path / CONFIG_FILE))
-
-
-def alora_tokens(config: dict, where) -> tuple[int, ...] | None:
-    """An activated LoRA's invocation tokens, under PEFT's name
-    (``alora_invocation_tokens``, which `mola train --alora-invocation` writes
-    into adapter_config.json); None: a plain LoRA."""
-    return invocation_tokens(config.get("alora_invocation_tokens"), f"{where}: alora_invocation_tokens")
 
 
 def mlx_lm_weights(tensors: dict[str, mx.array], scale: float, source: str, weights_file: str,

@@ -33,9 +33,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from ...errors import InvalidAdapter
-from ..weights import LoRAWeights, ModuleLoRA, with_invocation
+from ..weights import LoRAWeights, ModuleLoRA, alora_tokens, with_invocation
 from .common import CONFIG_FILE, read_config
-from .peft_config import EMBEDDING_NAMES, alora_tokens, check_config, module_scale, targets_module
+from .peft_config import EMBEDDING_NAMES, check_config, module_scale, targets_module
 from .peft_expert_paths import to_mlx_lm
 from .peft_experts import expert_param_lora, take_param_wrappers
 
@@ -193,7 +193,7 @@ def peft_weights(config: dict, tensors: dict[str, mx.array], path: Path, weights
     except Exception as e:
         raise InvalidAdapter(f"{weights_file} could not be read: {e}") from None
     return with_invocation(LoRAWeights(source=str(path), format="peft", modules=modules),
-                           alora_tokens(config, path))
+                           alora_tokens(config, f"Adapter at {path}"))
 
 
 def _load_tensors(weights_file: Path) -> dict[str, mx.array]:

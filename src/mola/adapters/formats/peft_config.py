@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from ...errors import InvalidAdapter
-from ..weights import invocation_tokens
+from ..weights import alora_tokens
 from .common import CONFIG_FILE
 from .peft_experts import check_target_parameters
 
@@ -47,17 +47,12 @@ BASE_MODIFYING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 # ---- checks -----------------------------------------------------------------------
 
 
-def alora_tokens(config: dict, where: Path) -> tuple[int, ...] | None:
-    """PEFT's aLoRA ``alora_invocation_tokens``, checked; None: a plain LoRA."""
-    return invocation_tokens(config.get("alora_invocation_tokens"), f"Adapter at {where}: alora_invocation_tokens")
-
-
 def check_config(config: dict, where: Path) -> None:
     """Refuse what mola cannot apply exactly, naming the feature, and a config
     whose fields PEFT itself would not take."""
     config_file = where / CONFIG_FILE
     _check_plain_lora(config, where)
-    alora_tokens(config, where)
+    alora_tokens(config, f"Adapter at {where}")
     _check_targets(config, where, config_file)
     _check_ranks(config, where, config_file)
     for name in ("target_modules", "exclude_modules"):
