@@ -39,12 +39,14 @@ def models(tiny_model, adapters):
     return merged_model(tiny_model)[0], merged_model(tiny_model, [adapters["a"]])[0]
 
 
-def test_activated_rows_match_a_per_position_loop_in_a_mixed_batch(tiny_model, adapters, models):
+@pytest.mark.parametrize("prefill_step_size", [16, 512])  # each prompt prefilled alone in chunks; all at once
+def test_activated_rows_match_a_per_position_loop_in_a_mixed_batch(tiny_model, adapters, models, prefill_step_size):
     base, merged = models
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (40, 23, 57, 31)]
     starts = [(0, 0), (0, 9), (1, 22), (2, 30), (3, 30)]  # (prompt, start): from the first token to the last
-    r = EngineRunner(tiny_model, adapters=list(adapters.items()), max_tokens=MAX_TOKENS, prefill_step_size=16)
+    r = EngineRunner(tiny_model, adapters=list(adapters.items()), max_tokens=MAX_TOKENS,
+                     prefill_step_size=prefill_step_size)
     try:
         alone = r.run(prompts[0], "a", adapter_start=9)
         seqs = together(r, lambda: [
@@ -65,8 +67,7 @@ def test_activated_rows_match_a_per_position_loop_in_a_mixed_batch(tiny_model, a
     assert outputs[len(starts)] == activated_reference(b, b, prompts[0], 0)
     assert outputs[len(starts) + 1] == activated_reference(base, base, prompts[1], 0)
     assert outputs[len(starts) + 2] == activated_reference(base, merged, prompts[2], 0)
-    # and the start matters: from 0 it is plain LoRA, later it is neither that nor the base
-    assert references[0] == activated_reference(merged, merged, prompts[0], 0)
+    # and the start matters: later than 0 it is neither plain LoRA nor the base
     assert references[1] not in (references[0], activated_reference(base, base, prompts[0], 0))
 
 

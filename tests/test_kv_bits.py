@@ -57,14 +57,14 @@ def test_answers_equal_mlx_lm_with_its_quantized_cache(wide_heads, bits):
     r = EngineRunner(wide_heads, max_tokens=MAX_TOKENS, kv_bits=bits, kv_cache_bytes=0)
     try:
         alone = [r.run(p, logprobs=0) for p in prompts()[:2]]
-        seqs = [r.submit(p, logprobs=0) for p in prompts()]  # one batch, left-padded
-        together = r.wait(seqs)
+        seqs = together(r, lambda: [r.submit(p, logprobs=0) for p in prompts()])  # one batch, left-padded
+        batched = r.wait(seqs)
         logprobs = [[lp for lp, _ in r.logprobs[s.seq_id]] for s in seqs]
         per_token = r.engine.call(lambda: r.engine.runner.kv_position_bytes).result(timeout=30)
     finally:
         r.stop()
     assert alone == [t for t, _ in references[:2]]
-    assert together == [t for t, _ in references]
+    assert batched == [t for t, _ in references]
     for mine, (_, theirs) in zip(logprobs, references):
         np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-5)
     # and the quantization is there to see: a float cache gives other log-probabilities

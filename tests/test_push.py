@@ -171,8 +171,8 @@ def test_peft_named_pushes_and_persisted_ones(server, adapters, tmp_path):
     r = put("theirs", body32, persist="true")
     assert r.status_code == 409 and "not written by a push" in r.json()["error"]["message"], r.text
     assert (root / "theirs" / "notes.txt").read_text() == "not a push"
-    theirs = httpx.get(server.url + "/v1/adapters/theirs").json()  # known from the directory, not pushed
-    assert theirs.get("source") != "push" and theirs.get("version", 0) <= 1, theirs
+    theirs = httpx.get(server.url + "/v1/adapters/theirs")  # known from the directory, not pushed
+    assert theirs.status_code == 200 and theirs.json()["source"] != "push", theirs.text
 
 
 def test_a_bfloat16_training_model_pushes_as_it_is(tiny_model):
