@@ -19,6 +19,7 @@ import os
 import threading
 
 import httpx
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -74,6 +75,13 @@ def files(tmp_path_factory):
            "outside": write_lora(root / "outside.safetensors", transformer, rank=4, seed=55),
            "garbage": loras / "garbage.safetensors"}
     out["garbage"].write_bytes(b"not a safetensors file")
+    out["not-a-table"] = loras / "not-a-table.safetensors"  # a header that parses, as the number 1
+    out["not-a-table"].write_bytes((1).to_bytes(8, "little") + b"1")
+    out["wrong-shape"] = loras / "wrong-shape.safetensors"  # to_q's factors of a model twice as wide
+    width = load_reference(model_dir).transformer.transformer_blocks[0].attn.to_q.weight.shape[1]
+    stem = "transformer.transformer_blocks.0.attn.to_q"
+    mx.save_safetensors(str(out["wrong-shape"]), {f"{stem}.lora_A.weight": mx.ones((4, 2 * width)),
+                                                  f"{stem}.lora_B.weight": mx.ones((2 * width, 4))})
     for kind in ("lokr", "dora", "diff"):
         out[kind] = write_not_lora(loras / f"{kind}.safetensors", kind)
     return out
@@ -202,6 +210,8 @@ def test_bad_fields_are_4xx_naming_the_field(server, body, status, param, says):
 @pytest.mark.parametrize("name, status, says", [
     ("outside", 403, "outside the directories"),
     ("garbage", 400, "not a readable .safetensors"),
+    ("not-a-table", 400, "not a readable .safetensors"),
+    ("wrong-shape", 400, "does not fit this image model"),
     ("lokr", 400, "LoKr"),
     ("dora", 400, "DoRA"),
     ("diff", 400, ".diff"),

@@ -59,6 +59,8 @@ def safetensors_keys(path: str) -> list[str]:
             if size > MAX_HEADER_BYTES:
                 raise ValueError(f"a header of {size} bytes")
             header = json.loads(f.read(size))
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a JSON object")
     except (OSError, ValueError, struct.error) as e:
         raise InvalidAdapter(f"{Path(path).name} is not a readable .safetensors file: {e}") from None
     return [k for k in header if k != "__metadata__"]
@@ -96,7 +98,7 @@ def read_lora(path: str, transformer: nn.Module, layers: dict[str, nn.Module], m
             elif name in layers and module is not layers[name].base:
                 raise InvalidAdapter(f"{Path(path).name} puts a {type(module).__name__} on {name} (one layer "
                                      "named twice, or not a plain LoRA); images take one plain LoRA per layer.")
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, TypeError, AttributeError, IndexError, FileNotFoundError, KeyError) as e:
         said = " ".join(line.strip() for line in printed.getvalue().splitlines() if "❌" in line)
         raise InvalidAdapter(f"{Path(path).name} cannot be applied to this image model: {e} {said}".strip()) from None
     finally:
@@ -105,6 +107,12 @@ def read_lora(path: str, transformer: nn.Module, layers: dict[str, nn.Module], m
         log.debug("mflux on %s: %s", path, printed.getvalue())
     if not modules:
         raise InvalidAdapter(f"{Path(path).name} holds no LoRA for this image model.")
+    for name, (a, b) in modules.items():  # mflux does not check: a LoRA of another model must not reach a slot
+        want = layers[name].full_dims
+        if a.ndim != 2 or b.ndim != 2 or (a.shape[0], b.shape[1]) != want or a.shape[1] != b.shape[0]:
+            raise InvalidAdapter(f"{Path(path).name} does not fit this image model: {name} takes factors of "
+                                 f"[{want[0]}, r] and [r, {want[1]}], the file has {list(a.shape)} and "
+                                 f"{list(b.shape)} (a LoRA for another model?).")
     mx.eval([f for pair in modules.values() for f in pair])
     return ImageLoRA(path, modules)
 

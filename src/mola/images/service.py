@@ -81,9 +81,6 @@ class ImageService:
     def stop(self) -> None:
         self.worker.stop()
 
-    def model_ids(self) -> list[str]:
-        return [self.name, *self.adapters]
-
     def jobs(self, ask: ImageAsk) -> list[ImageJob]:
         """The images ``ask`` wants, each checked (raising the 4xx error that names the field)."""
         prompt = check_prompt(ask.prompt)

@@ -14,11 +14,12 @@ rows; each finished request gets its PNGs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import traceback
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -41,13 +42,14 @@ class Ticket:
     images: dict[int, bytes] = field(default_factory=dict)  # index in jobs -> PNG bytes
 
     def fail(self, error: BaseException) -> None:
-        if not self.future.done():
+        with contextlib.suppress(InvalidStateError):  # done, or cancelled meanwhile by its caller
             self.future.set_exception(error)
 
     def put(self, index: int, png: bytes) -> None:
         self.images[index] = png
-        if len(self.images) == len(self.jobs) and not self.future.done():
-            self.future.set_result([self.images[i] for i in range(len(self.jobs))])
+        if len(self.images) == len(self.jobs):
+            with contextlib.suppress(InvalidStateError):
+                self.future.set_result([self.images[i] for i in range(len(self.jobs))])
 
 
 class ImageWorker:
@@ -64,9 +66,7 @@ class ImageWorker:
         self._ready = threading.Event()
         self._stopping = False
         self.error: BaseException | None = None
-        self.batches_started = 0  # batches taken from the queue (read by tests and the benchmark)
         self.batches = 0  # batches run
-        self.rows_run = 0
         self.batch_rows: list[int] = []  # rows of each batch run, last 100 (read by tests and the benchmark)
 
     # ---- any thread -------------------------------------------------------
@@ -170,7 +170,16 @@ class ImageWorker:
         """Schedule (slots) -> run (one denoising loop) -> postprocess (PNGs to their tickets)."""
         with self._lock:
             self._waiting -= len(batch)
-        self.batches_started += 1
+        try:
+            self._run(batch)
+        except Exception as e:  # the batch fails, not the worker (as the text engine fails one step)
+            log.error("image batch failed:\n%s", traceback.format_exc())
+            error = e if isinstance(e, MolaError) else EngineUnavailable(f"The image batch failed: "
+                                                                         f"{type(e).__name__}: {e}")
+            for item in batch:
+                item.ticket.fail(error)
+
+    def _run(self, batch: list[Pending]) -> None:
         rows, failed = self._slots.place(batch)
         for item, error in failed:
             item.ticket.fail(error)
@@ -178,14 +187,8 @@ class ImageWorker:
         if not rows:
             return
         job = rows[0][0].job
-        try:
-            images = self._slots.run([row for _, row in rows], job.width, job.height, job.steps)
-        except MolaError as e:
-            for item, _ in rows:
-                item.ticket.fail(e)
-            return
+        images = self._slots.run([row for _, row in rows], job.width, job.height, job.steps)
         self.batches += 1
-        self.rows_run += len(rows)
         self.batch_rows = [*self.batch_rows[-99:], len(rows)]
         for (item, _), png in zip(rows, images):
             item.ticket.put(item.index, png)
