@@ -133,6 +133,15 @@ def test_a_small_budget_changes_no_output_and_is_never_passed(tiny_model, adapte
     assert kv.used_bytes == kv.reserved_bytes == 0  # everything finished: nothing held
 
 
+def test_the_budget_is_published_before_the_first_request(tiny_model):
+    r = EngineRunner(tiny_model, kv_cache_bytes=(STEP + 100) * 512, kv_admission="reserve")
+    try:
+        kv = r.engine.snapshot.kv  # start() returned: nothing was asked of the engine yet
+        assert kv.budget_bytes == r.engine.kv_budget.nbytes > 0 and kv.mode == "reserve"
+    finally:
+        r.stop()
+
+
 def test_preemption_without_a_prompt_cache_recomputes_to_the_same_output(tiny_model, adapters, unbounded):
     """With no prompt cache to keep a preempted row's KV, its prefix is
     prefilled again from its prompt and output: the greedy rows' outputs are
@@ -161,6 +170,11 @@ def test_the_server_refuses_what_the_budget_cannot_hold_and_shows_it(tiny_model)
     try:
         budget = handle.state.kv_budget
         assert budget.bytes_per_token == 512 and budget.capacity == STEP + 100 and budget.mode == "reserve"
+        # shown from the start, before any request
+        kv = next(iter(httpx.get(handle.url + "/health").json()["kv_cache"].values()))
+        assert kv["budget"] == budget.nbytes and kv["admission"] == "reserve" and kv["used"] == 0
+        assert re.search(rf"^mola_kv_budget_bytes {float(budget.nbytes)}$", httpx.get(handle.url + "/metrics").text,
+                         re.M)
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}], "ignore_eos": True}
         refused = httpx.post(handle.url + "/v1/chat/completions", json={**chat, "max_tokens": 100}, timeout=60)
         error = refused.json()["error"]

@@ -185,6 +185,7 @@ class Engine:
                                    speculator=make_speculator(c.speculative, self.runner.can_rewind),
                                    budget=self.kv_budget)
         self.loaded = loaded
+        self._publish()  # the budget and the empty batch show from the start, not after the first command
 
     def _has_work(self) -> bool:
         return self.scheduler.has_work() or self.runner.inflight is not None
