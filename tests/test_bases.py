@@ -214,6 +214,34 @@ def test_keep_alive_unloads_when_idle_and_reloads(two_bases, reference):
         h.stop()
 
 
+def test_stored_responses_outlive_their_base_and_continue_on_another(two_bases):
+    """A response stored on B is kept by the server, not by B: it is read and
+    continued after B idles out or is unloaded, naming A or B."""
+    h = serve_bases(two_bases, b_keep_alive=100.0)
+
+    def respond(model, **extra):
+        r = httpx.post(h.url + "/v1/responses", timeout=60, json={
+            "model": model, "input": "remember me", "max_output_tokens": 4, "temperature": 0, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    try:
+        b = h.bases.by_name["B"]
+        first = respond("B", store=True)
+        assert h.run(h.bases.unload_idle(b.last_used + 100)) == ["B"]
+        got = httpx.get(h.url + f"/v1/responses/{first['id']}", timeout=60)
+        assert got.status_code == 200 and got.json() == first, got.text
+        assert b.status is BaseStatus.DECLARED  # reading it loaded nothing
+        on_a = respond("A", previous_response_id=first["id"])
+        assert on_a["model"] == "A" and on_a["usage"]["input_tokens"] > first["usage"]["input_tokens"]
+        again = respond("B", previous_response_id=first["id"], store=True)  # loads B again
+        assert h.run(h.bases.unload("B"))
+        for rid in (first["id"], again["id"]):
+            assert httpx.get(h.url + f"/v1/responses/{rid}", timeout=60).status_code == 200
+    finally:
+        h.stop()
+
+
 def test_adapter_for_another_base_is_a_400(two_bases):
     h = serve_bases(two_bases, allow_any_adapter_path=True)
     try:

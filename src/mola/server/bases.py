@@ -15,7 +15,8 @@ failed to load is tried again by the first request after
 ``retry_failed_after`` seconds, or at once by POST /v1/models/{id}/load
 (:meth:`Bases.load`). What a base serves outlives its unloads: the
 adapters loaded onto it over REST are known again when it loads again, and
-those unloaded over REST stay unloaded.
+those unloaded over REST stay unloaded, and the stored Responses
+(:attr:`Bases.responses`, one store for every base) outlive it too.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from ..config import ServeConfig
 from ..errors import InvalidRequest, ShuttingDown
 from .base_record import Base, BaseStatus, BaseUnavailable, default_name
 from .host_memory import trim_heap, weight_bytes
+from .responses_api.store import ResponseStore
 from .state import ServerState
 
 log = logging.getLogger("mola.bases")
@@ -58,6 +60,9 @@ class Bases:
         self.by_name = {b.name: b for b in bases}
         self.default = bases[0]
         self.metrics = metrics  # shared by every base's state
+        # Stored Responses belong to the server, not to a base: they outlive a
+        # base's unload, and a follow-up may name another model.
+        self.responses = ResponseStore(self.default.config.max_stored_responses)
         self.max_loaded, self.max_bytes = max_loaded, max_bytes
         self.clock = clock
         self.engine_factory = engine_factory

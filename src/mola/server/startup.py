@@ -19,7 +19,6 @@ from ..registry.sources import AdapterSources
 from ..structured import StructuredOutputs
 from .metrics import Metrics
 from .reasoning import reasoning_format
-from .responses_api.store import ResponseStore
 from .state import ServerState
 
 log = logging.getLogger("mola.server")
@@ -65,7 +64,6 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel,
         base_root=str(loaded.path or config.model),
         max_model_len=config.max_model_len or loaded.max_model_len,
         vocab_size=loaded.vocab_size,
-        responses=ResponseStore(config.max_stored_responses),
         structured=StructuredOutputs(loaded.tokenizer, loaded.vocab_size),
         reasoning=reasoning_format(config.reasoning_parser, loaded.tokenizer),
         kv_budget=engine.kv_budget,

@@ -16,7 +16,6 @@ from ..structured import StructuredOutputs
 from .metrics import Metrics
 from .prompts import PromptLanes
 from .reasoning import ReasoningFormat
-from .responses_api.store import ResponseStore
 
 
 @dataclass
@@ -34,7 +33,6 @@ class ServerState:
     reasoning: ReasoningFormat | None = None  # how the model's thinking is split off (--reasoning-parser)
     kv_budget: KVBudget | None = None  # what the batches' KV caches may hold (None: no budget)
     metrics: Metrics = field(default_factory=Metrics)
-    responses: ResponseStore = field(default_factory=ResponseStore)  # for previous_response_id
     created: int = field(default_factory=lambda: int(time.time()))
     active_sequences: int = 0  # generations accepted and not finished (each choice counts)
     draining: bool = False  # shutting down: no new generations

@@ -15,14 +15,14 @@ from typing import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ...errors import MolaError, ResponseNotFound
+from ...errors import MolaError
 from ..choice import Generation
 from ..generation import run_until_disconnect, start_generations, start_reasoning
 from ..responses_api.events import ResponseBuilder
 from ..responses_api.items import normalize_input, normalize_item, to_messages
 from ..responses_api.objects import request_fields
 from ..responses_api.protocol import ResponsesRequest, constrain
-from ..responses_api.store import StoredResponse
+from ..responses_api.store import ResponseStore, StoredResponse
 from ..base_leases import state_for
 from ..completion_bodies import with_alora
 from ..state import ServerState
@@ -34,11 +34,12 @@ router = APIRouter()
 @router.post("/v1/responses")
 async def create_response(body: ResponsesRequest, request: Request):
     state: ServerState = await state_for(request, body.model)
+    store: ResponseStore = request.app.state.bases.responses  # the server's: any model may continue a response
     body.check_supported()
     response_format, tool_choice = constrain(body)
     items = normalize_input(body.input)
     if body.previous_response_id is not None:
-        items = [*state.responses.get(body.previous_response_id).items, *items]
+        items = [*store.get(body.previous_response_id).items, *items]
     tools = body.chat_tools()
     messages = to_messages(items, body.instructions)
     reads_calls = bool(state.reasoning and state.reasoning.parses_tools)  # harmony's parser reads them
@@ -53,34 +54,28 @@ async def create_response(body: ResponsesRequest, request: Request):
                                    reasoning)
     builder = ResponseBuilder(with_alora(request_fields(body), gen.alora_invoked))
     if body.stream:
-        return event_stream(_stream(state, gen, builder, body, items, request), gen.close)
-    result = await run_until_disconnect(_complete(state, gen, builder, body, items), request)
+        return event_stream(_stream(store, gen, builder, body, items, request), gen.close)
+    result = await run_until_disconnect(_complete(store, gen, builder, body, items), request)
     return JSONResponse(result) if result is not None else None
 
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request):
-    error = None
-    for state in request.app.state.bases.loaded_states():  # whichever base answered it
-        try:
-            return JSONResponse(state.responses.get(response_id, param=None).response)
-        except ResponseNotFound as e:
-            error = e
-    raise error or ResponseNotFound(f"No stored response has id '{response_id}'.")
+    return JSONResponse(request.app.state.bases.responses.get(response_id, param=None).response)
 
 
-async def _complete(state: ServerState, gen: Generation, builder: ResponseBuilder,
+async def _complete(store: ResponseStore, gen: Generation, builder: ResponseBuilder,
                     body: ResponsesRequest, items: list[dict]) -> dict:
     async with contextlib.aclosing(gen.deltas()) as deltas:
         async for d in deltas:
             builder.add(d.text, d.tool_calls, d.reasoning)
     builder.finish(gen.finish_reason, gen.num_prompt_tokens, gen.num_tokens, gen.num_cached_tokens,
                    gen.num_reasoning_tokens)
-    _remember(state, body, builder, items)
+    _remember(store, body, builder, items)
     return builder.response
 
 
-async def _stream(state: ServerState, gen: Generation, builder: ResponseBuilder, body: ResponsesRequest,
+async def _stream(store: ResponseStore, gen: Generation, builder: ResponseBuilder, body: ResponsesRequest,
                   items: list[dict], request: Request) -> AsyncIterator[str]:
     try:
         for event in builder.start():
@@ -93,7 +88,7 @@ async def _stream(state: ServerState, gen: Generation, builder: ResponseBuilder,
                     yield sse_event(event)
         events = builder.finish(gen.finish_reason, gen.num_prompt_tokens, gen.num_tokens,
                                 gen.num_cached_tokens, gen.num_reasoning_tokens)
-        _remember(state, body, builder, items)
+        _remember(store, body, builder, items)
         for event in events:
             yield sse_event(event)
     except MolaError as e:
@@ -102,11 +97,11 @@ async def _stream(state: ServerState, gen: Generation, builder: ResponseBuilder,
             yield sse_event(event)
 
 
-def _remember(state: ServerState, body: ResponsesRequest, builder: ResponseBuilder,
+def _remember(store: ResponseStore, body: ResponsesRequest, builder: ResponseBuilder,
               items: list[dict]) -> None:
     """Keep the response and its conversation for previous_response_id
     (unless store is false); its output items become canonical input items."""
     if not body.stores():
         return
     output = [normalize_item(item, f"output[{i}]") for i, item in enumerate(builder.output)]
-    state.responses.put(builder.id, StoredResponse(builder.response, (*items, *output)))
+    store.put(builder.id, StoredResponse(builder.response, (*items, *output)))
