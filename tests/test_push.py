@@ -118,6 +118,58 @@ def test_bad_pushes_get_4xx_and_change_nothing(server, trained):
     assert httpx.get(server.url + "/v1/adapters/live2").status_code == 404
 
 
+def with_header(body: bytes, change) -> bytes:
+    """``body`` with its safetensors header changed in place by ``change(header)``."""
+    n = int.from_bytes(body[:8], "little")
+    header = json.loads(body[8 : 8 + n])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + body[8 + n :]
+
+
+def with_config(body: bytes, **lora_parameters_and_extra) -> bytes:
+    def change(header):
+        config = json.loads(header["__metadata__"]["adapter_config"])
+        config["lora_parameters"].update(lora_parameters_and_extra.pop("lora_parameters", {}))
+        config.update(lora_parameters_and_extra)
+        header["__metadata__"]["adapter_config"] = json.dumps(config)
+    return with_header(body, change)
+
+
+def test_push_configs_and_persisted_names_are_bounded(server, trained):
+    """What a push's config says is bounded as ?scale= is (its own bound, named),
+    invocation tokens are in the vocabulary, tensors do not share bytes, and a
+    persisted name is one an --adapter-dir serves after a restart: each a 400
+    naming the rule, with nothing served or written."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = adapter_body(trained)
+
+    def overlap(header):
+        a, b = sorted(k for k in header if k.endswith(".lora_a"))[:2]
+        header[b]["data_offsets"] = header[a]["data_offsets"]
+
+    for name, content, params, words in [
+        (".hid", body, {"persist": "true"}, "does not start with '.'"),
+        ("org/one", body, {"persist": "true"}, "one segment (no '/')"),
+        ("big", with_config(body, lora_parameters={"scale": 1e30}), {}, "scale 1e+30"),
+        ("big", with_config(body, lora_parameters={"scale": -1001}), {}, "within [-1000, 1000]"),
+        ("never", with_config(body, alora_invocation_tokens=[7, 100000]), {},
+         "token id 100000, outside the base's vocabulary (size 512)"),
+        ("shared", with_header(body, overlap), {}, "overlap"),
+    ]:
+        r = httpx.put(f"{server.url}/v1/adapters/{name}/weights", content=content, headers=auth, params=params,
+                      timeout=60)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (name, r.text)
+        assert httpx.get(f"{server.url}/v1/adapters/{name}").status_code == 404
+    root = Path(server.config.adapter_dirs[0])
+    assert not (root / ".hid").exists() and not (root / "org").exists()
+    # the bounds' edges are served: mlx-lm's default scale 20, the last token of the vocabulary
+    r = httpx.put(f"{server.url}/v1/adapters/edge/weights", headers=auth, timeout=60,
+                  content=with_config(body, lora_parameters={"scale": 20.0}, alora_invocation_tokens=[511]))
+    assert r.status_code == 200 and r.json()["alora_invocation_tokens"] == [511], r.text
+
+
 def peft_body(adapter, tmp_path, dtype, **config_extra) -> bytes:
     """Adapter ``adapter`` as PEFT writes it (PEFT's names, ``dtype``), as one push body."""
     import mlx.core as mx

@@ -44,6 +44,11 @@ PREFIX = "pushed:"
 CONFIG_KEY = "adapter_config"  # the safetensors metadata entry holding adapter_config.json
 MARKER = ".mola-pushed"  # in a directory persist() wrote: a later push of the name may replace it
 FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+# The largest |scale| a pushed config may give its factors (mlx-lm's
+# lora_parameters.scale, PEFT's lora_alpha / r): 50 times mlx-lm's and mola
+# train's default of 20. ?scale= (the slot's own strength) multiplies it, within
+# [-10, 10]; a scale past this bound only overflows the activations.
+MAX_CONFIG_SCALE = 1000.0
 
 _store: dict[str, LoRAWeights] = {}  # source name -> its factors, as sent
 _numbers = itertools.count(1)
@@ -60,10 +65,17 @@ def is_pushed(path: str) -> bool:
     return str(path).startswith(PREFIX)
 
 
-def parse(name: str, body: bytes, model_config: dict | None = None) -> Pushed:
+def parse(name: str, body: bytes, model_config: dict | None = None, vocab_size: int | None = None) -> Pushed:
     """The factors of a pushed body (``model_config``: the base's, which places
-    PEFT's expert factors); InvalidAdapter naming what is wrong."""
+    PEFT's expert factors; ``vocab_size``: the base's, which bounds an
+    activated LoRA's invocation tokens); InvalidAdapter naming what is wrong."""
     where = f"the adapter pushed as '{name}'"
+    pushed = _parse(name, where, body, model_config)
+    _check_bounds(where, pushed.weights, vocab_size)
+    return pushed
+
+
+def _parse(name: str, where: str, body: bytes, model_config: dict | None) -> Pushed:
     metadata, tensors = _read_safetensors(body, where)
     text = metadata.get(CONFIG_KEY)
     if text is None:
@@ -86,9 +98,45 @@ def parse(name: str, body: bytes, model_config: dict | None = None) -> Pushed:
     return Pushed(weights, {**files, MLX_LM_WEIGHTS_FILE: body})
 
 
+def _check_bounds(where: str, weights: LoRAWeights, vocab_size: int | None) -> None:
+    """A pushed config's scale within [-MAX_CONFIG_SCALE, MAX_CONFIG_SCALE], and
+    its invocation tokens in the vocabulary (else the aLoRA is never invoked)."""
+    for path, m in sorted(weights.modules.items()):
+        if not -MAX_CONFIG_SCALE <= m.scale <= MAX_CONFIG_SCALE:
+            raise InvalidAdapter(f"{where}: its config gives {path} the scale {m.scale:g}; a pushed adapter's "
+                                 f"scale (lora_parameters.scale, or lora_alpha / r) must be within "
+                                 f"[-{MAX_CONFIG_SCALE:g}, {MAX_CONFIG_SCALE:g}].")
+    outside = [t for t in weights.invocation_tokens or () if vocab_size is not None and t >= vocab_size]
+    if outside:
+        raise InvalidAdapter(f"{where}: alora_invocation_tokens holds token id {outside[0]}, outside the base's "
+                             f"vocabulary (size {vocab_size}); the adapter could never be invoked.")
+
+
+def _check_offsets(body: bytes, where: str) -> None:
+    """Tensors whose data_offsets overlap, or run past the body, are refused
+    (MLX's reader takes them); a header that is not JSON is left to it."""
+    try:
+        n = int.from_bytes(body[:8], "little")
+        header = json.loads(body[8 : 8 + n])
+        spans = sorted((tuple(v["data_offsets"]), k) for k, v in header.items() if k != "__metadata__")
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return
+    size, end, last = len(body) - 8 - n, 0, None
+    for (begin, stop), key in spans:
+        if not (isinstance(begin, int) and isinstance(stop, int) and 0 <= begin <= stop <= size):
+            raise InvalidAdapter(f"{where}: '{key}' has data_offsets [{begin}, {stop}], outside the body's "
+                                 f"{size} data bytes.")
+        if begin < end:
+            raise InvalidAdapter(f"{where}: the data_offsets of '{key}' [{begin}, {stop}] overlap those of "
+                                 f"'{last}' (ending at {end}); each tensor has bytes of its own.")
+        if stop > end:
+            end, last = stop, key
+
+
 def _read_safetensors(body: bytes, where: str) -> tuple[dict, dict[str, mx.array]]:
     """(metadata, tensors) of a safetensors body in memory; float32, float16
     and bfloat16 factors only."""
+    _check_offsets(body, where)
     try:
         tensors, metadata = mx.load(io.BytesIO(body), format="safetensors", return_metadata=True)
     except (RuntimeError, ValueError) as e:  # MLX's reader names what is wrong with the bytes

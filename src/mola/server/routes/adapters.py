@@ -12,7 +12,8 @@
                                    serve the factors in the body (safetensors, mlx-lm's or PEFT's
                                    names, adapter_config in its metadata) as a new version of name,
                                    from memory (mola.adapters.pushed); persist: also written as an
-                                   adapter directory under the first --adapter-dir
+                                   adapter directory under the first --adapter-dir (a name of one
+                                   segment, not starting with '.': what the directory serves)
 
 Names follow the adapter id grammar (mola/registry/names.py); one with '/' is
 given in the URL as is or %2F-encoded (the server decodes the path first).
@@ -28,7 +29,7 @@ from fastapi import APIRouter, Request
 from ...adapters import pushed
 from ...adapters.recipe import read_checked
 from ...errors import AdapterExists, InvalidRequest, ModelNotFound
-from ...registry.names import check_adapter_id
+from ...registry.names import check_adapter_id, is_entry_name
 from .. import protocol as p
 from ..base_leases import state_for
 from ..state import ServerState
@@ -87,6 +88,10 @@ async def push_adapter(name: str, request: Request, scale: float = 1.0, base: st
         raise AdapterExists(name)  # a name is one model id, on one base
     if not -10.0 <= scale <= 10.0:
         raise InvalidRequest(f"scale must be in [-10, 10], got {scale}", param="scale")
+    if persist and not is_entry_name(name):  # what a restart would not serve is not written
+        raise InvalidRequest(f"persist=true writes '{name}' as an entry of --adapter-dir, which serves entries "
+                             "named by one segment (no '/') that does not start with '.'; push it under such a "
+                             "name, or without persist.", param="name")
     state: ServerState = await state_for(request, _base_name(request, base))
     if state.engine.engine.group is not None:
         raise InvalidRequest("A tensor-parallel group reads adapters from files on every rank; it does not "
@@ -95,7 +100,8 @@ async def push_adapter(name: str, request: Request, scale: float = 1.0, base: st
         raise InvalidRequest("persist=true writes the adapter under the server's first --adapter-dir, and this "
                              "server has none.", param="persist")
     loader = state.registry.loader
-    body = await asyncio.to_thread(pushed.parse, name, await request.body(), loader.model_config)  # off the loop
+    body = await asyncio.to_thread(pushed.parse, name, await request.body(), loader.model_config,
+                                   state.vocab_size)  # off the loop
     source = pushed.keep(name, body.weights)
     try:
         persisted = None
