@@ -292,6 +292,10 @@ def test_the_store_keeps_the_last_used_and_says_what_is_gone(echo_client):
     ({"top_logprobs": 2}, 400, "top_logprobs"),
     ({"metadata": {str(i): "v" for i in range(17)}}, 400, "metadata"),
     ({"previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
+    # an output that answers no call (OpenAI: "No tool call found for function call output")
+    ({"input": [{"type": "function_call_output", "call_id": "call_x", "output": "x"}]}, 400, "input[0].call_id"),
+    ({"input": [{"type": "function_call", "call_id": "call_a", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "call_b", "output": "x"}]}, 400, "input[1].call_id"),
 ])
 def test_bad_input_is_a_4xx_that_names_the_field(client, patch, status, param):
     r = client.post("/v1/responses", json={"model": "tiny", "input": "Hi", "max_output_tokens": 2, **patch})
@@ -331,3 +335,11 @@ def test_a_failure_mid_stream_is_response_failed(server):
     error = last["response"]["error"]
     assert error["code"] == "server_error" and "abort" in error["message"]
     assert last["response"]["output"][0]["status"] == "incomplete"
+
+
+def test_an_orphan_call_output_names_its_call_id(client):
+    r = client.post("/v1/responses", json={"model": "tiny", "max_output_tokens": 2, "input": [
+        {"type": "function_call_output", "call_id": "call_nowhere", "output": "x"}]})
+    assert r.status_code == 400 and "No tool call found" in r.json()["error"]["message"], r.text
+    assert "'call_nowhere'" in r.json()["error"]["message"]
+

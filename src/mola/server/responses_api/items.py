@@ -59,6 +59,20 @@ def normalize_item(item: dict, where: str) -> dict:
                          "function_call, function_call_output and reasoning items.", param=f"{where}.type")
 
 
+def check_call_outputs(items: list[dict], earlier: tuple[dict, ...] = (), param: str = "input") -> None:
+    """A 400, as OpenAI's, for a function_call_output in ``items`` whose call_id
+    answers no function_call before it (in ``earlier``, a stored conversation,
+    or in ``items``)."""
+    called = {i["call_id"] for i in earlier if i["type"] == "function_call"}
+    for j, item in enumerate(items):
+        if item["type"] == "function_call":
+            called.add(item["call_id"])
+        elif item["type"] == "function_call_output" and item["call_id"] not in called:
+            raise InvalidRequest(f"No tool call found for function call output with call_id {item['call_id']!r}: "
+                                 "send the function_call item before its output (or continue the response "
+                                 "that made the call with previous_response_id).", param=f"{param}[{j}].call_id")
+
+
 def _string(item: dict, key: str, where: str) -> str:
     value = item.get(key)
     if not isinstance(value, str) or (key != "arguments" and not value):

@@ -19,7 +19,7 @@ from ...errors import MolaError
 from ..choice import Generation
 from ..generation import run_until_disconnect, start_generations, start_reasoning
 from ..responses_api.events import ResponseBuilder
-from ..responses_api.items import normalize_input, normalize_item, to_messages
+from ..responses_api.items import check_call_outputs, normalize_input, normalize_item, to_messages
 from ..responses_api.objects import request_fields
 from ..responses_api.protocol import ResponsesRequest, constrain
 from ..responses_api.store import ResponseStore, StoredResponse
@@ -38,8 +38,9 @@ async def create_response(body: ResponsesRequest, request: Request):
     body.check_supported()
     response_format, tool_choice = constrain(body)
     items = normalize_input(body.input)
-    if body.previous_response_id is not None:
-        items = [*store.get(body.previous_response_id).items, *items]
+    earlier = store.get(body.previous_response_id).items if body.previous_response_id is not None else ()
+    check_call_outputs(items, earlier)
+    items = [*earlier, *items]
     tools = body.chat_tools()
     messages = to_messages(items, body.instructions)
     reads_calls = bool(state.reasoning and state.reasoning.parses_tools)  # harmony's parser reads them
