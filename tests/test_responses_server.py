@@ -343,3 +343,14 @@ def test_an_orphan_call_output_names_its_call_id(client):
     assert r.status_code == 400 and "No tool call found" in r.json()["error"]["message"], r.text
     assert "'call_nowhere'" in r.json()["error"]["message"]
 
+
+@pytest.mark.parametrize("method, route", [
+    ("POST", "/v1/responses"), ("POST", "/v1/messages"), ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"), ("POST", "/v1/adapters"), ("PUT", "/v1/adapters/x/weights"),
+    ("POST", "/v1/images/generations"), ("POST", "/tokenize"),
+])
+def test_an_empty_body_is_a_400_that_says_so(client, method, route):
+    r = client.request(method, route, content=b"", headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "The request body is empty" in message and "None" not in message, message

@@ -70,6 +70,8 @@ def parse(name: str, body: bytes, model_config: dict | None = None, vocab_size: 
     PEFT's expert factors; ``vocab_size``: the base's, which bounds an
     activated LoRA's invocation tokens); InvalidAdapter naming what is wrong."""
     where = f"the adapter pushed as '{name}'"
+    if not body:
+        raise InvalidAdapter(f"The request body is empty; {where} is sent as one safetensors body.")
     pushed = _parse(name, where, body, model_config)
     _check_bounds(where, pushed.weights, vocab_size)
     return pushed

@@ -125,7 +125,9 @@ def install_error_handlers(app: FastAPI) -> None:
             )
         param = _loc_to_param(tuple(first.get("loc", ())))
         msg = first.get("msg", "Invalid request")
-        if first.get("type") == "missing":
+        if first.get("type") == "missing" and param is None:  # no body at all
+            message = "The request body is empty (or null); expected a JSON object."
+        elif first.get("type") == "missing":
             message = f"Missing required parameter: '{param}'."
         elif first.get("type") in ("model_attributes_type", "dict_type") and param is None:
             message = "The request body must be a JSON object."
