@@ -84,6 +84,12 @@ def files(tmp_path_factory):
                                                   f"{stem}.lora_B.weight": mx.ones((2 * width, 4))})
     for kind in ("lokr", "dora", "diff"):
         out[kind] = write_not_lora(loras / f"{kind}.safetensors", kind)
+    for bad, value in (("nan", float("nan")), ("inf", float("inf"))):  # l1 with one value not finite
+        factors = mx.load(str(out["l1"]))
+        key = sorted(factors)[0]
+        factors[key] = mx.where(mx.arange(factors[key].size).reshape(factors[key].shape) == 0, value, factors[key])
+        out[bad] = loras / f"{bad}.safetensors"
+        mx.save_safetensors(str(out[bad]), factors)
     return out
 
 
@@ -215,6 +221,8 @@ def test_bad_fields_are_4xx_naming_the_field(server, body, status, param, says):
     ("lokr", 400, "LoKr"),
     ("dora", 400, "DoRA"),
     ("diff", 400, ".diff"),
+    ("nan", 400, "non-finite values (NaN or Inf)"),
+    ("inf", 400, "non-finite values (NaN or Inf)"),
 ])
 def test_lora_files_that_cannot_be_served_are_refused(server, files, name, status, says):
     r = post(server, prompt="a cat", size="64x64", steps=1, **{"lora-paths": [str(files[name])]})
