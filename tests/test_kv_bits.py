@@ -99,3 +99,95 @@ def test_a_group_size_the_heads_cannot_take_is_refused_at_start(tiny_model):
 
     with pytest.raises(ModelLoadError, match="--kv-bits 8 --kv-group-size 64"):
         EngineRunner(tiny_model, kv_bits=8)  # heads of 16
+
+
+# ---- alone and in a batch ----------------------------------------------------------
+
+def test_the_quantized_cache_gives_a_row_the_same_attention_alone_and_in_a_batch():
+    """The cache itself is batch-invariant: its groups run along one position's
+    head dimension, so left padding and the other rows never enter a row's
+    groups. Fixed keys, values and queries (no matmul upstream): a row's
+    attention at prefill and at a decode step is bit-identical alone and
+    left-padded among rows of other lengths."""
+    from mlx_lm.models.base import quantized_scaled_dot_product_attention as attend
+
+    from mola.engine.quantized_cache import BatchQuantizedKVCache
+
+    H, D, bits = 2, 64, 8
+    lengths = [5, 40, 17]
+    mx.random.seed(0)
+    kv = [[mx.random.normal((1, H, n + 1, D)) for _ in range(2)] for n in lengths]  # + 1: the decode step
+    queries = [mx.random.normal((1, 2 * H, n + 1, D)) for n in lengths]  # grouped-query: 2 heads a KV head
+
+    def run(cache, keys, values, q):
+        mask = cache.make_mask(q.shape[2]) if q.shape[2] > 1 or cache.left_padding.any() else None
+        k, v = cache.update_and_fetch(keys, values)
+        return attend(q, k, v, scale=D**-0.5, mask=mask, group_size=GROUP, bits=bits)
+
+    alone = []
+    for (k, v), q in zip(kv, queries):
+        cache = BatchQuantizedKVCache([0], GROUP, bits)
+        prefill = run(cache, k[:, :, :-1], v[:, :, :-1], q[:, :, :-1])
+        alone.append((prefill, run(cache, k[:, :, -1:], v[:, :, -1:], q[:, :, -1:])))
+    longest = max(lengths)
+    padding = [longest - n for n in lengths]
+
+    def left_padded(arrays, cut):
+        return mx.concatenate([mx.pad(a[:, :, :cut], [(0, 0), (0, 0), (p, 0), (0, 0)]) for a, p in
+                               zip(arrays, padding)])
+
+    cache = BatchQuantizedKVCache(padding, GROUP, bits)
+    prefill = run(cache, left_padded([k for k, _ in kv], -1), left_padded([v for _, v in kv], -1),
+                  left_padded(queries, -1))
+    decode = run(cache, mx.concatenate([k[:, :, -1:] for k, _ in kv]), mx.concatenate([v[:, :, -1:] for _, v in kv]),
+                 mx.concatenate([q[:, :, -1:] for q in queries]))
+    for i, (p, (own_prefill, own_decode)) in enumerate(zip(padding, alone)):
+        assert mx.array_equal(prefill[i : i + 1, :, p:], own_prefill).item(), f"row {i} at prefill"
+        assert mx.array_equal(decode[i : i + 1], own_decode).item(), f"row {i} at its decode step"
+
+
+def test_a_row_alone_and_in_a_batch_of_16(wide_heads):
+    """A row's log-probabilities alone and among 15 others that join the batch
+    one by one (left padding, rows kept and appended): bit-identical on MLX's
+    reference BLAS, whose products do not depend on the batch's shape. OpenBLAS
+    picks its kernels by shape, and a last-bit difference in a key or value can
+    flip its 8-bit rounding: there the answers agree within the bound that
+    docs/operations.md and /v1/models ("kv_cache") state."""
+    from mola import blas
+
+    rng = random.Random(5)
+    rows = [[rng.randrange(3, 500) for _ in range(rng.randrange(3, 70))] for _ in range(16)]
+    r = EngineRunner(wide_heads, max_tokens=MAX_TOKENS, kv_bits=8, kv_cache_bytes=0, prompt_cache_bytes=0)
+    try:
+        alone = []
+        for p in rows[:4]:
+            s = r.submit(p, logprobs=0)
+            r.wait([s])
+            alone.append([lp for lp, _ in r.logprobs[s.seq_id]])
+        seqs = []
+        for p in rows:
+            seqs.append(r.submit(p, logprobs=0))
+            r.wait_decoding(seqs[-1:])
+        r.wait(seqs)
+        batched = [[lp for lp, _ in r.logprobs[s.seq_id]] for s in seqs[:4]]
+    finally:
+        r.stop()
+    if blas.blas_in_use() == "reference":
+        assert batched == alone
+    else:
+        np.testing.assert_allclose(batched, alone, rtol=0, atol=5e-3)
+
+
+def test_models_states_whether_a_quantized_cache_is_batch_invariant(wide_heads):
+    import httpx
+
+    from helpers.servers import start_server
+    from mola import blas
+
+    handle = start_server(model=str(wide_heads), served_model_name="wide", kv_bits=8)
+    try:
+        card = httpx.get(handle.url + "/v1/models/wide", timeout=60).json()
+    finally:
+        handle.stop()
+    assert card["kv_cache"] == {"bits": 8, "group_size": GROUP,
+                                "batch_invariant": blas.blas_in_use() == "reference"}, card

@@ -9,6 +9,11 @@ it when the cache has ``bits``). What the batch adds: left padding, rows kept
 or appended, a row cut out for the prompt cache, and per-sequence caches
 merged into a batch, as BatchKVCache does for float keys and values, on the
 triples instead.
+
+Batch-invariant itself: a group is one position's head dimension, so no row's
+groups hold padding or another row. It rounds what it is given, though, so a
+last-bit difference in a key (OpenBLAS picks kernels by the batch's shape) can
+flip a step: docs/operations.md states that exception, /v1/models shows it.
 """
 
 from __future__ import annotations

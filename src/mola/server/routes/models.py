@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from ...blas import blas_in_use
 from ...errors import BaseBusy, ModelNotFound
 from .. import completion_bodies as p
 from ..base_record import Base
@@ -29,7 +30,19 @@ def _base_cards(base: Base, created: int) -> list[dict]:
     card["status"] = base.status.value
     if base.error is not None and base.status.value == "failed":
         card["error"] = base.error
+    if base.config.engine.kv_bits is not None:
+        card["kv_cache"] = _quantized_kv(base.config.engine)
     return [card, *(p.model_card(n, c, path, card["id"], max_len) for n, c, path in adapters)]
+
+
+def _quantized_kv(engine) -> dict:
+    """--kv-bits, and whether a row's answer is then bit-identical alone and in
+    any batch (docs/operations.md): the cache is, but it rounds the keys and
+    values it is given, so it is only where the products before it do not
+    depend on the batch's shape: MLX's reference BLAS, not OpenBLAS (whose
+    kernels go by shape) nor, as far as mola has shown, a GPU or Accelerate."""
+    return {"bits": engine.kv_bits, "group_size": engine.kv_group_size,
+            "batch_invariant": blas_in_use() == "reference"}
 
 
 def _image_cards(request: Request, created: int) -> list[dict]:
