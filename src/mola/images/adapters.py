@@ -28,7 +28,6 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..adapters.weights import all_finite
 from ..errors import InvalidAdapter
 
 log = logging.getLogger("mola.images")
@@ -115,9 +114,11 @@ def read_lora(path: str, transformer: nn.Module, layers: dict[str, nn.Module], m
                                  f"[{want[0]}, r] and [r, {want[1]}], the file has {list(a.shape)} and "
                                  f"{list(b.shape)} (a LoRA for another model?).")
     mx.eval([f for pair in modules.values() for f in pair])
-    for name, (a, b) in sorted(modules.items()):  # NaN or Inf would make a black image, not an error
-        if not (all_finite(a) and all_finite(b)):
-            raise InvalidAdapter(f"{Path(path).name}: its LoRA on {name} contains non-finite values (NaN or Inf).")
+    names = sorted(modules)  # NaN or Inf would make a black image, not an error: one reduction for all
+    finite = mx.stack([mx.isfinite(f).all() for name in names for f in modules[name]]).tolist()  # [2 * modules]
+    if not all(finite):
+        name = names[finite.index(False) // 2]
+        raise InvalidAdapter(f"{Path(path).name}: its LoRA on {name} contains non-finite values (NaN or Inf).")
     return ImageLoRA(path, modules)
 
 
