@@ -149,6 +149,14 @@ def test_push_configs_and_persisted_names_are_bounded(server, trained):
         a, b = sorted(k for k in header if k.endswith(".lora_a"))[:2]
         header[b]["data_offsets"] = header[a]["data_offsets"]
 
+    def past_the_end(header):
+        key = sorted(k for k in header if k.endswith(".lora_a"))[0]
+        header[key]["data_offsets"] = [0, 10**9]
+
+    def three_offsets(header):
+        key = sorted(k for k in header if k.endswith(".lora_a"))[0]
+        header[key]["data_offsets"] = [0, 1, 2]
+
     for name, content, params, words in [
         (".hid", body, {"persist": "true"}, "does not start with '.'"),
         ("org/one", body, {"persist": "true"}, "one segment (no '/')"),
@@ -157,6 +165,8 @@ def test_push_configs_and_persisted_names_are_bounded(server, trained):
         ("never", with_config(body, alora_invocation_tokens=[7, 100000]), {},
          "token id 100000, outside the base's vocabulary (size 512)"),
         ("shared", with_header(body, overlap), {}, "overlap"),
+        ("far", with_header(body, past_the_end), {}, "outside the body's"),
+        ("odd", with_header(body, three_offsets), {}, "not a readable safetensors body"),
     ]:
         r = httpx.put(f"{server.url}/v1/adapters/{name}/weights", content=content, headers=auth, params=params,
                       timeout=60)

@@ -120,12 +120,13 @@ def _check_offsets(body: bytes, where: str) -> None:
     try:
         n = int.from_bytes(body[:8], "little")
         header = json.loads(body[8 : 8 + n])
-        spans = sorted((tuple(v["data_offsets"]), k) for k, v in header.items() if k != "__metadata__")
-    except (ValueError, TypeError, KeyError, AttributeError):
+        spans = sorted((v["data_offsets"][0], v["data_offsets"][1], k) for k, v in header.items()
+                       if k != "__metadata__" and len(v["data_offsets"]) == 2)
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError):
         return
     size, end, last = len(body) - 8 - n, 0, None
-    for (begin, stop), key in spans:
-        if not (isinstance(begin, int) and isinstance(stop, int) and 0 <= begin <= stop <= size):
+    for begin, stop, key in spans:
+        if not (type(begin) is int and type(stop) is int and 0 <= begin <= stop <= size):
             raise InvalidAdapter(f"{where}: '{key}' has data_offsets [{begin}, {stop}], outside the body's "
                                  f"{size} data bytes.")
         if begin < end:
