@@ -146,7 +146,7 @@ def test_a_reloaded_adapter_never_sees_its_old_versions_entries(runner, models, 
 
 def test_the_byte_budget_evicts_and_frees_the_arrays(tiny_model, models):
     small = EngineRunner(tiny_model, max_tokens=MAX_TOKENS, prompt_cache_bytes=1)
-    per_token = small.engine.call(lambda: small.engine.runner.kv_bytes_per_token).result(timeout=30)
+    per_token = small.engine.call(lambda: small.engine.runner.kv_cost.per_token).result(timeout=30)
     small.stop()
     budget = 150 * per_token  # room for about two of these prompts with their outputs
     r = EngineRunner(tiny_model, max_tokens=MAX_TOKENS, prompt_cache_bytes=budget)

@@ -55,7 +55,7 @@ class Naive:
 
 
 def test_longest_prefix_including_inside_a_longer_entry():
-    cache = PromptCache(max_bytes=10_000, bytes_per_token=10)
+    cache = PromptCache(max_bytes=10_000, cost=10)
     first, _ = cache.store(BASE, [1, 2, 3, 4, 5, 6])
     assert cache.peek(BASE, [1, 2, 3, 4, 5, 6]).num_tokens == 6  # exact
     assert cache.peek(BASE, [1, 2, 3, 4, 5, 6, 7, 8]).num_tokens == 6  # the entry is a prefix
@@ -68,7 +68,7 @@ def test_longest_prefix_including_inside_a_longer_entry():
 
 
 def test_prefixes_are_replaced_and_covered_tokens_not_stored_again():
-    cache = PromptCache(max_bytes=10_000, bytes_per_token=10)
+    cache = PromptCache(max_bytes=10_000, cost=10)
     short, _ = cache.store(BASE, [1, 2, 3])
     long, dropped = cache.store(BASE, [1, 2, 3, 4, 5])
     assert dropped == [short] and cache.num_entries == 1 and cache.nbytes == 50
@@ -80,7 +80,7 @@ def test_prefixes_are_replaced_and_covered_tokens_not_stored_again():
 
 
 def test_lru_eviction_keeps_the_budget_and_counts():
-    cache = PromptCache(max_bytes=100, bytes_per_token=10)
+    cache = PromptCache(max_bytes=100, cost=10)
     a, _ = cache.store(BASE, [1] * 4)
     b, _ = cache.store(BASE, [2] * 4)
     cache.use(cache.peek(BASE, [1, 1, 1, 1, 5]))  # a is used: b is now the oldest
@@ -93,7 +93,7 @@ def test_lru_eviction_keeps_the_budget_and_counts():
 
 
 def test_retired_adapters_are_dropped_and_never_stored_again():
-    cache = PromptCache(max_bytes=10_000, bytes_per_token=1)
+    cache = PromptCache(max_bytes=10_000, cost=1)
     kept, _ = cache.store(BASE, [1, 2, 3])
     gone = {cache.store(A1, [1, 2, 3])[0], cache.store((("a", 1), 0.5), [1, 2, 3])[0]}
     assert set(cache.retire({("a", 1)})) == gone

@@ -1,0 +1,139 @@
+"""The prompt cache on models with sliding-window layers (mola/engine/prompt_cache.py,
+kv_store.py: mlx-lm's RotatingKVCache, which cannot be cut at a token), on the GGUF
+twins of gemma3, gemma2 and gpt-oss: turn 2 of a conversation reuses turn 1's
+prompt and answer, and answers exactly as the same engine with the prompt cache
+off computes it from scratch, alone and in a mixed batch of adapters."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from helpers.engines import EngineRunner, together
+from mola.testing.adapter import make_random_adapter
+from mola.testing.gguf_model import save_gguf_model
+from mola.testing.model import TinyModelSpec, make_tiny_model
+
+# gemma3's tiny window is 8 tokens; gpt-oss's is set to 6 below (gemma2's layers
+# keep every token in mlx-lm, its window caps the context at 64)
+TYPES = ("gemma3_text", "gemma2", "gpt_oss")
+FIRST = [1] + [(i * 37) % 480 + 20 for i in range(21)]  # a first prompt past the windows
+USER = [[9, 30, 31, 32, 10], [9, 40, 41, 10]]  # the user's next turns
+MAX_TOKENS = 6
+ATOL = 1e-4  # float32 logprobs of the same tokens, summed in another order
+
+
+@pytest.fixture(scope="module")
+def twins(tmp_path_factory):
+    """model_type -> (its GGUF twin, adapters {name: path})."""
+    root = tmp_path_factory.mktemp("windows")
+    out = {}
+    for model_type in TYPES:
+        model_dir = make_tiny_model(root / model_type, TinyModelSpec(model_type=model_type, norm_noise=0.3))
+        if model_type == "gpt_oss":
+            config = json.loads((model_dir / "config.json").read_text())
+            (model_dir / "config.json").write_text(json.dumps({**config, "sliding_window": 6}))
+        adapters = {name: make_random_adapter(root / f"{model_type}-{name}", model_dir, rank=4, seed=seed)
+                    for name, seed in (("a", 1), ("b", 2))}
+        out[model_type] = save_gguf_model(root / f"{model_type}.gguf", model_dir), adapters
+    return out
+
+
+def start(twin, adapters, cache: bool) -> EngineRunner:
+    # small prefill steps: the prompts and their suffixes are chunked too
+    return EngineRunner(twin, adapters=list(adapters.items()), max_tokens=MAX_TOKENS, prefill_step_size=8,
+                        **({} if cache else {"prompt_cache_bytes": 0}))
+
+
+def turns(runner: EngineRunner, adapter=None, num_turns: int = 3) -> list[tuple[list[int], list[float], int]]:
+    """A conversation, each turn sent whole: per turn (output, logprobs, cached tokens)."""
+    prompt, out = list(FIRST), []
+    for turn in range(num_turns):
+        seq = runner.submit(prompt, adapter, logprobs=0)
+        runner.wait([seq])
+        out.append((seq.output, [lp for lp, _ in runner.logprobs[seq.seq_id]], seq.num_cached_tokens))
+        prompt = prompt + seq.output + USER[turn % len(USER)]
+    return out
+
+
+def assert_same(got, want) -> None:
+    assert got[0] == want[0]
+    np.testing.assert_allclose(got[1], want[1], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_turn_two_from_the_cache_answers_as_with_the_cache_off(twins, model_type):
+    twin, adapters = twins[model_type]
+    off = start(twin, adapters, cache=False)
+    try:
+        want = {name: turns(off, name) for name in (None, "a")}
+    finally:
+        off.stop()
+    on = start(twin, adapters, cache=True)
+    try:
+        for name in (None, "a"):
+            got = turns(on, name)
+            assert got[0][2] == 0
+            for turn in (1, 2):  # the previous turn's prompt and answer, whole
+                assert got[turn][2] == len(FIRST) + sum(len(o) + len(USER[t]) for t, (o, _, _) in
+                                                        enumerate(got[:turn])) - len(USER[turn - 1])
+                assert got[turn][2] > 0
+            for g, w in zip(got, want[name]):
+                assert_same(g, w)
+        stats = on.engine.snapshot.prompt_cache
+        assert stats.enabled and stats.hits >= 4 and stats.bytes <= stats.max_bytes
+    finally:
+        on.stop()
+
+
+def test_mixed_batch_of_adapters_from_the_cache(twins):
+    """Turn 2 of three identities' conversations, and a prompt the cache never saw,
+    in one prefill batch (cached states of several lengths merged with empty ones)."""
+    twin, adapters = twins["gemma3_text"]
+    names = [None, "a", "b"]
+    off = start(twin, adapters, cache=False)
+    try:
+        want = {name: turns(off, name, num_turns=2)[1] for name in names}
+        fresh = [1] + [(i * 11) % 400 + 50 for i in range(13)]
+        want_fresh = off.run(fresh, "b")
+    finally:
+        off.stop()
+    on = start(twin, adapters, cache=True)
+    try:
+        firsts = {name: on.run(FIRST, name) for name in names}
+        seconds = {name: FIRST + firsts[name] + USER[0] for name in names}
+        seqs = together(on, lambda: [on.submit(seconds[n], n, logprobs=0) for n in names]
+                        + [on.submit(fresh, "b")])
+        on.wait(seqs)
+        for name, seq in zip(names, seqs):
+            assert seq.num_cached_tokens == len(FIRST) + len(firsts[name]), name
+            assert_same((seq.output, [lp for lp, _ in on.logprobs[seq.seq_id]]), want[name])
+        assert seqs[-1].num_cached_tokens == 0 and seqs[-1].output == want_fresh
+    finally:
+        on.stop()
+
+
+def test_a_prompt_diverging_inside_an_entry_is_computed_again(twins):
+    """A sliding window cannot be cut back: an entry serves only prompts it is a
+    whole prefix of; a prompt that leaves it earlier is a miss, and still exact."""
+    twin, adapters = twins["gemma3_text"]
+    on = start(twin, adapters, cache=True)
+    try:
+        first = on.run(FIRST)
+        diverged = FIRST[:15] + [3, 4, 5]
+        seq = on.submit(diverged)
+        on.wait([seq])
+        assert seq.num_cached_tokens == 0
+        again = on.submit(FIRST + first + USER[0])
+        on.wait([again])
+        assert again.num_cached_tokens == len(FIRST) + len(first)
+    finally:
+        on.stop()
+    off = start(twin, adapters, cache=False)
+    try:
+        assert off.run(diverged) == seq.output
+        assert off.run(FIRST + first + USER[0]) == again.output
+    finally:
+        off.stop()
