@@ -50,9 +50,9 @@ def build(args) -> Path:
 def ttft(runner: EngineRunner, prompt: list[int]):
     start = time.perf_counter()
     seq = runner.submit(prompt)
-    runner.wait_decoding([seq])
+    runner.wait_decoding([seq], timeout=900)
     first = time.perf_counter() - start
-    runner.wait([seq])
+    runner.wait([seq], timeout=900)
     return first, seq
 
 

@@ -198,3 +198,13 @@ def test_uncuttable_random_traffic_matches_the_naive_model(seed):
             assert (entry is not None) == naive.store(key, tokens, None)
         assert cache.nbytes == sum(WINDOWED.nbytes(len(t)) for _, t in naive.entries) <= budget
         assert cache.num_entries == len(naive.entries)
+
+
+def test_a_model_whose_state_cannot_be_snapshotted_starts_without_a_cache(caplog):
+    from mola.engine.prompt_cache import make_prompt_cache
+
+    with caplog.at_level("WARNING", logger="mola.engine"):
+        assert make_prompt_cache(1 << 20, None, "m") is None
+    assert "prompt cache off" in caplog.text
+    assert make_prompt_cache(0, KVCost(10), "m") is None  # turned off
+    assert make_prompt_cache(1 << 20, WINDOWED, "m").cost == WINDOWED
