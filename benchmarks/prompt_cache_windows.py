@@ -4,9 +4,9 @@ time to first token with the cache against the same engine with it off
 layout (gemma3_text: five sliding-window layers of 512 tokens, then a global
 one, q/k norms, the local rope base).
 
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 \
     python benchmarks/prompt_cache_windows.py [--layers 12] [--hidden 640] [--window 512]
-                                              [--prompt-tokens 1500] [--user-tokens 24]
-                                              [--max-tokens 16] [--repeats 3]
+        [--prompt-tokens 1500] [--user-tokens 24] [--max-tokens 16] [--repeats 3]
 
 Per repeat, on each engine (interleaved, cache first then off, after one
 warm-up conversation each): a conversation of two turns on fresh random
@@ -23,15 +23,51 @@ import argparse
 import json
 import random
 import statistics
-import sys
+import threading
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent / "tests"))
+from mola.engine.config import EngineConfig
+from mola.engine.engine import Engine
+from mola.engine.sequence import SamplingParams, Sequence
+from mola.models.loader import load_base_model
+from mola.testing.model import TinyModelSpec, make_tiny_model
 
-from helpers.engines import EngineRunner  # noqa: E402
-from mola.testing.model import TinyModelSpec, make_tiny_model  # noqa: E402
+HERE = Path(__file__).resolve().parent
+
+
+class Runner:
+    """An engine on ``model`` and a blocking way to time a request's first token."""
+
+    def __init__(self, model: Path, max_tokens: int, **config):
+        self.max_tokens = max_tokens
+        self.first: dict[int, float] = {}  # seq_id -> when its first token came back
+        self.done: set[int] = set()
+        self.cond = threading.Condition()
+        self.engine = Engine(lambda: load_base_model(str(model)), EngineConfig(**config), self._on_outputs)
+        self.engine.start()
+
+    def _on_outputs(self, outputs) -> None:
+        now = time.perf_counter()
+        with self.cond:
+            for out in outputs:
+                if out.tokens:
+                    self.first.setdefault(out.seq_id, now)
+                if out.finish_reason is not None:
+                    self.done.add(out.seq_id)
+            self.cond.notify_all()
+
+    def ttft(self, prompt: list[int]) -> tuple[float, Sequence]:
+        seq = Sequence(prompt=prompt, params=SamplingParams(max_tokens=self.max_tokens, temperature=0.0))
+        start = time.perf_counter()
+        self.engine.add(seq)
+        with self.cond:
+            while seq.seq_id not in self.done:
+                assert self.cond.wait(900), "the engine timed out"
+        return self.first[seq.seq_id] - start, seq
+
+    def stop(self) -> None:
+        self.engine.stop()
 
 
 def build(args) -> Path:
@@ -47,20 +83,11 @@ def build(args) -> Path:
     return path
 
 
-def ttft(runner: EngineRunner, prompt: list[int]):
-    start = time.perf_counter()
-    seq = runner.submit(prompt)
-    runner.wait_decoding([seq], timeout=900)
-    first = time.perf_counter() - start
-    runner.wait([seq], timeout=900)
-    return first, seq
-
-
-def conversation(runner: EngineRunner, rng: random.Random, args) -> dict:
+def conversation(runner: Runner, rng: random.Random, args) -> dict:
     prompt = [1] + [rng.randrange(20, 500) for _ in range(args.prompt_tokens - 1)]
-    t1, one = ttft(runner, prompt)
+    t1, one = runner.ttft(prompt)
     second = prompt + one.output + [rng.randrange(20, 500) for _ in range(args.user_tokens)]
-    t2, two = ttft(runner, second)
+    t2, two = runner.ttft(second)
     return {"turn1_ttft_s": t1, "turn2_ttft_s": t2, "turn2_tokens": len(second),
             "turn2_cached": two.num_cached_tokens, "answers": [one.output, two.output]}
 
@@ -77,12 +104,11 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=HERE / "results" / "prompt_cache_windows.json")
     args = p.parse_args()
     model = build(args)
-    runners = {"cache": EngineRunner(model, max_tokens=args.max_tokens),
-               "off": EngineRunner(model, max_tokens=args.max_tokens, prompt_cache_bytes=0)}
+    runners = {"cache": Runner(model, args.max_tokens), "off": Runner(model, args.max_tokens, prompt_cache_bytes=0)}
     runs: dict[str, list[dict]] = {name: [] for name in runners}
     try:
         for name, runner in runners.items():  # warm-up
-            conversation(runner, random.Random(-1), args)
+            conversation(runner, random.Random(1000), args)
         for r in range(args.repeats):
             for name, runner in runners.items():
                 runs[name].append(conversation(runner, random.Random(r), args))
