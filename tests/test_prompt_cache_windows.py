@@ -1,6 +1,6 @@
 """The prompt cache on models with sliding-window layers (mola/engine/prompt_cache.py,
 kv_store.py: mlx-lm's RotatingKVCache, which cannot be cut at a token), on the GGUF
-twins of gemma3, gemma2 and gpt-oss: turn 2 of a conversation reuses turn 1's
+twins of gemma3, gemma2, gpt-oss and cohere2: turn 2 of a conversation reuses turn 1's
 prompt and answer, and answers exactly as the same engine with the prompt cache
 off computes it from scratch, alone and in a mixed batch of adapters."""
 
@@ -16,9 +16,10 @@ from mola.testing.adapter import make_random_adapter
 from mola.testing.gguf_model import save_gguf_model
 from mola.testing.model import TinyModelSpec, make_tiny_model
 
-# gemma3's tiny window is 8 tokens; gpt-oss's is set to 6 below (gemma2's layers
-# keep every token in mlx-lm, its window caps the context at 64)
-TYPES = ("gemma3_text", "gemma2", "gpt_oss")
+# gemma3's tiny window is 8 tokens, cohere2's 5; gpt-oss's is set to 6 below (gemma2's
+# layers keep every token in mlx-lm, its window caps the context at 64)
+TYPES = ("gemma3_text", "gemma2", "gpt_oss", "cohere2")
+LAYERS = {"cohere2": 4}  # mlx-lm's cohere2 runs no fewer layers than its period
 FIRST = [1] + [(i * 37) % 480 + 20 for i in range(21)]  # a first prompt past the windows
 USER = [[9, 30, 31, 32, 10], [9, 40, 41, 10]]  # the user's next turns
 MAX_TOKENS = 6
@@ -31,7 +32,8 @@ def twins(tmp_path_factory):
     root = tmp_path_factory.mktemp("windows")
     out = {}
     for model_type in TYPES:
-        model_dir = make_tiny_model(root / model_type, TinyModelSpec(model_type=model_type, norm_noise=0.3))
+        model_dir = make_tiny_model(root / model_type, TinyModelSpec(
+            model_type=model_type, norm_noise=0.3, num_hidden_layers=LAYERS.get(model_type, 2)))
         if model_type == "gpt_oss":
             config = json.loads((model_dir / "config.json").read_text())
             (model_dir / "config.json").write_text(json.dumps({**config, "sliding_window": 6}))
@@ -73,6 +75,8 @@ def test_turn_two_from_the_cache_answers_as_with_the_cache_off(twins, model_type
         off.stop()
     on = start(twin, adapters, cache=True)
     try:
+        cost = on.engine.call(lambda: on.engine.runner.kv_cost).result(timeout=30)
+        assert bool(cost.windows) == (model_type != "gemma2")  # its snapshots cannot be cut
         for name in (None, "a"):
             got = turns(on, name)
             assert got[0][2] == 0
