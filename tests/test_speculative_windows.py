@@ -1,8 +1,9 @@
 """Speculative decoding on a model with sliding-window layers (mola/engine/verify.py's
 rewind_window, on mlx-lm's BatchRotatingKVCache): a batch cache cut back after each
 verification as rows accept different numbers of drafts computes what the model
-computes on each row's accepted tokens from scratch; and the engine's output with
-prompt lookup equals plain decoding, on a gemma3 GGUF twin (window 8)."""
+computes on each row's accepted tokens from scratch; and the engine's output equals
+plain decoding, with prompt lookup and with drafts that are right up to a point that
+varies by row, on a gemma3 GGUF twin (window 8)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from helpers.engines import EngineRunner, runner_stats, together
 from mola.engine import verify
 from mola.engine.caches import merge_caches
 from mola.engine.config import SpeculativeConfig
+from mola.engine.speculative import Proposal
 from mola.models.loader import load_base_model
 from mola.testing.gguf_model import save_gguf_model
 from mola.testing.model import TinyModelSpec, make_tiny_model
@@ -85,3 +87,41 @@ def test_prompt_lookup_answers_as_plain_decoding(twin):
     assert outs[False][0] == outs[False][1]
     assert stats[True].spec_steps > 0 and stats[True].draft_tokens > 0
     assert cached[True] == len(PROMPTS[0]) + 40 and cached[False] == 0
+
+
+def oracle(answers: dict, k: int = 4):
+    """A speculator's propose() that drafts each row's true next tokens (its plain
+    answer), wrong from a position that varies with the row and the step: rows then
+    accept different numbers of drafts, and the window is cut back per row."""
+    def propose(rows, in_flight):
+        counts, tokens = [], []
+        for s in rows:
+            start = s.num_output_tokens + int(s.seq_id in in_flight)  # after the token in flight
+            draft = list(answers[tuple(s.prompt)][start:start + max(0, min(k, s.params.max_tokens - start - 1))])
+            wrong = (start + s.seq_id) % (k + 1)
+            if wrong < len(draft):
+                draft[wrong] = (draft[wrong] + 1) % 500
+            counts.append(len(draft))
+            tokens.append(draft)
+        return Proposal(counts, tokens) if any(counts) else None
+    return propose
+
+
+def test_accepted_drafts_cut_back_per_row_answer_as_plain_decoding(twin):
+    plain = EngineRunner(twin, max_tokens=40, prefill_step_size=8, prompt_cache_bytes=0)
+    try:
+        answers = {tuple(p): plain.run(p) for p in PROMPTS}
+    finally:
+        plain.stop()
+    spec = EngineRunner(twin, max_tokens=40, prefill_step_size=8,
+                        speculative=SpeculativeConfig(max_batch=32, num_draft_tokens=4, cost_aware=False))
+    try:
+        engine = spec.engine
+        engine.call(lambda: setattr(engine.scheduler.speculator, "propose", oracle(answers))).result(timeout=30)
+        assert [spec.run(p) for p in PROMPTS] == list(answers.values())
+        batch = spec.wait(together(spec, lambda: [spec.submit(p) for p in PROMPTS]))
+        assert batch == list(answers.values())
+        stats = runner_stats(engine)
+        assert 0 < stats.accepted_tokens < stats.draft_tokens
+    finally:
+        spec.stop()
