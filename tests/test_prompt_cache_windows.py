@@ -141,3 +141,31 @@ def test_a_prompt_diverging_inside_an_entry_is_computed_again(twins):
         assert off.run(FIRST + first + USER[0]) == again.output
     finally:
         off.stop()
+
+
+def test_the_server_reports_turn_two_cached_as_with_the_cache_off(twins):
+    """/v1/completions on the gemma3 twin (prompts as token ids): turn 2 reports
+    cached_tokens > 0 in its usage and answers as a server with the cache off."""
+    import httpx
+
+    from helpers.servers import start_server
+
+    twin, _ = twins["gemma3_text"]
+    answers = {}
+    for cache in (True, False):
+        server = start_server(model=str(twin), served_model_name="g3", **({} if cache else {"prompt_cache_bytes": 0}))
+        try:
+            with httpx.Client(base_url=server.url, timeout=120) as client:
+                def complete(prompt):
+                    r = client.post("/v1/completions", json={"model": "g3", "prompt": prompt, "temperature": 0,
+                                                              "max_tokens": MAX_TOKENS, "ignore_eos": True})
+                    assert r.status_code == 200, r.text
+                    return r.json()
+                first = complete(FIRST)
+                second = complete(FIRST + USER[0] + FIRST[1:9])  # turn 2 starts with turn 1's prompt
+                answers[cache] = first["choices"][0]["text"], second["choices"][0]["text"]
+                cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert cached == (len(FIRST) - 1 if cache else 0)
+        finally:
+            server.stop()
+    assert answers[True] == answers[False]
