@@ -7,6 +7,7 @@ off computes it from scratch, alone and in a mixed batch of adapters."""
 from __future__ import annotations
 
 import json
+import random
 
 import numpy as np
 import pytest
@@ -169,3 +170,41 @@ def test_the_server_reports_turn_two_cached_as_with_the_cache_off(twins):
         finally:
             server.stop()
     assert answers[True] == answers[False]
+
+
+def test_rows_preempted_by_the_kv_budget_come_back_from_the_cache(twins):
+    """An optimistic KV budget that admits three rows and cannot hold them at their
+    longest: preempted rows are stored, resumed from the cache (a whole prefix: the
+    prompt and everything fed) and answer as with no budget and no cache."""
+    from mola.engine.kv_budget import peak
+    from mola.engine.scheduler import ADMISSION_HEADROOM
+
+    twin, adapters = twins["gemma3_text"]
+    rng = random.Random(3)
+    prompt_tokens, max_tokens = 24, 24
+    reqs = [([1] + [rng.randrange(20, 500) for _ in range(prompt_tokens - 1)], name,
+             {"temperature": 0.9, "seed": i} if i % 2 else {}) for i, name in enumerate([None, "a", "b"] * 2)]
+
+    def run_all(runner):
+        seqs = together(runner, lambda: [runner.submit(p, name, max_tokens=max_tokens, **params)
+                                         for p, name, params in reqs])
+        return runner.wait(seqs, timeout=300)
+
+    free = start(twin, adapters, cache=False)
+    try:
+        want = run_all(free)
+        per_position = free.engine.call(lambda: free.engine.runner.kv_position_bytes).result(timeout=30)
+    finally:
+        free.stop()
+    low = peak([(prompt_tokens, 2 + ADMISSION_HEADROOM)] * 3)
+    high = peak([(prompt_tokens + max_tokens, 1)] * 3)
+    r = EngineRunner(twin, adapters=list(adapters.items()), max_tokens=max_tokens, prefill_step_size=8,
+                     kv_cache_bytes=(low + high) // 2 * per_position, kv_admission="optimistic")
+    try:
+        assert run_all(r) == want
+        r.engine.call(lambda: None).result(timeout=30)  # the last step's snapshot is published by now
+        snap = r.engine.snapshot
+    finally:
+        r.stop()
+    assert snap.kv.preemptions >= 1
+    assert snap.prompt_cache.hits >= snap.kv.preemptions  # each came back from its stored state
