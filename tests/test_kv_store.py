@@ -207,6 +207,10 @@ def test_what_a_snapshot_takes_is_measured_per_kind_of_cache(tiny_model):
         def make_cache(self):
             return [KVCache(), ArraysCache(2)]
 
+    class Sinks(Layered):  # a window that keeps its first tokens too
+        def make_cache(self):
+            return [KVCache(), RotatingKVCache(max_size=4, keep=2)]
+
     cost = kv_cost(Layered(), Routing())
     assert (cost.per_token, cost.windows) == (2 * 2 * 2 * 3 * 4, ((4, 2 * 2 * 3 * 4),))
-    assert kv_cost(Recurrent(), Routing()) is None
+    assert kv_cost(Recurrent(), Routing()) is None and kv_cost(Sinks(), Routing()) is None

@@ -32,9 +32,10 @@ def kv_cost(model: nn.Module, routing, draft: nn.Module | None = None,
     """What KV state of n tokens takes in ``model``'s caches and the
     ``draft``'s (see kv_bytes_per_token): bytes per token of the caches that
     keep every token, and per sliding window its size and bytes per token;
-    None when a cache is neither (recurrent state), so cannot be snapshotted."""
+    None when a cache is neither (recurrent state) or keeps its first tokens
+    too (mlx-lm's batch of windows keeps none), so cannot be snapshotted."""
     caches = [c for m in (model, draft) if m is not None for c in layer_caches(m, quant)]
-    if not caches or any(type(c) not in (*FULL, RotatingKVCache) for c in caches):
+    if not caches or any(type(c) not in (*FULL, RotatingKVCache) or getattr(c, "keep", 0) for c in caches):
         return None
     full = kv_bytes_per_token(model, routing, draft, quant=quant, only=FULL)
     windows: dict[int, int] = {}
