@@ -97,7 +97,8 @@ def oracle(answers: dict, k: int = 4):
         counts, tokens = [], []
         for s in rows:
             start = s.num_output_tokens + int(s.seq_id in in_flight)  # after the token in flight
-            draft = list(answers[tuple(s.prompt)][start:start + max(0, min(k, s.params.max_tokens - start - 1))])
+            known = answers.get(tuple(s.prompt), [])  # none for prompts it was not given
+            draft = list(known[start:start + max(0, min(k, s.params.max_tokens - start - 1))])
             wrong = (start + s.seq_id) % (k + 1)
             if wrong < len(draft):
                 draft[wrong] = (draft[wrong] + 1) % 500
@@ -123,5 +124,18 @@ def test_accepted_drafts_cut_back_per_row_answer_as_plain_decoding(twin):
         assert batch == list(answers.values())
         stats = runner_stats(engine)
         assert 0 < stats.accepted_tokens < stats.draft_tokens
+        # a stop token among accepted drafts ends the row there; its next turn comes from the cache
+        long = answers[tuple(PROMPTS[0])]
+        stop = long[12]
+        stopped = spec.run(PROMPTS[0], stop_token_ids=frozenset([stop]))
+        assert stopped == long[:long.index(stop) + 1]
+        turn = spec.submit(PROMPTS[0] + stopped + [9, 30, 10])
+        spec.wait([turn])
+        assert turn.num_cached_tokens == len(PROMPTS[0]) + len(stopped)
     finally:
         spec.stop()
+    plain = EngineRunner(twin, max_tokens=40, prefill_step_size=8, prompt_cache_bytes=0)
+    try:
+        assert plain.run(PROMPTS[0] + stopped + [9, 30, 10]) == turn.output
+    finally:
+        plain.stop()
