@@ -93,10 +93,11 @@ def test_turn_two_from_the_cache_answers_as_with_the_cache_off(twins, model_type
         on.stop()
 
 
-def test_mixed_batch_of_adapters_from_the_cache(twins):
+@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss", "cohere2"])
+def test_mixed_batch_of_adapters_from_the_cache(twins, model_type):
     """Turn 2 of three identities' conversations, and a prompt the cache never saw,
     in one prefill batch (cached states of several lengths merged with empty ones)."""
-    twin, adapters = twins["gemma3_text"]
+    twin, adapters = twins[model_type]
     names = [None, "a", "b"]
     off = start(twin, adapters, cache=False)
     try:
