@@ -44,10 +44,10 @@ def twins(tmp_path_factory):
     return out
 
 
-def start(twin, adapters, cache: bool) -> EngineRunner:
+def start(twin, adapters, cache: bool, prefill_step_size: int = 8) -> EngineRunner:
     # small prefill steps: the prompts and their suffixes are chunked too
-    return EngineRunner(twin, adapters=list(adapters.items()), max_tokens=MAX_TOKENS, prefill_step_size=8,
-                        **({} if cache else {"prompt_cache_bytes": 0}))
+    return EngineRunner(twin, adapters=list(adapters.items()), max_tokens=MAX_TOKENS,
+                        prefill_step_size=prefill_step_size, **({} if cache else {"prompt_cache_bytes": 0}))
 
 
 def turns(runner: EngineRunner, adapter=None, num_turns: int = 3) -> list[tuple[list[int], list[float], int]]:
@@ -95,28 +95,33 @@ def test_turn_two_from_the_cache_answers_as_with_the_cache_off(twins, model_type
 
 @pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss", "cohere2"])
 def test_mixed_batch_of_adapters_from_the_cache(twins, model_type):
-    """Turn 2 of three identities' conversations, and a prompt the cache never saw,
-    in one prefill batch (cached states of several lengths merged with empty ones)."""
+    """Turn 2 of three identities' conversations, turn 1 again (its whole context
+    cached: nothing to prefill) and a prompt the cache never saw, all in one prefill
+    batch: cached states of several lengths merged with empty ones."""
     twin, adapters = twins[model_type]
     names = [None, "a", "b"]
     off = start(twin, adapters, cache=False)
     try:
-        want = {name: turns(off, name, num_turns=2)[1] for name in names}
+        convs = {name: turns(off, name, num_turns=2) for name in names}
         fresh = [1] + [(i * 11) % 400 + 50 for i in range(13)]
         want_fresh = off.run(fresh, "b")
     finally:
         off.stop()
-    on = start(twin, adapters, cache=True)
+    on = start(twin, adapters, cache=True, prefill_step_size=128)  # every member in one prefill step
     try:
         firsts = {name: on.run(FIRST, name) for name in names}
         seconds = {name: FIRST + firsts[name] + USER[0] for name in names}
         seqs = together(on, lambda: [on.submit(seconds[n], n, logprobs=0) for n in names]
-                        + [on.submit(fresh, "b")])
+                        + [on.submit(FIRST, "a", logprobs=0), on.submit(fresh, "b")])
         on.wait(seqs)
         for name, seq in zip(names, seqs):
             assert seq.num_cached_tokens == len(FIRST) + len(firsts[name]), name
-            assert_same((seq.output, [lp for lp, _ in on.logprobs[seq.seq_id]]), want[name])
-        assert seqs[-1].num_cached_tokens == 0 and seqs[-1].output == want_fresh
+            assert_same((seq.output, [lp for lp, _ in on.logprobs[seq.seq_id]]), convs[name][1])
+        again, new = seqs[-2:]
+        assert again.num_cached_tokens == len(FIRST) - 1
+        assert_same((again.output, [lp for lp, _ in on.logprobs[again.seq_id]]), convs["a"][0])
+        assert new.num_cached_tokens == 0 and new.output == want_fresh
+        assert on.engine.snapshot.stats.max_batch == 5
     finally:
         on.stop()
 
