@@ -146,7 +146,7 @@ def test_a_reloaded_adapter_never_sees_its_old_versions_entries(runner, models, 
 
 def test_the_byte_budget_evicts_and_frees_the_arrays(tiny_model, models):
     small = EngineRunner(tiny_model, max_tokens=MAX_TOKENS, prompt_cache_bytes=1)
-    per_token = small.engine.call(lambda: small.engine.runner.kv_bytes_per_token).result(timeout=30)
+    per_token = small.engine.call(lambda: small.engine.runner.kv_cost.per_token).result(timeout=30)
     small.stop()
     budget = 150 * per_token  # room for about two of these prompts with their outputs
     r = EngineRunner(tiny_model, max_tokens=MAX_TOKENS, prompt_cache_bytes=budget)
@@ -178,3 +178,39 @@ def test_zero_bytes_turns_the_cache_off(tiny_model, models):
         assert not r.engine.snapshot.prompt_cache.enabled
     finally:
         r.stop()
+
+
+def test_what_a_snapshot_takes_is_measured_per_kind_of_cache(tiny_model):
+    """Full layers' bytes per token and each sliding window's, measured on the model;
+    None for a cache that is not keys and values (recurrent state)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    from mola.engine.kv_store import kv_cost
+
+    class Routing:
+        def set(self, *args):
+            pass
+
+    class Layered(nn.Module):  # two full layers and one of a 4-token window, 2 heads of 3
+        def make_cache(self):
+            return [KVCache(), RotatingKVCache(max_size=4), KVCache()]
+
+        def __call__(self, x, cache):
+            kv = mx.zeros((1, 2, x.shape[1], 3))
+            for c in cache:
+                c.update_and_fetch(kv, kv)
+            return kv
+
+    class Recurrent(Layered):
+        def make_cache(self):
+            return [KVCache(), ArraysCache(2)]
+
+    class Sinks(Layered):  # a window that keeps its first tokens too
+        def make_cache(self):
+            return [KVCache(), RotatingKVCache(max_size=4, keep=2)]
+
+    cost = kv_cost(Layered(), Routing())
+    assert (cost.per_token, cost.windows) == (2 * 2 * 2 * 3 * 4, ((4, 2 * 2 * 3 * 4),))
+    assert kv_cost(Recurrent(), Routing()) is None and kv_cost(Sinks(), Routing()) is None

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from mola.engine.prompt_cache import PromptCache
+from mola.engine.prompt_cache import KVCost, PrefixHit, PromptCache
 
 BASE = (("", 0), 1.0)
 A1 = (("a", 1), 1.0)
@@ -55,7 +55,7 @@ class Naive:
 
 
 def test_longest_prefix_including_inside_a_longer_entry():
-    cache = PromptCache(max_bytes=10_000, bytes_per_token=10)
+    cache = PromptCache(max_bytes=10_000, cost=10)
     first, _ = cache.store(BASE, [1, 2, 3, 4, 5, 6])
     assert cache.peek(BASE, [1, 2, 3, 4, 5, 6]).num_tokens == 6  # exact
     assert cache.peek(BASE, [1, 2, 3, 4, 5, 6, 7, 8]).num_tokens == 6  # the entry is a prefix
@@ -68,7 +68,7 @@ def test_longest_prefix_including_inside_a_longer_entry():
 
 
 def test_prefixes_are_replaced_and_covered_tokens_not_stored_again():
-    cache = PromptCache(max_bytes=10_000, bytes_per_token=10)
+    cache = PromptCache(max_bytes=10_000, cost=10)
     short, _ = cache.store(BASE, [1, 2, 3])
     long, dropped = cache.store(BASE, [1, 2, 3, 4, 5])
     assert dropped == [short] and cache.num_entries == 1 and cache.nbytes == 50
@@ -80,7 +80,7 @@ def test_prefixes_are_replaced_and_covered_tokens_not_stored_again():
 
 
 def test_lru_eviction_keeps_the_budget_and_counts():
-    cache = PromptCache(max_bytes=100, bytes_per_token=10)
+    cache = PromptCache(max_bytes=100, cost=10)
     a, _ = cache.store(BASE, [1] * 4)
     b, _ = cache.store(BASE, [2] * 4)
     cache.use(cache.peek(BASE, [1, 1, 1, 1, 5]))  # a is used: b is now the oldest
@@ -93,7 +93,7 @@ def test_lru_eviction_keeps_the_budget_and_counts():
 
 
 def test_retired_adapters_are_dropped_and_never_stored_again():
-    cache = PromptCache(max_bytes=10_000, bytes_per_token=1)
+    cache = PromptCache(max_bytes=10_000, cost=1)
     kept, _ = cache.store(BASE, [1, 2, 3])
     gone = {cache.store(A1, [1, 2, 3])[0], cache.store((("a", 1), 0.5), [1, 2, 3])[0]}
     assert set(cache.retire({("a", 1)})) == gone
@@ -130,3 +130,81 @@ def test_random_traffic_matches_the_naive_model(seed):
 
 def _tokens_of(cache: PromptCache, entry: int) -> list[int]:
     return cache._lru[entry].tokens
+
+
+# ---- caches that cannot be cut (sliding windows) ----------------------------
+
+WINDOWED = KVCost(per_token=10, windows=((4, 3),))  # 10 bytes a token, and 3 for each of a window's last 4
+
+
+def test_what_a_windowed_entry_takes():
+    assert [WINDOWED.nbytes(n) for n in (0, 1, 4, 9)] == [0, 13, 52, 102]
+    assert not WINDOWED.can_cut and KVCost(10).can_cut
+
+
+def test_uncuttable_entries_serve_only_prompts_they_are_a_whole_prefix_of():
+    cache = PromptCache(max_bytes=10_000, cost=WINDOWED)
+    prompt, _ = cache.store(BASE, [1, 2, 3, 4], held=4)
+    answer, dropped = cache.store(BASE, [1, 2, 3, 4, 5, 6], held=6)
+    assert dropped == [] and cache.num_entries == 2  # the prompt's entry stays: the answer's cannot serve it
+    assert cache.nbytes == WINDOWED.nbytes(4) + WINDOWED.nbytes(6)
+    assert cache.peek(BASE, [1, 2, 3, 4, 5, 6, 7]) == PrefixHit(answer, 6)
+    assert cache.peek(BASE, [1, 2, 3, 4, 9]) == PrefixHit(prompt, 4)  # diverges inside the answer's
+    assert cache.peek(BASE, [1, 2, 3]) is None  # inside the prompt's: it cannot be cut
+    assert cache.peek(BASE, [1, 2, 3, 4, 5, 6]) == PrefixHit(answer, 6)  # exact
+    assert cache.store(BASE, [1, 2], held=5) == (None, [])  # fewer tokens than the row holds
+    assert cache.store(BASE, [1, 2, 3, 4, 5, 6], held=6) == (None, [])  # already there
+
+
+class NaiveWhole(Naive):
+    """Caches that cannot be cut: the hit is the longest entry the tokens start
+    with; an entry is stored unless the same tokens are; none is dropped for another."""
+
+    def longest(self, key, tokens) -> int:
+        return max((len(t) for k, t in self.entries if k == key and tokens[:len(t)] == t), default=0)
+
+    def store(self, key, tokens, covering) -> bool:
+        if (key, tokens) in self.entries:
+            self.use(key, tokens)
+            return False
+        if WINDOWED.nbytes(len(tokens)) > self.max_bytes:
+            return False
+        self.entries.append((key, list(tokens)))
+        while sum(WINDOWED.nbytes(len(t)) for _, t in self.entries) > self.max_bytes:
+            self.entries.pop(0)
+        return True
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_uncuttable_random_traffic_matches_the_naive_model(seed):
+    rng = random.Random(seed)
+    budget = WINDOWED.nbytes(60)
+    cache, naive = PromptCache(budget, WINDOWED), NaiveWhole(budget, 0)
+    stems = [[rng.randrange(5) for _ in range(rng.randrange(2, 12))] for _ in range(5)]
+    for _ in range(300):
+        key = rng.choice([BASE, A1])
+        tokens = rng.choice(stems)[: rng.randrange(2, 13)] + [rng.randrange(5) for _ in range(rng.randrange(6))]
+        if len(tokens) < 2:
+            continue
+        hit = cache.peek(key, tokens)
+        assert (hit.num_tokens if hit else 0) == naive.longest(key, tokens), tokens
+        if hit is not None:
+            assert _tokens_of(cache, hit.entry) == tokens[:hit.num_tokens]  # served whole
+            if rng.random() < 0.5:
+                cache.use(hit)
+                naive.use(key, _tokens_of(cache, hit.entry))
+        if rng.random() < 0.6:
+            entry, _ = cache.store(key, tokens, held=len(tokens))
+            assert (entry is not None) == naive.store(key, tokens, None)
+        assert cache.nbytes == sum(WINDOWED.nbytes(len(t)) for _, t in naive.entries) <= budget
+        assert cache.num_entries == len(naive.entries)
+
+
+def test_a_model_whose_state_cannot_be_snapshotted_starts_without_a_cache(caplog):
+    from mola.engine.prompt_cache import make_prompt_cache
+
+    with caplog.at_level("WARNING", logger="mola.engine"):
+        assert make_prompt_cache(1 << 20, None, "m") is None
+    assert "prompt cache off" in caplog.text
+    assert make_prompt_cache(0, KVCost(10), "m") is None  # turned off
+    assert make_prompt_cache(1 << 20, WINDOWED, "m").cost == WINDOWED

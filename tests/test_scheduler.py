@@ -123,7 +123,7 @@ def test_prompt_cache_orders_in_the_plan():
     stored (prompt, then prompt and output); identities never mix."""
     from mola.engine.prompt_cache import PromptCache
 
-    cache = PromptCache(max_bytes=10_000, bytes_per_token=1)
+    cache = PromptCache(max_bytes=10_000, cost=1)
     s = Scheduler(max_num_seqs=8, prefill_step_size=128, prompt_cache=cache)
     first = seq(21)
     s.add(first)

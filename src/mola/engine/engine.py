@@ -178,7 +178,7 @@ class Engine:
         self.geometry = self.packs.geometry
         self.runner = ModelRunner(loaded.model, self.packs, loaded.vocab_size, prompt_cache=c.prompt_cache_bytes > 0,
                              draft=loaded.draft, kv_quant=c.kv_quant)
-        prompt_cache = make_prompt_cache(c.prompt_cache_bytes, self.runner.kv_bytes_per_token,
+        prompt_cache = make_prompt_cache(c.prompt_cache_bytes, self.runner.kv_cost,
                                          model_key=str(loaded.path or ""))
         self.kv_budget = make_kv_budget(c, self.runner.kv_position_bytes, loaded.max_model_len, free_bytes())
         self.scheduler = Scheduler(c.max_num_seqs, c.prefill_step_size, prompt_cache=prompt_cache,

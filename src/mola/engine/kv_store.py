@@ -6,34 +6,57 @@ and of the draft model when there is one), cut out of a batch cache with
 BatchKVCache.extract and trimmed to the tokens it is stored under. A hit is
 served as a view of an entry's first tokens, which BatchKVCache.merge copies
 into the new prefill batch's cache: the stored arrays are never written to.
+
+A sliding-window layer's entry is a RotatingKVCache (BatchRotatingKVCache.extract)
+holding, in temporal order, the last min(tokens, window) tokens: exactly what
+BatchRotatingKVCache.merge takes back, and all that later tokens attend to. It
+is served whole (the prompt cache asks for no other length).
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, trim_prompt_cache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..errors import ModelLoadError
 from .caches import ModelCaches, layer_caches
+from .prompt_cache import KVCost
 from .quantized_cache import RowQuantizedKVCache, triple_nbytes, view
+
+FULL = (KVCache, RowQuantizedKVCache)  # caches that keep every token, cut at any
+
+
+def kv_cost(model: nn.Module, routing, draft: nn.Module | None = None,
+            quant: tuple[int, int] | None = None) -> KVCost | None:
+    """What KV state of n tokens takes in ``model``'s caches and the
+    ``draft``'s (see kv_bytes_per_token): bytes per token of the caches that
+    keep every token, and per sliding window its size and bytes per token;
+    None when a cache is neither (recurrent state) or keeps its first tokens
+    too (mlx-lm's batch of windows keeps none), so cannot be snapshotted."""
+    caches = [c for m in (model, draft) if m is not None for c in layer_caches(m, quant)]
+    if not caches or any(type(c) not in (*FULL, RotatingKVCache) or getattr(c, "keep", 0) for c in caches):
+        return None
+    full = kv_bytes_per_token(model, routing, draft, quant=quant, only=FULL)
+    windows: dict[int, int] = {}
+    for size in sorted({c.max_size for c in caches if type(c) is RotatingKVCache}):
+        windows[size] = kv_bytes_per_token(model, routing, draft, quant=quant, only=(RotatingKVCache,),
+                                           window=size)
+    return KVCost(full, tuple(windows.items()))
 
 
 def kv_bytes_per_token(model: nn.Module, routing, draft: nn.Module | None = None,
-                       cuttable: bool = True, quant: tuple[int, int] | None = None) -> int | None:
+                       quant: tuple[int, int] | None = None, only: tuple = (), window: int | None = None) -> int:
     """KV bytes one token takes in ``model``'s cache (and the ``draft``
     model's, when there is one; quantized when ``quant``, --kv-bits, is given),
-    measured on a one-token forward pass. With ``cuttable``, None when the
-    caches are not plain KVCaches (sliding windows, recurrent state), whose
-    state cannot be cut at a token; without, the bytes a position takes in
-    every cache that has keys and values (a sliding window's counted as if
-    it never wrapped: an upper bound)."""
+    measured on a one-token forward pass: the bytes a position takes in every
+    cache that has keys and values (a sliding window's counted as if it never
+    wrapped: an upper bound), or in those of the types ``only`` (and of the
+    sliding ``window`` size) when given."""
     total = 0
     routing.set([0], [1.0])
     for m in (model, draft) if draft is not None else (model,):
         cache = layer_caches(m, quant)
-        if cuttable and (not cache or any(type(c) not in (KVCache, RowQuantizedKVCache) for c in cache)):
-            return None
         try:
             m(mx.array([[0]], dtype=mx.uint32), cache=cache)
             mx.eval([c.state for c in cache])
@@ -44,8 +67,34 @@ def kv_bytes_per_token(model: nn.Module, routing, draft: nn.Module | None = None
                                  f"model's KV cache: {e}") from None
         # keys, values: [1, H, capacity, D] (or a quantized triple of such)
         total += sum((triple_nbytes(c.keys) + triple_nbytes(c.values)) // _positions(c.keys)
-                     for c in cache if getattr(c, "keys", None) is not None)
+                     for c in cache if getattr(c, "keys", None) is not None
+                     and (not only or type(c) in only) and (window is None or c.max_size == window))
     return total
+
+
+def snapshot(cache, num_tokens: int):
+    """One row's extracted cache cut back to its first ``num_tokens`` tokens;
+    a sliding window's holds only the last min(num_tokens, window) of them."""
+    extra = cache.offset - num_tokens
+    assert extra >= 0, (cache.offset, num_tokens)
+    if type(cache) is not RotatingKVCache:
+        if extra:
+            cache.trim(extra)
+        return cache
+    keep = min(num_tokens, cache.max_size)
+    held = cache.keys.shape[2] - extra  # extract left it in temporal order, [1, H, held + extra, D]
+    assert held >= keep, f"a sliding window holding {held} of {num_tokens} tokens cannot be cut to them"
+    cache.keys = cache.keys[..., held - keep : held, :]
+    cache.values = cache.values[..., held - keep : held, :]
+    cache.offset, cache._idx = num_tokens, keep
+    return cache
+
+
+def _view(stored, num_tokens: int):
+    if type(stored) is RotatingKVCache:
+        assert num_tokens == stored.offset, (num_tokens, stored.offset)  # served whole
+        return stored
+    return view(stored, num_tokens)
 
 
 def _positions(keys) -> int:
@@ -61,19 +110,14 @@ class KVStore:
 
     def put(self, entry: int, batch: ModelCaches, row: int, num_tokens: int) -> None:
         """Store the first ``num_tokens`` tokens of ``row`` of a batch's caches."""
-        stored = batch.map(lambda c: c.extract(row))  # keys, values: [1, H, n, D]
-        layers = stored.layers
-        extra = layers[0].offset - num_tokens
-        assert extra >= 0, (layers[0].offset, num_tokens)
-        if extra:
-            trim_prompt_cache(layers, extra)
-        mx.async_eval([c.state[:2] for c in layers])
+        stored = batch.map(lambda c: snapshot(c.extract(row), num_tokens))  # keys, values: [1, H, n, D]
+        mx.async_eval([c.state[:2] for c in stored.layers])
         self._entries[entry] = stored
 
     def view(self, entry: int, num_tokens: int) -> ModelCaches:
         """The first ``num_tokens`` of an entry, as caches for BatchKVCache.merge
         (which copies them, leaving the entry as it is)."""
-        return self._entries[entry].map(lambda stored: view(stored, num_tokens))
+        return self._entries[entry].map(lambda stored: _view(stored, num_tokens))
 
     def drop(self, entries: list[int]) -> None:
         for entry in entries:

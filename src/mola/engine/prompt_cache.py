@@ -10,8 +10,16 @@ lora_scale) -- and by its tokens, in mlx-lm's own token trie (PromptTrie, one
 trie per identity). KV state of a longer entry serves any prefix of it, so a
 prompt that diverges inside a cached segment reuses the common part, and an
 entry that another one extends is dropped. Entries are evicted least recently
-used first when their bytes pass the budget; an entry's bytes are its tokens
-times the KV bytes one token takes in this model.
+used first when their bytes pass the budget; an entry's bytes are what its
+tokens take in this model's caches (KVCost).
+
+A model with sliding-window layers (mlx-lm's RotatingKVCache: Gemma 2 and 3,
+gpt-oss, Cohere 2) keeps only the window's last tokens in those layers, so
+its state cannot be cut back at a token: an entry then serves only prompts it
+is a whole prefix of (the rest is prefilled on top of it), an entry is stored
+only when the row's cache holds exactly its tokens (the end of a prompt, the
+end of an answer), and an entry that another one extends is kept, since the
+longer one cannot serve it.
 """
 
 from __future__ import annotations
@@ -28,6 +36,24 @@ log = logging.getLogger("mola.engine")
 
 # (base model, adapter key, lora_scale): the model's key, then Sequence.cache_key
 Identity = tuple[Hashable, ...]
+
+
+@dataclass(frozen=True)
+class KVCost:
+    """What a model's KV state of n tokens takes: ``per_token`` bytes for the
+    layers that keep every token, and per sliding window (its size, bytes per
+    token) for the layers that keep at most that many."""
+
+    per_token: int
+    windows: tuple[tuple[int, int], ...] = ()
+
+    def nbytes(self, num_tokens: int) -> int:
+        return num_tokens * self.per_token + sum(min(num_tokens, w) * b for w, b in self.windows)
+
+    @property
+    def can_cut(self) -> bool:
+        """The state of n tokens holds the state of each of its prefixes."""
+        return not self.windows
 
 
 @dataclass(frozen=True)
@@ -73,28 +99,33 @@ class _Counts:
     evictions: int = 0
 
 
-def make_prompt_cache(max_bytes: int, bytes_per_token: int | None, model_key: Hashable) -> PromptCache | None:
+def make_prompt_cache(max_bytes: int, cost: KVCost | None, model_key: Hashable) -> PromptCache | None:
     """The engine's prompt cache: None with ``max_bytes`` 0, or (with a
-    warning) for a model whose KV caches cannot be cut at a token, whose
-    ``bytes_per_token`` the runner leaves None."""
+    warning) for a model whose KV state cannot be snapshotted (recurrent
+    state), whose ``cost`` the runner leaves None."""
     if max_bytes == 0:
         return None
-    if bytes_per_token is None:
-        log.warning("prompt cache off: this model's KV caches cannot be cut at a token "
-                    "(sliding windows or recurrent state)")
+    if cost is None:
+        log.warning("prompt cache off: this model's KV caches cannot be snapshotted "
+                    "(recurrent state or another cache than keys and values)")
         return None
-    return PromptCache(max_bytes, bytes_per_token, model_key)
+    if not cost.can_cut:
+        log.info("prompt cache: sliding windows (%s tokens) cannot be cut at a token, so entries serve "
+                 "prompts they are a whole prefix of", ", ".join(str(w) for w, _ in cost.windows))
+    return PromptCache(max_bytes, cost, model_key)
 
 
 class PromptCache:
     """Token prefixes with KV state stored, by identity; LRU within a byte budget."""
 
-    def __init__(self, max_bytes: int, bytes_per_token: int, model_key: Hashable = ""):
-        if max_bytes < 1 or bytes_per_token < 1:
-            raise ValueError(f"a prompt cache needs max_bytes and bytes_per_token >= 1, got "
-                             f"{max_bytes} and {bytes_per_token}")
+    def __init__(self, max_bytes: int, cost: KVCost | int, model_key: Hashable = ""):
+        """``cost``: what entries take (an int: bytes per token of caches that can be cut)."""
+        cost = cost if isinstance(cost, KVCost) else KVCost(cost)
+        if max_bytes < 1 or cost.nbytes(1) < 1:
+            raise ValueError(f"a prompt cache needs max_bytes and bytes per token >= 1, got "
+                             f"{max_bytes} and {cost.nbytes(1)}")
         self.max_bytes = max_bytes
-        self.bytes_per_token = bytes_per_token
+        self.cost = cost
         self.model_key = model_key  # the base model: one more part of every identity
         self.nbytes = 0
         self._trie = PromptTrie()  # identity -> tokens -> entry id
@@ -115,7 +146,8 @@ class PromptCache:
 
     def peek(self, key: tuple, tokens: list[int]) -> PrefixHit | None:
         """The longest prefix of ``tokens`` with KV state stored under ``key``
-        (a Sequence.cache_key), or None; changes nothing (see :meth:`use`)."""
+        (a Sequence.cache_key), or None; changes nothing (see :meth:`use`).
+        With caches that cannot be cut, only a whole entry is a hit."""
         if not tokens:
             return None
         identity = self._identity(key)
@@ -126,7 +158,7 @@ class PromptCache:
         else:
             # A longer entry shares `common_prefix` tokens (its KV is cut
             # there); a shorter one is a prefix of the prompt in full.
-            if found.longer is not None and found.common_prefix > 0:
+            if found.longer is not None and found.common_prefix > 0 and self.cost.can_cut:
                 best, length = found.longer, found.common_prefix
             if found.shorter is not None and len(found.shorter) > length:
                 best, length = found.shorter, len(found.shorter)
@@ -146,17 +178,21 @@ class PromptCache:
 
     # ---- storing and evicting --------------------------------------------------
 
-    def store(self, key: tuple, tokens: list[int]) -> tuple[int | None, list[int]]:
+    def store(self, key: tuple, tokens: list[int], held: int | None = None) -> tuple[int | None, list[int]]:
         """Make an entry for ``tokens`` under ``key``: returns its id (None
         when nothing is to be stored) and the ids of the entries evicted to make
         room or made redundant by it. Stored KV must then be put under that id.
+        ``held``: the tokens the row's cache holds (None: ``tokens``).
 
         Nothing is stored for an unloaded adapter, for tokens an entry already
-        covers (that entry is used instead), or past the budget in one entry."""
+        covers (that entry is used instead), past the budget in one entry, or,
+        with caches that cannot be cut, for fewer tokens than the row holds."""
         if not tokens or key[0] in self._retired:
             return None, []
+        if not self.cost.can_cut and held is not None and held != len(tokens):
+            return None, []
         identity = self._identity(key)
-        nbytes = len(tokens) * self.bytes_per_token
+        nbytes = self.cost.nbytes(len(tokens))
         covering = self.peek(key, tokens)
         if covering is not None and covering.num_tokens == len(tokens):
             self._lru.move_to_end(covering.entry)
@@ -168,9 +204,10 @@ class PromptCache:
         self._lru[entry.id] = entry
         self.nbytes += nbytes
         self._counts.stored += 1
-        # Entries that are prefixes of this one take space for nothing
-        # (pop_prefixes takes them out of the trie).
-        dropped = [self._forget(self._lru[i]) for _, i in self._trie.pop_prefixes(identity, entry.tokens)]
+        # Entries that are prefixes of this one take space for nothing, when it
+        # can be cut to serve them (pop_prefixes takes them out of the trie).
+        dropped = [self._forget(self._lru[i]) for _, i in self._trie.pop_prefixes(identity, entry.tokens)] \
+            if self.cost.can_cut else []
         while self.nbytes > self.max_bytes:
             oldest = next(iter(self._lru.values()))
             dropped.append(self._evict(oldest))

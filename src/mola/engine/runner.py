@@ -33,13 +33,13 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from ..lora.pack import AdapterPacks
 from . import verify
 from .caches import ModelCaches, held_nbytes
 from .constraint import MaskFiller
-from .kv_store import KVStore, kv_bytes_per_token
+from .kv_store import KVStore, kv_bytes_per_token, kv_cost
 from .logits import add_biases, apply_bitmask, count_tokens, output_counts, penalize
 from .plan import StepPlan, StepResult
 from .prefill import PrefillBatch
@@ -61,13 +61,15 @@ class ModelRunner:
         self.routing = packs.routing
         self.vocab_size = vocab_size
         self.kv_quant = kv_quant  # (bits, group size) of a quantized KV cache (--kv-bits); None: not
-        # Speculation needs caches it can cut back at any token, per row.
-        self.can_rewind = all(type(c) is KVCache for c in self._new_cache().layers)
-        # The prompt cache's KV state, and what a token of it takes (None: no prompt cache, or uncuttable caches).
+        # Speculation needs caches it can cut back by a step's drafts, per row: full ones, and the
+        # target's sliding windows (verify.rewind_window); a draft model's are fed one token at a time.
+        caches = self._new_cache()
+        self.can_rewind = all(type(c) in (KVCache, RotatingKVCache) for c in caches.target) \
+            and all(type(c) is KVCache for c in caches.draft)
+        # The prompt cache's KV state, and what it takes (None: no prompt cache, or caches it cannot snapshot).
         self.kv = KVStore()
-        self.kv_bytes_per_token = kv_bytes_per_token(model, self.routing, draft, True, kv_quant) \
-            if prompt_cache else None
-        self.kv_position_bytes = kv_bytes_per_token(model, self.routing, draft, False, kv_quant) or 1  # (budget)
+        self.kv_cost = kv_cost(model, self.routing, draft, kv_quant) if prompt_cache else None
+        self.kv_position_bytes = kv_bytes_per_token(model, self.routing, draft, kv_quant) or 1  # (budget)
         # Decode rows, aligned with the scheduler's running list:
         self.cache: ModelCaches | None = None  # one batch cache per layer of each model
         self.keys: mx.array | None = None  # [B, 2] PRNG key per row
@@ -258,6 +260,7 @@ class ModelRunner:
             logits = self._feed(x, self.cache)
         else:
             x = mx.concatenate([self.inputs[:, None], drafts], axis=1)  # [B, P]
+            verify.order_windows(self.cache.target)
             logits = self.model(x, cache=self.cache.target)
         forward = Forward(rows, logits.reshape(-1, logits.shape[-1]), None, x.shape[1])  # logits [B * P, V]
         flat = forward.flat_rows

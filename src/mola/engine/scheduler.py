@@ -272,12 +272,14 @@ class Scheduler:
         hits = [self.prompt_cache.peek(key, tokens) for key, tokens in seq.cached_parts if key is not None]
         return max(filter(None, hits), key=lambda hit: hit.num_tokens, default=None)
 
-    def _store(self, plan: StepPlan, where: list, index: int, key: tuple | None, tokens: list[int]) -> None:
+    def _store(self, plan: StepPlan, where: list, index: int, key: tuple | None, tokens: list[int],
+               held: int | None = None) -> None:
         """Give ``tokens`` an entry under ``key`` (a Sequence.cache_key) in the prompt
-        cache, if it has none yet; the runner stores the KV state at ``index`` under it."""
+        cache, if it has none yet; the runner stores the KV state at ``index``
+        (which holds ``held`` tokens; None: ``tokens``) under it."""
         if self.prompt_cache is None or key is None:
             return
-        entry, dropped = self.prompt_cache.store(key, tokens)
+        entry, dropped = self.prompt_cache.store(key, tokens, held)
         plan.cache.evict += dropped
         if entry is not None:
             where.append((index, entry, len(tokens)))
@@ -299,5 +301,5 @@ class Scheduler:
             seq.move_to(SequenceStatus.RUNNING)
             self.running.append(seq)
             for key, tokens in seq.cached_parts:
-                self._store(plan, plan.cache.store_joined, i, key, tokens)
+                self._store(plan, plan.cache.store_joined, i, key, tokens, held=prefill_len(seq))
         self.prefilling, self.prefill_done = [], 0

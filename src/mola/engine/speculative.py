@@ -136,12 +136,13 @@ class Proposal:
 
 def make_speculator(config: SpeculativeConfig | None, can_rewind: bool) -> Speculator | None:
     """The engine's speculator: None without --speculative, or (with a
-    warning) for a model whose KV caches cannot be cut back at a token."""
+    warning) for a model whose KV caches cannot be cut back by a step's drafts
+    (a sliding window's can: verify.rewind_window; not a draft model's)."""
     if config is None:
         return None
     if not can_rewind:
         log.warning("speculative decoding off: this model's KV caches cannot be cut at a token "
-                    "(sliding windows, recurrent state, or --kv-bits)")
+                    "(recurrent state, --kv-bits, or a draft model with sliding windows)")
         return None
     return Speculator(config)
 

@@ -22,7 +22,12 @@ seeded or greedy request yields the same tokens with or without speculation.
 The KV cache then holds 1 + D new positions per row, of which 1 + a (the
 input and the accepted drafts) are right; the rest are cut off: the part
 every row rejected by trimming, the rest as BatchKVCache finalize() treats
-right padding, rolling each row's tail out into its left padding.
+right padding, rolling each row's tail out into its left padding. A sliding
+window's BatchRotatingKVCache is cut back the same way: a pass of P > 1
+positions leaves it in temporal order (mlx-lm's concatenating update) holding
+its window's last W - 1 positions before them, so after cutting up to P - 1 a
+row still holds what its next tokens attend to, and the cache is in the state
+a prefill of that length would leave (see rewind_window).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
+from mlx_lm.models.cache import BatchRotatingKVCache, dynamic_roll
 
 from .logits import apply_bitmask
 from .plan import StepResult
@@ -140,11 +146,42 @@ def rewind(caches: list, rejected: list[int]) -> None:
     common = min(rejected)
     rest = [r - common for r in rejected]
     for c in caches:
+        if isinstance(c, BatchRotatingKVCache):
+            rewind_window(c, common, rest)
+            continue
         if common:
             c.trim(common)
         if any(rest):
             c.prepare(right_padding=rest)
             c.finalize()  # rolls each row's tail into its left padding
+
+
+def order_windows(caches: list) -> None:
+    """Put sliding windows that one-token steps left rotated back in temporal
+    order before a pass of several positions: mlx-lm's BatchRotatingKVCache
+    builds that pass's mask from the write index as if it were (mlx-lm 0.32),
+    and would hide a short row's oldest token."""
+    for c in caches:
+        if isinstance(c, BatchRotatingKVCache) and c.rotated:
+            c._temporal_order()
+
+
+def rewind_window(c: BatchRotatingKVCache, common: int, rest: list[int]) -> None:
+    """Cut a sliding window's batch cache back: ``common`` positions of every
+    row, then ``rest[i]`` more of row i, rolled into its left padding (as
+    BatchRotatingKVCache.finalize rolls a right-padded prefill's)."""
+    if not common and not any(rest):
+        return
+    # a pass of one position (nothing drafted) rejects none; wider ones concatenate
+    assert not c.rotated and c.keys.shape[2] >= c._idx, "a rotated window cannot be cut back"
+    c.trim(common)  # offsets and the write index
+    c.keys, c.values = c.keys[..., : c._idx, :], c.values[..., : c._idx, :]  # [B, H, kept, D]
+    if any(rest):
+        roll = mx.array(rest)
+        c.keys = dynamic_roll(c.keys, roll[:, None], axis=2)
+        c.values = dynamic_roll(c.values, roll[:, None], axis=2)
+        c.left_padding = c.left_padding + roll
+        c.offset = c.offset - roll
 
 
 def launch(forward: Forward, drafts: mx.array, num_draft: list[int], keys: mx.array | None,
