@@ -25,13 +25,13 @@ import mlx.core as mx
 
 from ..adapters.recipe import SlotRecipe
 from ..errors import EngineUnavailable
-from ..lora.pack import AdapterPacks, SlotGeometry, SlotRows, geometry_of
+from ..lora.pack import AdapterPacks, PackStats, SlotGeometry, SlotRows, geometry_of
 from ..models.model import LoadedModel
 from .commands import Commands
 from .config import EngineConfig
 from .distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS, Group, Leader, wire_plan
 from .kv_budget import KVBudget, make_kv_budget
-from .memory import check_slots_fit, free_bytes
+from .memory import check_growth, check_slots_fit, free_bytes, gib
 from .outputs import EngineSnapshot, KVStats, SeqOutput
 from .plan import StepPlan, StepResult
 from .prompt_cache import PromptCacheStats, make_prompt_cache
@@ -74,6 +74,7 @@ class Engine:
         self.geometry: SlotGeometry | None = None  # fixed once loaded: any thread may read it
         self.kv_budget: KVBudget | None = None  # fixed once loaded: any thread may read it
         self.snapshot = EngineSnapshot()  # replaced, never mutated, by the engine thread
+        self.pack_stats = PackStats()  # replaced (never mutated) when the packs resize: any thread may read it
         self.num_steps = 0
         self._leader = Leader(group)  # tells the other ranks of a group what this one does
 
@@ -176,6 +177,10 @@ class Engine:
                                     c.max_expert_rank), free_bytes())
         self.packs = AdapterPacks.install(loaded.model, **slots)
         self.geometry = self.packs.geometry
+        self.pack_stats = self.packs.stats()
+        log.info("%s; they grow with the adapters loaded, up to %s at the ceilings (--max-loras %d, "
+                 "--max-lora-rank %d)", self.pack_stats.summary(), gib(self.geometry.max_pack_bytes),
+                 c.max_loras, c.max_lora_rank)
         self.runner = ModelRunner(loaded.model, self.packs, loaded.vocab_size, prompt_cache=c.prompt_cache_bytes > 0,
                              draft=loaded.draft, kv_quant=c.kv_quant)
         prompt_cache = make_prompt_cache(c.prompt_cache_bytes, self.runner.kv_bytes_per_token,
@@ -191,6 +196,8 @@ class Engine:
 
     def _loop(self) -> None:
         while not self._stopping:
+            if not self._has_work() and self.packs.compact():  # idle: packs shrink to what is loaded
+                self._packs_changed("compacted")
             self._drain_commands(block=not self._has_work())
             if self._stopping:
                 break
@@ -243,14 +250,35 @@ class Engine:
     # ---- adapters in slots (engine thread; every rank in a group) ----------
 
     def write_slot(self, slot: int, rows: SlotRows, recipe: SlotRecipe) -> None:
-        """Write prepared rows into ``slot``; the other ranks of a group
-        re-create them from ``recipe`` at this point of the stream of steps."""
+        """Write prepared rows into ``slot`` (growing the packs where they
+        need it); the other ranks of a group re-create them from ``recipe``
+        at this point of the stream of steps."""
         self._leader.tell(("write", slot, recipe))
+        resizes = self.packs.num_resizes
         self.packs.fill(slot, rows)
+        if self.packs.num_resizes != resizes:
+            self._packs_changed(f"resized for slot {slot}")
 
     def clear_slot(self, slot: int) -> None:
         self._leader.tell(("clear", slot))
+        resizes = self.packs.num_resizes
         self.packs.empty(slot)
+        if self.packs.num_resizes != resizes:
+            self._packs_changed(f"shrunk after clearing slot {slot}")
+
+    def check_growth(self, slot: int, rows: SlotRows) -> None:
+        """Any thread: PacksDoNotFit, with the numbers, when writing ``rows``
+        into ``slot`` would grow the packs (as last published) past the
+        memory free beside the KV budget's unused part."""
+        if self.geometry is None:
+            return  # not loaded: the write itself says so
+        kv = self.snapshot.kv
+        check_growth(self.pack_stats, self.geometry, slot, rows, free_bytes(),
+                     kv_headroom=max(0, kv.budget_bytes - kv.held_bytes))
+
+    def _packs_changed(self, why: str) -> None:
+        before, self.pack_stats = self.pack_stats, self.packs.stats()
+        log.info("%s: %s (was %.1f MiB)", why, self.pack_stats.summary(), before.nbytes / 2**20)
 
     def forget_prompts(self, adapter_keys: list[tuple]) -> int:
         """Drop the prompt cache's entries of unloaded adapters (Lease.key's),

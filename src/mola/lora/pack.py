@@ -3,19 +3,30 @@
 :meth:`AdapterPacks.install` wraps the target linears of an mlx-lm model in
 place (wrap, don't fork) and keeps them by module path, so that one adapter can
 be written into, or cleared from, one slot of every layer at once.
+
+The packs hold what is loaded, not the ceilings (--max-loras, --max-lora-rank):
+a layer that no written adapter targets has no pack at all, a layer's rank is
+the largest written into it in powers of two, and every dense pack holds the
+slots up to the highest written one, in powers of two (slot numbers index the
+packs directly, so that count must be the same in every layer). Packs grow
+in the slot write that needs them and shrink lazily after clears, and fully
+when :meth:`AdapterPacks.compact` runs (the engine calls it when idle). Every
+resize is a copy between two steps on the engine thread: the step in flight
+keeps reading the arrays it was built with.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping, Protocol
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Protocol, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from .experts import EXPERT_BASES, MultiLoRASwitchGLU, MultiLoRASwitchLinear, expert_dims
-from .geometry import WRAPPABLE, ModuleRows, TargetGeometry, compute_dtype, full_dims, module_rows, sharding_of
+from .geometry import (WRAPPABLE, ModuleRows, TargetGeometry, bucket, compute_dtype, full_dims, module_rows,
+                       sharding_of)
 from .layer import MultiLoRALinear
 from .routing import LoRARouting
 
@@ -50,10 +61,24 @@ class AdapterPacks:
                  max_rank: int, num_slots: int, expert_slots: int = 0, max_expert_rank: int = 0):
         self.layers = layers  # module path -> layer
         self.routing = routing
-        self.max_rank = max_rank
-        self.num_slots = num_slots  # slot 0 included
+        self.max_rank = max_rank  # the ceiling (--max-lora-rank)
+        self.num_slots = num_slots  # the ceiling, slot 0 included (--max-loras + 1)
         self.expert_slots = expert_slots  # slots 1..expert_slots carry expert LoRA
         self.max_expert_rank = max_expert_rank
+        self.num_resizes = 0  # slot writes and clears that changed the packs' size
+        self._held: set[int] = set()  # slots written (1..num_slots - 1)
+        self._dense = [l for l in layers.values() if isinstance(l, MultiLoRALinear)]
+        self._set_slot_capacity(1)
+
+    @property
+    def slot_capacity(self) -> int:
+        """Slots every dense pack holds now (slot 0 included)."""
+        return self._slot_capacity
+
+    def _set_slot_capacity(self, n: int) -> None:
+        self._slot_capacity = n
+        for layer in self._dense:
+            layer.resize(n, layer.rank_capacity)
 
     @classmethod
     def install(cls, model: nn.Module, *, max_loras: int, max_rank: int,
@@ -98,16 +123,28 @@ class AdapterPacks:
         )
 
     def arrays(self) -> list[mx.array]:
-        return [a for l in self.layers.values() for a in (l.lora_a, l.lora_b, getattr(l, "folded_scale", None))
-                if a is not None]
+        return [a for l in self.layers.values() for a in (l.lora_a, l.lora_b)]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays())
+        return sum(l.nbytes for l in self.layers.values())
+
+    def stats(self) -> "PackStats":
+        """What the packs hold now (any thread may keep the result)."""
+        dense = [l for l in self._dense if l.rank_capacity]
+        experts = [l for l in self.layers.values() if not isinstance(l, MultiLoRALinear) and l.rank_capacity]
+        return PackStats(
+            dense_bytes=sum(l.nbytes for l in dense), expert_bytes=sum(l.nbytes for l in experts),
+            slot_capacity=self.slot_capacity, num_packs=len(dense) + len(experts), num_layers=len(self.layers),
+            ranks=tuple(sorted({l.rank_capacity for l in dense + experts})), num_resizes=self.num_resizes,
+            shape={p: l.rank_capacity for p, l in self.layers.items() if l.rank_capacity},
+        )
 
     def fill(self, slot: int, rows: SlotRows) -> None:
         """Write prepared rows into ``slot`` of every layer; layers the adapter
-        does not touch are zeroed there. Engine thread.
+        does not touch are zeroed there. The packs grow first where the rows
+        need it (more slots, a higher rank); ranks the slot's old adapter
+        alone needed are given back lazily. Engine thread.
 
         The copies are queued on the engine's stream (``mx.async_eval``), not
         waited for: they run after the step in flight and before any step
@@ -119,12 +156,19 @@ class AdapterPacks:
             raise ValueError(f"slot {slot} is outside 1..{self.num_slots - 1}")
         if rows.has_experts and slot > self.expert_slots:
             raise ValueError(f"slot {slot} cannot carry expert LoRA (slots 1..{self.expert_slots} can)")
+        before = self._shapes()
+        self._held.add(slot)
+        need = bucket(max(self._held) + 1, self.num_slots)
+        if need > self.slot_capacity:
+            self._set_slot_capacity(need)
         for path, layer in self.layers.items():
             row = rows.modules.get(path)
             if row is None:
                 layer.zero_rows(slot)
             else:
                 layer.set_rows(slot, row)
+        self._shrink(lazy=True)
+        self.num_resizes += self._shapes() != before
         mx.async_eval(self.arrays())
 
     def fill_from(self, slot: int, weights: Adapter, scale: float = 1.0) -> None:
@@ -133,10 +177,69 @@ class AdapterPacks:
         self.fill(slot, prepare_rows(weights, self.geometry, scale))
 
     def empty(self, slot: int) -> None:
-        """Zero ``slot`` in every layer."""
+        """Zero ``slot`` in every layer; packs it alone needed shrink lazily."""
+        before = self._shapes()
         for layer in self.layers.values():
             layer.zero_rows(slot)
+        self._held.discard(slot)
+        self._shrink(lazy=True)
+        self.num_resizes += self._shapes() != before
         mx.eval(self.arrays())
+
+    def compact(self) -> bool:
+        """Shrink every pack to what its written slots need (an idle engine
+        calls it); True when something shrank."""
+        before = self._shapes()
+        self._shrink(lazy=False)
+        changed = self._shapes() != before
+        if changed:
+            self.num_resizes += 1
+            mx.eval(self.arrays())
+        return changed
+
+    def _shrink(self, lazy: bool) -> None:
+        """Give back slots and ranks no written slot needs (``lazy``: only
+        what is gone entirely, or down from 4x the need; see MultiLoRALinear.shrink)."""
+        for layer in self.layers.values():
+            layer.shrink(lazy)
+        need = bucket(max(self._held, default=0) + 1, self.num_slots)
+        if need < self.slot_capacity and (not lazy or 4 * need <= self.slot_capacity):
+            self._set_slot_capacity(need)
+
+    def _shapes(self) -> tuple:
+        return self.slot_capacity, tuple(l.rank_capacity for l in self.layers.values())
+
+
+@dataclass(frozen=True)
+class PackStats:
+    """What the packs hold, as the engine publishes it after each slot write
+    and clear (immutable: the event loop, /health and /metrics read it)."""
+
+    dense_bytes: int = 0
+    expert_bytes: int = 0
+    slot_capacity: int = 0  # slots every dense pack holds (slot 0 included)
+    num_packs: int = 0  # layers with a pack (some adapter written targets them)
+    num_layers: int = 0  # layers that could carry one
+    ranks: tuple[int, ...] = ()  # the packs' ranks, distinct
+    num_resizes: int = 0
+    shape: Mapping[str, int] = field(default_factory=dict)  # module path -> its pack's rank (packs only)
+
+    @property
+    def nbytes(self) -> int:
+        return self.dense_bytes + self.expert_bytes
+
+    def describe(self) -> dict:
+        return {"bytes": self.nbytes, "dense_bytes": self.dense_bytes, "expert_bytes": self.expert_bytes,
+                "slots": self.slot_capacity, "packs": self.num_packs, "layers": self.num_layers,
+                "ranks": list(self.ranks), "resizes": self.num_resizes}
+
+    def summary(self) -> str:
+        """One line for the log."""
+        if not self.num_packs:
+            return f"slot packs: 0 MiB (no adapter loaded; {self.num_layers} layers can carry one)"
+        ranks = "/".join(str(r) for r in self.ranks)
+        return (f"slot packs: {self.nbytes / 2**20:.1f} MiB ({self.num_packs} of {self.num_layers} layers, "
+                f"rank {ranks}, {self.slot_capacity} slots)")
 
 
 def lora_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -207,7 +310,7 @@ class SlotGeometry:
     def dense_slot_bytes(self) -> int:
         """What one slot of every plain linear takes on the device, at max_rank."""
         size = self.dtype.size
-        return sum(self.max_rank * (t.input_dims + t.output_dims) * size + 4
+        return sum(self.max_rank * (t.input_dims + t.output_dims) * size
                    for t in self.targets.values() if t.num_experts is None)
 
     @property
@@ -218,10 +321,29 @@ class SlotGeometry:
                    for t in self.targets.values() if t.num_experts is not None)
 
     @property
-    def pack_bytes(self) -> int:
-        """Every pack of the model: dense ones with the empty slot 0, expert ones without."""
+    def max_pack_bytes(self) -> int:
+        """Every pack of the model at the ceilings (what packs sized at start
+        took): dense ones with the empty slot 0, expert ones without."""
         experts = self.expert_slots * self.expert_slot_bytes
         return self.num_slots * self.dense_slot_bytes + experts
+
+    def pack_bytes(self, adapters: Sequence[tuple[int, Iterable[str]]]) -> int:
+        """What the packs take with ``adapters`` ((rank, module paths) each)
+        written into slots 1..n, as AdapterPacks sizes them: a pack for each
+        module one targets, at the largest rank there in powers of two; the
+        dense packs hold slots 0..n in powers of two."""
+        ranks: dict[str, int] = {}
+        for rank, paths in adapters:
+            for path in paths:
+                ranks[path] = max(ranks.get(path, 0), rank)
+        slots = bucket(len(adapters) + 1, self.num_slots)
+        total = 0
+        for path, rank in ranks.items():
+            t = self.targets[path]
+            rows = t.num_experts * self.expert_slots if t.num_experts else slots
+            ceiling = self.max_expert_rank if t.num_experts else self.max_rank
+            total += rows * bucket(rank, ceiling) * (t.input_dims + t.output_dims) * self.dtype.size
+        return total
 
 
 @dataclass(frozen=True)

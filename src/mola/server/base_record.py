@@ -53,7 +53,7 @@ class Base:
     state: ServerState | None = None  # while loaded
     in_flight: int = 0  # requests on it whose response has not ended
     last_used: float = 0.0  # when a request last entered or left it (the clock's time)
-    nbytes: int = 0  # its weights and slot packs, as measured at its last load
+    nbytes: int = 0  # its weights and slot packs, as measured at its last load (packs grow with adapters)
     planned: int | None = None  # before its first load: what its files will take (size_guess)
     error: str | None = None  # why it failed to load
     failed_at: float | None = None  # when (the clock's time)

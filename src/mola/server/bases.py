@@ -213,8 +213,8 @@ class Bases:
         base.num_loads += 1
         base.move(S.LOADED)
         self._published(base)
-        log.info("loaded base %s in %.2f s (%.1f MiB of weights and slot packs)",
-                 base.name, time.perf_counter() - t0, base.nbytes / 2**20)
+        log.info("loaded base %s in %.2f s (%.1f MiB of weights and slot packs; %s)",
+                 base.name, time.perf_counter() - t0, base.nbytes / 2**20, state.engine.engine.pack_stats.summary())
 
     async def _unload(self, base: Base, why: str) -> None:
         import mlx.core as mx
