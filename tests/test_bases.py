@@ -429,8 +429,8 @@ def test_a_gguf_base_is_sized_by_its_plan_before_its_first_load(two_bases, tmp_p
     try:
         assert chat(h.url, "q8").status_code == 200
         base = h.bases.by_name["q8"]
-        packs = base.state.engine.geometry.pack_bytes
-        assert base.nbytes == planned + packs  # the weights as planned, the slot packs on top
+        assert base.state.engine.engine.pack_stats.nbytes == 0  # no adapter: the slot packs hold nothing
+        assert base.nbytes == planned  # the weights as planned
         a_bytes = h.bases.by_name["A"].nbytes
     finally:
         h.stop()

@@ -11,6 +11,8 @@ from mola.lora.layer import MultiLoRALinear
 from mola.lora.pack import AdapterPacks
 from mola.adapters.weights import validate
 
+from helpers.engines import hold_packs_at_ceilings
+
 
 def test_install_wraps_every_block_linear(tiny_model):
     model, _ = load(str(tiny_model))
@@ -75,16 +77,6 @@ def test_rewriting_a_slot_replaces_every_layer(tiny_model, adapters):
 # ---- packs sized to what is loaded ----------------------------------------------
 
 
-def _ceiling(packs):
-    """Packs sized as they were at start before they followed the loads: every
-    layer at every slot and the largest rank (the reference the sized packs
-    must match)."""
-    for layer in packs.layers.values():
-        layer.resize(packs.num_slots, packs.max_rank)
-    packs._set_slot_capacity = lambda n: None  # the reference never resizes
-    packs._shrink = lambda lazy: None
-
-
 def _mixed_logits(model, packs, slots, tokens):
     packs.routing.set(slots, [1.0, 0.5, 2.0, 1.0][:len(slots)])
     out = model(tokens)
@@ -116,7 +108,7 @@ def test_growth_and_shrinkage_keep_every_slot_and_the_outputs(tiny_model, adapte
     ref_model, _ = load(str(tiny_model))
     packs = AdapterPacks.install(model, max_loras=4, max_rank=32)
     ref = AdapterPacks.install(ref_model, max_loras=4, max_rank=32)
-    _ceiling(ref)
+    hold_packs_at_ceilings(ref)
     a, c = read_adapter(adapters["a"]), read_adapter(adapters["c"])  # rank 4 on q, v; rank 16 everywhere
     tokens = mx.array([[5, 9, 13, 2, 7]] * 3)
 
@@ -165,3 +157,35 @@ def test_a_resized_pack_frees_the_old_buffer(tiny_model, adapters):
     mx.eval(packs.arrays())
     mx.clear_cache()
     assert mx.get_active_memory() - base < packs.geometry.dense_slot_bytes // 8  # the packs' buffers are gone
+
+
+def test_growth_bytes_is_what_the_packs_grow_by(tiny_model, adapters):
+    """engine.memory.growth_bytes (what a load is checked against) from the
+    published stats alone equals the packs' own growth, load after load."""
+    from mola.engine.memory import growth_bytes
+    from mola.lora.pack import prepare_rows
+
+    model, _ = load(str(tiny_model))
+    packs = AdapterPacks.install(model, max_loras=6, max_rank=32)
+    for slot, name in ((1, "b"), (2, "a"), (5, "c"), (3, "a")):
+        rows = prepare_rows(read_adapter(adapters[name]), packs.geometry)
+        before = packs.nbytes
+        predicted = growth_bytes(packs.stats(), packs.geometry, slot, rows)
+        packs.fill(slot, rows)
+        assert packs.nbytes - before == predicted, (slot, name)
+
+
+def test_the_ceilings_stay_what_admission_checks(tiny_model, adapters):
+    """Packs that grew still refuse what the ceilings refuse, by name."""
+    import pytest
+
+    from mola.errors import InvalidAdapter
+
+    model, _ = load(str(tiny_model))
+    packs = AdapterPacks.install(model, max_loras=2, max_rank=8)
+    packs.fill_from(1, read_adapter(adapters["b"]))  # rank 8
+    assert packs.geometry.max_rank == 8 and packs.geometry.num_slots == 3
+    with pytest.raises(InvalidAdapter, match="--max-lora-rank 8"):
+        validate(read_adapter(adapters["c"]), packs.geometry.targets, packs.geometry.max_rank)
+    with pytest.raises(ValueError, match="outside 1..2"):
+        packs.fill_from(3, read_adapter(adapters["a"]))

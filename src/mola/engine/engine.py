@@ -272,9 +272,9 @@ class Engine:
         memory free beside the KV budget's unused part."""
         if self.geometry is None:
             return  # not loaded: the write itself says so
-        kv = self.snapshot.kv
+        budget = self.kv_budget.nbytes if self.kv_budget is not None else 0
         check_growth(self.pack_stats, self.geometry, slot, rows, free_bytes(),
-                     kv_headroom=max(0, kv.budget_bytes - kv.held_bytes))
+                     kv_headroom=max(0, budget - self.snapshot.kv.held_bytes))
 
     def _packs_changed(self, why: str) -> None:
         before, self.pack_stats = self.pack_stats, self.packs.stats()
