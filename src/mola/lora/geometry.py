@@ -123,8 +123,10 @@ def resized(pack: mx.array, rows: int, rank: int) -> mx.array:
     """``pack`` [N, R, D] reallocated as [rows, rank, D]: what the rows and
     ranks in common hold is kept, the rest is zero. A fresh buffer, never a
     view of the old one (which is freed once nothing reads it)."""
-    out = mx.zeros((rows, rank, pack.shape[2]), dtype=pack.dtype)
     n, r = min(rows, pack.shape[0]), min(rank, pack.shape[1])
+    if (n, r) == pack.shape[:2]:  # growing: one pad writes the new buffer
+        return mx.pad(pack, [(0, rows - n), (0, rank - r), (0, 0)])
+    out = mx.zeros((rows, rank, pack.shape[2]), dtype=pack.dtype)
     if n and r:
         out[:n, :r] = pack[:n, :r]
     return out
