@@ -197,7 +197,7 @@ class BasesCollector:
         running = g("mola_base_running_requests", "Sequences in the base's decode batch", labels=["base"])
         waiting = g("mola_base_waiting_requests", "Sequences queued or prefilled on the base", labels=["base"])
         in_flight = g("mola_base_in_flight_requests", "HTTP requests on the base not yet answered", labels=["base"])
-        size = g("mola_base_bytes", "The base's weights and slot packs, as measured at its last load",
+        size = g("mola_base_bytes", "The base's weights (as measured at its last load) and its slot packs now",
                  labels=["base"])
         kv = {name: g(f"mola_base_kv_{name}_bytes", f"The base's KV budget: {what}", labels=["base"])
               for name, what in (("budget", "what its batches may hold (0: none)"), ("used", "what they hold"),
@@ -216,7 +216,7 @@ class BasesCollector:
                 for name, family in kv.items():
                     family.add_metric([b.name], getattr(snap.kv, f"{name}_bytes"))
                 preemptions.add_metric([b.name], snap.kv.preemptions)
-            size.add_metric([b.name], b.nbytes)
+            size.add_metric([b.name], b.held_bytes)
             loads.add_metric([b.name], b.num_loads)
             unloads.add_metric([b.name], b.num_unloads)
         yield from (status, running, waiting, in_flight, size, loads, unloads, *kv.values(), preemptions)
