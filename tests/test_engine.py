@@ -118,7 +118,13 @@ def _resize_schedule(tiny_model, adapters, at_ceilings: bool):
         engine = r.engine
         if at_ceilings:
             engine.call(lambda: hold_packs_at_ceilings(engine.packs)).result()
-        stats = {"start": engine.pack_stats}
+        stats, published = {}, {}
+
+        def measure(key):  # engine thread: the packs as they are, and as the engine last published them
+            stats.setdefault(key, engine.packs.stats())
+            published.setdefault(key, engine.pack_stats)
+
+        engine.call(lambda: measure("start")).result()
         r.slots.update(a=1, c=3)
         r.versions.update(a=1, c=1)
         a_weights, c_weights = r.read(adapters["a"]), r.read(adapters["c"])
@@ -135,13 +141,13 @@ def _resize_schedule(tiny_model, adapters, at_ceilings: bool):
             if "grow" not in seen and n[0] >= 3:
                 seen["grow"] = n
                 write_slot(r, 3, c_weights)
-                engine.call(lambda: stats.setdefault("grown", engine.pack_stats))
+                engine.call(lambda: measure("grown"))
                 short.extend(r.submit(r.prompt(q), name, max_tokens=6, **lp)
                              for q, name in zip(QUESTIONS, ("c", "a", None, "c")))
             elif "grow" in seen and "shrink" not in seen and short and all(s.seq_id in r.done for s in short):
                 seen["shrink"] = n
                 engine.call(lambda: engine.clear_slot(3))
-                engine.call(lambda: stats.setdefault("shrunk", engine.pack_stats))
+                engine.call(lambda: measure("shrunk"))
 
         engine.on_outputs = hook
         together(r, start)
@@ -149,16 +155,16 @@ def _resize_schedule(tiny_model, adapters, at_ceilings: bool):
         r.wait(short)
         engine.on_outputs = prev
         # idle now: the engine compacts the packs before it waits for a command
-        stats["idle"] = engine.call(lambda: engine.pack_stats).result()
+        engine.call(lambda: measure("idle")).result()
         rows = [(s.output, r.logprobs.get(s.seq_id)) for s in long + short]
-        return rows, seen, stats
+        return rows, seen, stats, published
     finally:
         r.stop()
 
 
 def test_packs_grow_and_shrink_under_traffic_with_the_outputs_of_packs_at_the_ceilings(tiny_model, adapters):
-    sized, seen, stats = _resize_schedule(tiny_model, adapters, at_ceilings=False)
-    ceiling, seen_ref, ref_stats = _resize_schedule(tiny_model, adapters, at_ceilings=True)
+    sized, seen, stats, published = _resize_schedule(tiny_model, adapters, at_ceilings=False)
+    ceiling, seen_ref, ref_stats, _ = _resize_schedule(tiny_model, adapters, at_ceilings=True)
     # The long rows ran across both resizes.
     assert all(0 < n < LONG_TOKENS for n in seen["grow"] + seen["shrink"]), seen
     assert seen == seen_ref  # the same schedule
@@ -170,7 +176,9 @@ def test_packs_grow_and_shrink_under_traffic_with_the_outputs_of_packs_at_the_ce
     assert stats["shrunk"].ranks == (4,) and stats["shrunk"].nbytes < stats["grown"].nbytes / 4
     assert stats["idle"].slot_capacity == 2 and stats["idle"].nbytes < stats["shrunk"].nbytes
     assert stats["idle"].num_packs == stats["shrunk"].num_packs == 2 * 2  # q_proj and v_proj of 2 layers
-    assert ref_stats["grown"].nbytes == ref_stats["idle"].nbytes  # the reference never resized
+    assert published == stats  # what /health and /metrics read is current at every stage
+    # The reference held every pack at the ceilings throughout: 5 slots, rank 16, 14 linears.
+    assert {st.nbytes for st in ref_stats.values()} == {5 * stats["grown"].nbytes // 4}
 
 
 def test_pack_growth_past_the_memory_free_is_refused_with_the_numbers(tiny_model, adapters, monkeypatch):
