@@ -169,8 +169,8 @@ def hold_packs_at_ceilings(packs) -> None:
             layer.resize(packs.num_slots, packs.max_rank)
         else:
             layer.resize(packs.max_expert_rank)
-    packs._set_slot_capacity = lambda n: None
-    packs._shrink = lambda lazy: None
+    packs._slot_capacity = packs.num_slots  # writes find every pack large enough already
+    packs._shrink = lambda lazy: None  # and nothing ever shrinks
 
 
 def write_slot(runner: EngineRunner, slot: int, weights) -> None:

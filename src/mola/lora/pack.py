@@ -138,9 +138,15 @@ class AdapterPacks:
             raise ValueError(f"slot {slot} cannot carry expert LoRA (slots 1..{self.expert_slots} can)")
         before = self._shapes()
         self._held.add(slot)
-        need = bucket(max(self._held) + 1, self.num_slots)
-        if need > self.slot_capacity:
-            self._set_slot_capacity(need)
+        slots = max(self.slot_capacity, bucket(max(self._held) + 1, self.num_slots))
+        for path, layer in self.layers.items():  # one copy per pack that grows, slots and rank at once
+            row = rows.modules.get(path)
+            rank = max(layer.rank_capacity, bucket(row.rank, layer.max_rank) if row is not None else 0)
+            if isinstance(layer, MultiLoRALinear):
+                layer.resize(slots, rank)
+            else:
+                layer.resize(rank)
+        self._slot_capacity = slots
         for path, layer in self.layers.items():
             row = rows.modules.get(path)
             if row is None:
