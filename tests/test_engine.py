@@ -101,7 +101,7 @@ def test_the_engine_publishes_an_immutable_snapshot(runner):
 LONG_TOKENS = 48
 
 
-def _resize_schedule(tiny_model, adapters, at_ceilings: bool):
+def _resize_schedule(tiny_model, adapters, at_ceilings: bool, compact_idle_s: float = 0.0):
     """Two long rows (on adapter a, rank 4 on q/v, and on the base) decode
     while adapter c (rank 16, every module) is written into slot 3, which
     grows the packs, with a mixed batch on c and a joining at that step; once
@@ -113,7 +113,7 @@ def _resize_schedule(tiny_model, adapters, at_ceilings: bool):
     pack stats after each stage."""
     from helpers.engines import EngineRunner, hold_packs_at_ceilings, together, write_slot
 
-    r = EngineRunner(tiny_model, max_tokens=LONG_TOKENS)  # no adapter yet: no pack
+    r = EngineRunner(tiny_model, max_tokens=LONG_TOKENS, pack_compact_idle_s=compact_idle_s)  # no pack yet
     try:
         engine = r.engine
         if at_ceilings:
@@ -177,6 +177,9 @@ def test_packs_grow_and_shrink_under_traffic_with_the_outputs_of_packs_at_the_ce
     assert stats["idle"].slot_capacity == 2 and stats["idle"].nbytes < stats["shrunk"].nbytes
     assert stats["idle"].num_packs == stats["shrunk"].num_packs == 2 * 2  # q_proj and v_proj of 2 layers
     assert published == stats  # what /health and /metrics read is current at every stage
+    # With a long pack_compact_idle_s the idle engine has not compacted yet: the lazy sizes stay.
+    lazy, _, lazy_stats, _ = _resize_schedule(tiny_model, adapters, at_ceilings=False, compact_idle_s=3600)
+    assert lazy == sized and lazy_stats["idle"] == lazy_stats["shrunk"] and lazy_stats["idle"].slot_capacity == 4
     # The reference held every pack at the ceilings throughout: 5 slots, rank 16, 14 linears.
     assert {st.nbytes for st in ref_stats.values()} == {5 * stats["grown"].nbytes // 4}
 

@@ -170,7 +170,8 @@ def hold_packs_at_ceilings(packs) -> None:
         else:
             layer.resize(packs.max_expert_rank)
     packs._slot_capacity = packs.num_slots  # writes find every pack large enough already
-    packs._shrink = lambda lazy: None  # and nothing ever shrinks
+    packs._shrink = lambda lazy: None  # and nothing ever shrinks (nor waits to)
+    packs.__class__ = type("PacksAtCeilings", (type(packs),), {"is_oversized": property(lambda self: False)})
 
 
 def write_slot(runner: EngineRunner, slot: int, weights) -> None:

@@ -195,10 +195,15 @@ class Engine:
         return self.scheduler.has_work() or self.runner.inflight is not None
 
     def _loop(self) -> None:
+        idle_since = None  # when the engine last ran out of work
         while not self._stopping:
-            if not self._has_work() and self.packs.compact():  # idle: packs shrink to what is loaded
-                self._packs_changed("compacted")
-            self._drain_commands(block=not self._has_work())
+            if self._has_work():
+                idle_since = None
+            else:
+                idle_since = time.monotonic() if idle_since is None else idle_since
+                self._compact_packs(time.monotonic() - idle_since)
+            self._drain_commands(block=not self._has_work(), idle_for=None if idle_since is None
+                                 else time.monotonic() - idle_since)
             if self._stopping:
                 break
             if self._has_work():
@@ -218,10 +223,19 @@ class Engine:
             if self.kv_budget else KVStats(held_bytes=self.runner.stats.kv_bytes),
         )
 
-    def _drain_commands(self, block: bool) -> None:
+    def _compact_packs(self, idle_for: float) -> None:
+        """Shrink the packs to what is loaded once idle long enough (pack_compact_idle_s)."""
+        if idle_for >= self.config.pack_compact_idle_s and self.packs.compact():
+            self._packs_changed(f"compacted after {idle_for:.1f} s idle")
+
+    def _drain_commands(self, block: bool, idle_for: float | None = None) -> None:
         timeout = HEARTBEAT_SECONDS if self.group is not None else None
+        if block and idle_for is not None and self.packs.is_oversized:  # wake to compact them
+            left = max(0.0, self.config.pack_compact_idle_s - idle_for)
+            timeout = left if timeout is None else min(timeout, left)
         if not self._commands.run(wait=block, timeout=timeout):
-            self._leader.tell(("noop",))  # idle: make sure the other ranks are still there
+            if self.group is not None:
+                self._leader.tell(("noop",))  # idle: make sure the other ranks are still there
 
     def step(self) -> None:
         plan = self.scheduler.schedule(time.monotonic())

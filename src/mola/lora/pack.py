@@ -10,7 +10,8 @@ the largest written into it in powers of two, and every dense pack holds the
 slots up to the highest written one, in powers of two (slot numbers index the
 packs directly, so that count must be the same in every layer). Packs grow
 in the slot write that needs them and shrink lazily after clears, and fully
-when :meth:`AdapterPacks.compact` runs (the engine calls it when idle). Every
+when :meth:`AdapterPacks.compact` runs (the engine calls it once idle for
+EngineConfig.pack_compact_idle_s). Every
 resize is a copy between two steps on the engine thread: the step in flight
 keeps reading the arrays it was built with.
 """
@@ -171,6 +172,13 @@ class AdapterPacks:
         self._shrink(lazy=True)
         self.num_resizes += self._shapes() != before
         mx.eval(self.arrays())
+
+    @property
+    def is_oversized(self) -> bool:
+        """Would :meth:`compact` shrink something?"""
+        slots = bucket(max(self._held, default=0) + 1, self.num_slots)
+        return slots < self.slot_capacity or any(l.rank_capacity > bucket(l._rank, l.max_rank)
+                                                 for l in self.layers.values())
 
     def compact(self) -> bool:
         """Shrink every pack to what its written slots need (an idle engine
