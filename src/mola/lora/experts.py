@@ -78,6 +78,11 @@ class MultiLoRASwitchLinear(nn.Module):
         return self._num_slots
 
     @property
+    def rank_needed(self) -> int:
+        """The rank the written slots need, in the packs' steps (0: none written)."""
+        return bucket(self._rank, self.max_rank)
+
+    @property
     def rank_capacity(self) -> int:
         """The packs' rank now (0: no pack)."""
         return self.lora_a.shape[1]
@@ -98,7 +103,7 @@ class MultiLoRASwitchLinear(nn.Module):
     def shrink(self, lazy: bool) -> None:
         """As MultiLoRALinear.shrink: all of it when nothing is written, else
         to the need's power of two (``lazy``: once it fell to a quarter)."""
-        need, cap = bucket(self._rank, self.max_rank), self.rank_capacity
+        need, cap = self.rank_needed, self.rank_capacity
         if need < cap and (need == 0 or not lazy or 4 * need <= cap):
             self.resize(need)
 

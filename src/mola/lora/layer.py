@@ -93,6 +93,11 @@ class MultiLoRALinear(nn.Module):
         return self.lora_a.shape[0]
 
     @property
+    def rank_needed(self) -> int:
+        """The rank the written slots need, in the packs' steps (0: none written)."""
+        return bucket(self._rank, self.max_rank)
+
+    @property
     def rank_capacity(self) -> int:
         """The packs' rank now: a power of two (or max_rank) >= every written rank; 0: no pack."""
         return self.lora_a.shape[1]
@@ -135,7 +140,7 @@ class MultiLoRALinear(nn.Module):
         otherwise, when ``lazy``, only once the need fell to a quarter of the
         capacity (so that loads and unloads around one size do not copy the
         packs back and forth), else down to the need's power of two."""
-        need, cap = bucket(self._rank, self.max_rank), self.rank_capacity
+        need, cap = self.rank_needed, self.rank_capacity
         if need < cap and (need == 0 or not lazy or 4 * need <= cap):
             self.resize(self.slot_capacity, need)
 

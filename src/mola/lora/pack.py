@@ -177,8 +177,7 @@ class AdapterPacks:
     def is_oversized(self) -> bool:
         """Would :meth:`compact` shrink something?"""
         slots = bucket(max(self._held, default=0) + 1, self.num_slots)
-        return slots < self.slot_capacity or any(l.rank_capacity > bucket(l._rank, l.max_rank)
-                                                 for l in self.layers.values())
+        return slots < self.slot_capacity or any(l.rank_capacity > l.rank_needed for l in self.layers.values())
 
     def compact(self) -> bool:
         """Shrink every pack to what its written slots need (an idle engine
