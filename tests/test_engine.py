@@ -120,9 +120,9 @@ def _resize_schedule(tiny_model, adapters, at_ceilings: bool, compact_idle_s: fl
             engine.call(lambda: hold_packs_at_ceilings(engine.packs)).result()
         stats, published = {}, {}
 
-        def measure(key):  # engine thread: the packs as they are, and as the engine last published them
-            stats.setdefault(key, engine.packs.stats())
-            published.setdefault(key, engine.pack_stats)
+        # engine thread: the packs as they are, and as the engine last published them
+        measure = lambda key: (stats.setdefault(key, engine.packs.stats()),  # noqa: E731
+                               published.setdefault(key, engine.pack_stats))
 
         engine.call(lambda: measure("start")).result()
         r.slots.update(a=1, c=3)
