@@ -79,7 +79,8 @@ class AsyncEngine:
         added later sees it); raises EngineUnavailable now if the engine is
         down, or PacksDoNotFit if the packs would grow past the memory free.
         The future ends when the engine thread has written it."""
-        self.engine.check_growth(slot, rows)
+        if self.engine.is_alive:  # (a stopped engine: call() says so)
+            self.engine.check_growth(slot, rows)
         return asyncio.wrap_future(self.engine.call(lambda: self.engine.write_slot(slot, rows, recipe)))
 
     async def clear_slot(self, slot: int) -> None:
