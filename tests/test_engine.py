@@ -94,3 +94,118 @@ def test_the_engine_publishes_an_immutable_snapshot(runner):
         after.num_steps = 0
     runner.run(runner.prompt(QUESTIONS[2]), max_tokens=3)
     assert runner.engine.snapshot.stats.decode_steps > after.stats.decode_steps  # a copy, not a view
+
+
+# ---- slot packs sized to what is loaded, resized under traffic ---------------------
+
+LONG_TOKENS = 48
+
+
+def _resize_schedule(tiny_model, adapters, at_ceilings: bool, compact_idle_s: float = 0.0):
+    """Two long rows (on adapter a, rank 4 on q/v, and on the base) decode
+    while adapter c (rank 16, every module) is written into slot 3, which
+    grows the packs, with a mixed batch on c and a joining at that step; once
+    those finish, slot 3 is cleared, which shrinks them, with the long rows
+    still decoding. The hooks run on the engine thread when the first long
+    row has a given number of tokens, and queue their work before the next
+    step: the schedule is the same in every run. Returns every row's tokens
+    and logprobs, what the long rows had generated at each resize, and the
+    pack stats after each stage."""
+    from helpers.engines import EngineRunner, hold_packs_at_ceilings, together, write_slot
+
+    r = EngineRunner(tiny_model, max_tokens=LONG_TOKENS, pack_compact_idle_s=compact_idle_s)  # no pack yet
+    try:
+        engine = r.engine
+        if at_ceilings:
+            engine.call(lambda: hold_packs_at_ceilings(engine.packs)).result()
+        stats, published = {}, {}
+
+        # engine thread: the packs as they are, and as the engine last published them
+        measure = lambda key: (stats.setdefault(key, engine.packs.stats()),  # noqa: E731
+                               published.setdefault(key, engine.pack_stats))
+
+        engine.call(lambda: measure("start")).result()
+        r.slots.update(a=1, c=3)
+        r.versions.update(a=1, c=1)
+        a_weights, c_weights = r.read(adapters["a"]), r.read(adapters["c"])
+        lp = dict(logprobs=2)
+        long, short, seen, prev = [], [], {}, engine.on_outputs
+
+        def start():  # while the engine waits on the gate: one step takes both rows
+            write_slot(r, 1, a_weights)
+            long.extend([r.submit(r.prompt(QUESTIONS[3]), "a", **lp), r.submit(r.prompt(QUESTIONS[1]), None, **lp)])
+
+        def hook(outputs):  # engine thread, between two steps
+            prev(outputs)
+            n = [r.num_tokens.get(s.seq_id, 0) for s in long]
+            if "grow" not in seen and n[0] >= 3:
+                seen["grow"] = n
+                write_slot(r, 3, c_weights)
+                engine.call(lambda: measure("grown"))
+                short.extend(r.submit(r.prompt(q), name, max_tokens=6, **lp)
+                             for q, name in zip(QUESTIONS, ("c", "a", None, "c")))
+            elif "grow" in seen and "shrink" not in seen and short and all(s.seq_id in r.done for s in short):
+                seen["shrink"] = n
+                engine.call(lambda: engine.clear_slot(3))
+                engine.call(lambda: measure("shrunk"))
+
+        engine.on_outputs = hook
+        together(r, start)
+        r.wait(long)
+        r.wait(short)
+        engine.on_outputs = prev
+        # idle now: the engine compacts the packs before it waits for a command
+        engine.call(lambda: measure("idle")).result()
+        rows = [(s.output, r.logprobs.get(s.seq_id)) for s in long + short]
+        return rows, seen, stats, published
+    finally:
+        r.stop()
+
+
+def test_packs_grow_and_shrink_under_traffic_with_the_outputs_of_packs_at_the_ceilings(tiny_model, adapters):
+    sized, seen, stats, published = _resize_schedule(tiny_model, adapters, at_ceilings=False)
+    ceiling, seen_ref, ref_stats, _ = _resize_schedule(tiny_model, adapters, at_ceilings=True)
+    # The long rows ran across both resizes.
+    assert all(0 < n < LONG_TOKENS for n in seen["grow"] + seen["shrink"]), seen
+    assert seen == seen_ref  # the same schedule
+    assert sized == ceiling  # tokens and logprobs, every row, bit for bit
+    assert all(len(out) == LONG_TOKENS for out, _ in sized[:2])
+    # What the packs held: nothing, a's modules at rank 4, everything at 16, back to a's.
+    assert stats["start"].nbytes == 0
+    assert stats["grown"].ranks == (16,) and stats["grown"].slot_capacity == 4
+    assert stats["shrunk"].ranks == (4,) and stats["shrunk"].nbytes < stats["grown"].nbytes / 4
+    assert stats["idle"].slot_capacity == 2 and stats["idle"].nbytes < stats["shrunk"].nbytes
+    assert stats["idle"].num_packs == stats["shrunk"].num_packs == 2 * 2  # q_proj and v_proj of 2 layers
+    assert published == stats  # what /health and /metrics read is current at every stage
+    # With a long pack_compact_idle_s the idle engine has not compacted yet: the lazy sizes stay.
+    lazy, _, lazy_stats, _ = _resize_schedule(tiny_model, adapters, at_ceilings=False, compact_idle_s=3600)
+    assert lazy == sized and lazy_stats["idle"] == lazy_stats["shrunk"] and lazy_stats["idle"].slot_capacity == 4
+    # The reference held every pack at the ceilings throughout: 5 slots, rank 16, 14 linears.
+    assert {st.nbytes for st in ref_stats.values()} == {5 * stats["grown"].nbytes // 4}
+
+
+def test_pack_growth_past_the_memory_free_is_refused_with_the_numbers(tiny_model, adapters, monkeypatch):
+    """A load whose packs would not fit beside the base and the KV budget
+    fails with PacksDoNotFit (507) naming the sizes; its slot is free again
+    and the packs hold nothing."""
+    import mola.engine.engine as engine_module
+    from helpers.engines import EngineRunner, run_registry
+    from mola.errors import PacksDoNotFit
+    from mola.server.errors import status_of
+
+    r = EngineRunner(tiny_model)
+    try:
+        monkeypatch.setattr(engine_module, "free_bytes", lambda: 1 << 10)  # 1 KiB free
+
+        async def scenario(registry):
+            with pytest.raises(PacksDoNotFit) as e:
+                await registry.load("c", str(adapters["c"]))
+            message = e.value.message
+            assert "grows the slot packs by" in message and "--kv-cache-bytes" in message, message
+            assert status_of(e.value)[0] == 507
+            assert registry.num_free_slots == registry.max_loras
+
+        run_registry(r.engine, scenario, max_loras=4)
+        assert r.engine.pack_stats.nbytes == 0
+    finally:
+        r.stop()

@@ -48,3 +48,33 @@ def test_protected_metrics(tiny_model):
         assert httpx.get(handle.url + "/metrics", headers={"Authorization": f"Bearer {API}"}).status_code == 200
     finally:
         handle.stop()
+
+
+def test_pack_bytes_follow_loads_and_unloads_in_health_and_metrics(tiny_model, adapters):
+    """The slot packs' bytes, as /health (lora_packs) and /metrics report them,
+    are what the packs hold now: nothing at start, the loaded adapter's
+    modules at its rank, nothing again once it is unloaded."""
+    from mola.adapters.formats import read_adapter
+
+    handle = start_server(model=str(tiny_model), served_model_name="tiny", allow_any_adapter_path=True,
+                          max_loras=4, max_lora_rank=64)
+    try:
+        def now():
+            health = httpx.get(handle.url + "/health").json()["lora_packs"]["tiny"]
+            text = httpx.get(handle.url + "/metrics").text
+            m = re.search(r'^mola_lora_pack_bytes\{kind="dense"\} ([0-9.e+-]+)$', text, re.M)
+            assert float(m.group(1)) == health["dense_bytes"], (m.group(1), health)
+            return health
+
+        geometry = handle.state.engine.geometry
+        assert now()["bytes"] == 0
+        assert httpx.post(handle.url + "/v1/adapters", json={"name": "b", "path": str(adapters["b"])}).status_code == 200
+        handle.engine.call(lambda: None).result(timeout=30)  # the write has run
+        loaded = now()
+        assert loaded["bytes"] == geometry.pack_bytes([(8, read_adapter(adapters["b"]).modules)]) > 0
+        assert loaded["ranks"] == [8] and loaded["slots"] == 2
+        assert httpx.delete(handle.url + "/v1/adapters/b").status_code == 200
+        handle.engine.call(lambda: None).result(timeout=30)  # the clear has run
+        assert now()["bytes"] == 0 and now()["resizes"] >= 2  # (the idle engine may have compacted too)
+    finally:
+        handle.stop()

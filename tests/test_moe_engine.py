@@ -170,3 +170,45 @@ def test_gguf_moe_base_with_gguf_expert_lora_equals_merged_weights(tmp_path, mod
             compare(tokens, lps, *refs[("full" if name else None, 1.0, i)], f"{model_type} {name} prompt {i}")
     finally:
         runner.stop()
+
+
+def test_expert_packs_follow_the_loads_with_the_outputs_of_packs_at_the_ceilings(tmp_path):
+    """Expert packs hold nothing until an adapter with expert LoRA loads, take
+    its rank (a power of two under --max-expert-lora-rank), grow for a larger
+    one and shrink back after it is cleared; a mixed batch gives, bit for bit,
+    what packs held at the ceilings give."""
+    from helpers.engines import hold_packs_at_ceilings
+
+    model, adapters = build(tmp_path, "qwen3_moe")
+    rows = [(None, 1.0), ("full", 1.0), ("experts8", 1.0), ("attn", 0.5)]
+
+    def run(at_ceilings: bool):
+        runner = EngineRunner(model, max_tokens=MAX_TOKENS, max_loras=4, max_lora_rank=8, expert_slots=2,
+                              max_expert_rank=16)
+        engine = runner.engine
+        stats = lambda: engine.call(lambda: engine.packs.stats()).result()  # noqa: E731
+        try:
+            if at_ceilings:
+                engine.call(lambda: hold_packs_at_ceilings(engine.packs)).result()
+            prompts = [runner.prompt(q) for q in QUESTIONS]
+            seen = [stats()]
+            runner.slots.update(full=1, experts8=2, attn=3)  # expert slots 1..2
+            for name in ("attn", "full", "experts8"):
+                runner.add(name, runner.read(adapters[name]))
+                seen.append(stats())
+            mixed = run_mixed(runner, prompts, rows)
+            engine.call(lambda: engine.clear_slot(runner.slots["experts8"])).result()
+            engine.call(lambda: engine.packs.compact()).result()
+            seen.append(stats())
+            after = run_mixed(runner, prompts, rows[:2] + rows[3:])
+            return [(k, i, t, lp) for k, i, t, lp in mixed + after], seen
+        finally:
+            runner.stop()
+
+    sized, seen = run(False)
+    ceiling, _ = run(True)
+    assert sized == ceiling
+    start, attn, full, experts8, cleared = seen
+    assert start.nbytes == 0 and attn.expert_bytes == 0 and attn.dense_bytes > 0  # attention only: no expert pack
+    assert full.expert_bytes > 0 and experts8.expert_bytes == 2 * full.expert_bytes  # rank 4, then 8
+    assert cleared.expert_bytes == full.expert_bytes

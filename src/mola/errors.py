@@ -25,6 +25,11 @@ class SlotsDoNotFit(ModelLoadError):
     slots) take more memory than the machine has free beside the base."""
 
 
+class PacksDoNotFit(MolaError):
+    """Loading an adapter would grow the slot packs (mola.lora.pack) past the
+    memory free beside the base model and the KV budget."""
+
+
 class InvalidRequest(MolaError):
     """A request whose body or parameters cannot be served as given."""
 

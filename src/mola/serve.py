@@ -148,10 +148,11 @@ def serve(config: ServeConfig) -> int:
         return 1
     g = engine.geometry
     experts = (f", {g.expert_slots} of them also on the {g.num_experts} experts at rank <= {g.max_expert_rank} "
-               f"({g.expert_slot_bytes / 2**20:.1f} MiB each)" if g.expert_slots else "")
+               f"({g.expert_slot_bytes / 2**20:.1f} MiB each at most)" if g.expert_slots else "")
     print(
         f"[mola] model loaded in {time.perf_counter() - t0:.1f} s; "
-        f"{config.engine.max_loras} adapter slots of rank <= {config.engine.max_lora_rank}{experts}",
+        f"{config.engine.max_loras} adapter slots of rank <= {config.engine.max_lora_rank}{experts}; "
+        f"slot packs sized to the adapters loaded (up to {g.max_pack_bytes / 2**20:.1f} MiB at these ceilings)",
         file=sys.stderr, flush=True,
     )
     try:

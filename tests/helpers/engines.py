@@ -158,3 +158,29 @@ def together(runner: EngineRunner, submit):
         return submit()
     finally:
         gate.set()
+
+
+def hold_packs_at_ceilings(packs) -> None:
+    """Size ``packs`` (an AdapterPacks) as they were at start before they
+    followed the loads, every layer at every slot and the largest rank, and
+    keep them so: the reference that packs sized to what is loaded must match."""
+    for layer in packs.layers.values():
+        if hasattr(layer, "slot_capacity"):
+            layer.resize(packs.num_slots, packs.max_rank)
+        else:
+            layer.resize(packs.max_expert_rank)
+    packs._slot_capacity = packs.num_slots  # writes find every pack large enough already
+    packs._shrink = lambda lazy: None  # and nothing ever shrinks (nor waits to)
+    packs.__class__ = type("PacksAtCeilings", (type(packs),), {"is_oversized": property(lambda self: False)})
+
+
+def write_slot(runner: EngineRunner, slot: int, weights) -> None:
+    """Queue ``weights`` into ``slot`` through the engine's own slot write (as
+    the registry does), without waiting for it."""
+    from mola.adapters.weights import validate
+    from mola.lora.pack import prepare_rows
+
+    geometry = runner.engine.geometry
+    validate(weights, geometry.targets, geometry.max_rank, geometry.max_expert_rank)
+    rows = prepare_rows(weights, geometry)
+    runner.engine.call(lambda: runner.engine.write_slot(slot, rows, None))

@@ -77,7 +77,10 @@ class AsyncEngine:
     def write_slot(self, slot: int, rows: SlotRows, recipe: SlotRecipe) -> asyncio.Future:
         """Queued behind the engine's commands at once (so that every sequence
         added later sees it); raises EngineUnavailable now if the engine is
-        down. The future ends when the engine thread has written it."""
+        down, or PacksDoNotFit if the packs would grow past the memory free.
+        The future ends when the engine thread has written it."""
+        if self.engine.is_alive:  # (a stopped engine: call() says so)
+            self.engine.check_growth(slot, rows)
         return asyncio.wrap_future(self.engine.call(lambda: self.engine.write_slot(slot, rows, recipe)))
 
     async def clear_slot(self, slot: int) -> None:

@@ -73,6 +73,10 @@ class EngineConfig:
     # kv_group_size along the head dimension; None: the model's dtype.
     kv_bits: int | None = None
     kv_group_size: int = 64
+    # The slot packs shrink to fit what is loaded once the engine has been idle this long
+    # (seconds; under traffic they shrink only lazily: mola.lora.pack), so that short lulls
+    # in bursty traffic do not copy them down and up again.
+    pack_compact_idle_s: float = 5.0
 
     def __post_init__(self):
         for name in ("max_loras", "max_lora_rank", "max_num_seqs", "prefill_step_size", "max_expert_rank"):
@@ -96,6 +100,8 @@ class EngineConfig:
         if self.kv_group_size not in KV_GROUP_SIZES:
             raise ValueError(f"kv_group_size must be one of {', '.join(map(str, KV_GROUP_SIZES))}, "
                              f"got {self.kv_group_size!r}")
+        if not self.pack_compact_idle_s >= 0:
+            raise ValueError(f"pack_compact_idle_s must be >= 0, got {self.pack_compact_idle_s!r}")
         if self.kv_admission not in KV_ADMISSION_MODES:
             raise ValueError(f"kv_admission must be one of {', '.join(KV_ADMISSION_MODES)}, "
                              f"got {self.kv_admission!r}")

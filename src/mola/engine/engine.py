@@ -25,13 +25,13 @@ import mlx.core as mx
 
 from ..adapters.recipe import SlotRecipe
 from ..errors import EngineUnavailable
-from ..lora.pack import AdapterPacks, SlotGeometry, SlotRows, geometry_of
+from ..lora.pack import AdapterPacks, PackStats, SlotGeometry, SlotRows, geometry_of
 from ..models.model import LoadedModel
 from .commands import Commands
 from .config import EngineConfig
 from .distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS, Group, Leader, wire_plan
 from .kv_budget import KVBudget, make_kv_budget
-from .memory import check_slots_fit, free_bytes
+from .memory import check_growth, check_slots_fit, free_bytes, gib
 from .outputs import EngineSnapshot, KVStats, SeqOutput
 from .plan import StepPlan, StepResult
 from .prompt_cache import PromptCacheStats, make_prompt_cache
@@ -74,6 +74,7 @@ class Engine:
         self.geometry: SlotGeometry | None = None  # fixed once loaded: any thread may read it
         self.kv_budget: KVBudget | None = None  # fixed once loaded: any thread may read it
         self.snapshot = EngineSnapshot()  # replaced, never mutated, by the engine thread
+        self.pack_stats = PackStats()  # replaced (never mutated) when the packs resize: any thread may read it
         self.num_steps = 0
         self._leader = Leader(group)  # tells the other ranks of a group what this one does
 
@@ -176,6 +177,10 @@ class Engine:
                                     c.max_expert_rank), free_bytes())
         self.packs = AdapterPacks.install(loaded.model, **slots)
         self.geometry = self.packs.geometry
+        self.pack_stats = self.packs.stats()
+        log.info("%s; they grow with the adapters loaded, up to %s at the ceilings (--max-loras %d, "
+                 "--max-lora-rank %d)", self.pack_stats.summary(), gib(self.geometry.max_pack_bytes),
+                 c.max_loras, c.max_lora_rank)
         self.runner = ModelRunner(loaded.model, self.packs, loaded.vocab_size, prompt_cache=c.prompt_cache_bytes > 0,
                              draft=loaded.draft, kv_quant=c.kv_quant)
         prompt_cache = make_prompt_cache(c.prompt_cache_bytes, self.runner.kv_cost,
@@ -191,8 +196,15 @@ class Engine:
         return self.scheduler.has_work() or self.runner.inflight is not None
 
     def _loop(self) -> None:
+        idle_since = None  # when the engine last ran out of work
         while not self._stopping:
-            self._drain_commands(block=not self._has_work())
+            if self._has_work():
+                idle_since = None
+            else:
+                idle_since = time.monotonic() if idle_since is None else idle_since
+                self._compact_packs(time.monotonic() - idle_since)
+            self._drain_commands(block=not self._has_work(), idle_for=None if idle_since is None
+                                 else time.monotonic() - idle_since)
             if self._stopping:
                 break
             if self._has_work():
@@ -212,10 +224,19 @@ class Engine:
             if self.kv_budget else KVStats(held_bytes=self.runner.stats.kv_bytes),
         )
 
-    def _drain_commands(self, block: bool) -> None:
+    def _compact_packs(self, idle_for: float) -> None:
+        """Shrink the packs to what is loaded once idle long enough (pack_compact_idle_s)."""
+        if idle_for >= self.config.pack_compact_idle_s and self.packs.compact():
+            self._packs_changed(f"compacted after {idle_for:.1f} s idle")
+
+    def _drain_commands(self, block: bool, idle_for: float | None = None) -> None:
         timeout = HEARTBEAT_SECONDS if self.group is not None else None
+        if block and idle_for is not None and self.packs.is_oversized:  # wake to compact them
+            left = max(0.0, self.config.pack_compact_idle_s - idle_for)
+            timeout = left if timeout is None else min(timeout, left)
         if not self._commands.run(wait=block, timeout=timeout):
-            self._leader.tell(("noop",))  # idle: make sure the other ranks are still there
+            if self.group is not None:
+                self._leader.tell(("noop",))  # idle: make sure the other ranks are still there
 
     def step(self) -> None:
         plan = self.scheduler.schedule(time.monotonic())
@@ -244,14 +265,35 @@ class Engine:
     # ---- adapters in slots (engine thread; every rank in a group) ----------
 
     def write_slot(self, slot: int, rows: SlotRows, recipe: SlotRecipe) -> None:
-        """Write prepared rows into ``slot``; the other ranks of a group
-        re-create them from ``recipe`` at this point of the stream of steps."""
+        """Write prepared rows into ``slot`` (growing the packs where they
+        need it); the other ranks of a group re-create them from ``recipe``
+        at this point of the stream of steps."""
         self._leader.tell(("write", slot, recipe))
+        resizes = self.packs.num_resizes
         self.packs.fill(slot, rows)
+        if self.packs.num_resizes != resizes:
+            self._packs_changed(f"resized for slot {slot}")
 
     def clear_slot(self, slot: int) -> None:
         self._leader.tell(("clear", slot))
+        resizes = self.packs.num_resizes
         self.packs.empty(slot)
+        if self.packs.num_resizes != resizes:
+            self._packs_changed(f"shrunk after clearing slot {slot}")
+
+    def check_growth(self, slot: int, rows: SlotRows) -> None:
+        """Any thread: PacksDoNotFit, with the numbers, when writing ``rows``
+        into ``slot`` would grow the packs (as last published) past the
+        memory free beside the KV budget's unused part."""
+        if self.geometry is None:
+            return  # not loaded: the write itself says so
+        budget = self.kv_budget.nbytes if self.kv_budget is not None else 0
+        check_growth(self.pack_stats, self.geometry, slot, rows, free_bytes(),
+                     kv_headroom=max(0, budget - self.snapshot.kv.held_bytes))
+
+    def _packs_changed(self, why: str) -> None:
+        before, self.pack_stats = self.pack_stats, self.packs.stats()
+        log.info("%s: %s (was %.1f MiB)", why, self.pack_stats.summary(), before.nbytes / 2**20)
 
     def forget_prompts(self, adapter_keys: list[tuple]) -> int:
         """Drop the prompt cache's entries of unloaded adapters (Lease.key's),

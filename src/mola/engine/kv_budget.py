@@ -129,8 +129,10 @@ class KVBudget:
 def make_kv_budget(config: EngineConfig, bytes_per_token: int, max_model_len: int | None,
                    free: int | None) -> KVBudget | None:
     """The budget --kv-cache-bytes asks for (None: 0, no budget). Auto, the
-    default: KV_FREE_SHARE of what is ``free`` (bytes, once the base and its
-    slot packs are resident) after the prompt cache's budget, capped at what
+    default: KV_FREE_SHARE of what is ``free`` (bytes, once the base is
+    resident; the slot packs hold nothing yet, and grow into the rest, each
+    growth checked against what the budget leaves: engine/memory.py) after
+    the prompt cache's budget, capped at what
     every row at the model's full context takes; no budget when neither is known."""
     nbytes = config.kv_cache_bytes
     if nbytes is None:

@@ -21,6 +21,12 @@ empty expert slot (it would weigh as much as a full one): in a mixed batch a
 row on another slot reads pack index 0 with a scale of 0. A batch in which no
 row uses an expert slot that this layer has written runs the base SwitchGLU
 alone.
+
+Like the dense packs (mola.lora.layer), an expert pack's rank is the largest
+rank written into it, rounded up to a power of two (at most the ceiling,
+--max-expert-lora-rank), and 0 (no bytes) until an adapter with expert LoRA
+on this projection is written; its slot count stays ``expert_slots`` (few,
+and the combined index needs it fixed).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
-from .geometry import TargetGeometry, compute_dtype
+from .geometry import TargetGeometry, bucket, compute_dtype, resized
 
 EXPERT_BASES = (SwitchLinear, QuantizedSwitchLinear)
 SORT_PAIRS = 64  # mlx-lm's SwitchGLU sorts (token, expert) pairs from this many on
@@ -58,10 +64,10 @@ class MultiLoRASwitchLinear(nn.Module):
         super().__init__()
         self.base = base
         self.num_experts, self.input_dims, self.output_dims = expert_dims(base)
-        self.max_rank = max_rank
+        self.max_rank = max_rank  # the ceiling; the packs' own rank is rank_capacity
         n = self.num_experts * num_slots
-        self.lora_a = mx.zeros((n, max_rank, self.input_dims), dtype=dtype)  # [E*S, r, in]: A^T
-        self.lora_b = mx.zeros((n, max_rank, self.output_dims), dtype=dtype)  # [E*S, r, out]: scale*B
+        self.lora_a = mx.zeros((n, 0, self.input_dims), dtype=dtype)  # [E*S, R, in]: A^T (R = 0: no pack)
+        self.lora_b = mx.zeros((n, 0, self.output_dims), dtype=dtype)  # [E*S, R, out]: scale*B
         self._num_slots = num_slots
         self._ranks: dict[int, int] = {}  # slot -> rank written here
         self._rank = 0  # max rank over written slots: the part of r the forward uses
@@ -70,6 +76,36 @@ class MultiLoRASwitchLinear(nn.Module):
     @property
     def num_slots(self) -> int:
         return self._num_slots
+
+    @property
+    def rank_needed(self) -> int:
+        """The rank the written slots need, in the packs' steps (0: none written)."""
+        return bucket(self._rank, self.max_rank)
+
+    @property
+    def rank_capacity(self) -> int:
+        """The packs' rank now (0: no pack)."""
+        return self.lora_a.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.lora_a.nbytes + self.lora_b.nbytes
+
+    def resize(self, rank: int) -> None:
+        """Reallocate the packs at ``rank``, keeping every written slot (which must fit)."""
+        if rank == self.rank_capacity:
+            return
+        assert all(r <= rank for r in self._ranks.values()), (rank, self._ranks)
+        self._view = None
+        self.lora_a = resized(self.lora_a, self.lora_a.shape[0], rank)
+        self.lora_b = resized(self.lora_b, self.lora_b.shape[0], rank)
+
+    def shrink(self, lazy: bool) -> None:
+        """As MultiLoRALinear.shrink: all of it when nothing is written, else
+        to the need's power of two (``lazy``: once it fell to a quarter)."""
+        need, cap = self.rank_needed, self.rank_capacity
+        if need < cap and (need == 0 or not lazy or 4 * need <= cap):
+            self.resize(need)
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -89,6 +125,8 @@ class MultiLoRASwitchLinear(nn.Module):
         :func:`mola.lora.geometry.module_rows`) into ``slot``."""
         assert 0 < slot <= self.num_slots and rows.rank <= self.max_rank, (slot, rows.rank)
         r, stale, S, i = rows.rank, self._ranks.get(slot, 0), self.num_slots, slot - 1
+        if r > self.rank_capacity:
+            self.resize(bucket(r, self.max_rank))
         self._view = None  # no other reference: the writes below update in place
         self.lora_a[i::S, :r] = rows.a
         self.lora_b[i::S, :r] = rows.b

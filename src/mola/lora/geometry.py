@@ -110,6 +110,28 @@ def module_rows(target: TargetGeometry, max_rank: int, dtype: mx.Dtype, a: mx.ar
     return ModuleRows(a_row, b_row, r, scale)
 
 
+def bucket(n: int, ceiling: int) -> int:
+    """The size a pack dimension takes for a need of ``n``: 0 for 0, else the
+    next power of two, never above ``ceiling`` (packs grow and shrink by
+    these steps, so that most loads and unloads reallocate nothing)."""
+    if n <= 0:
+        return 0
+    return min(ceiling, 1 << (n - 1).bit_length())
+
+
+def resized(pack: mx.array, rows: int, rank: int) -> mx.array:
+    """``pack`` [N, R, D] reallocated as [rows, rank, D]: what the rows and
+    ranks in common hold is kept, the rest is zero. A fresh buffer, never a
+    view of the old one (which is freed once nothing reads it)."""
+    n, r = min(rows, pack.shape[0]), min(rank, pack.shape[1])
+    if (n, r) == pack.shape[:2]:  # growing: one pad writes the new buffer
+        return mx.pad(pack, [(0, rows - n), (0, rank - r), (0, 0)])
+    out = mx.zeros((rows, rank, pack.shape[2]), dtype=pack.dtype)
+    if n and r:
+        out[:n, :r] = pack[:n, :r]
+    return out
+
+
 def compute_dtype(linear: nn.Module) -> mx.Dtype:
     """The dtype the base layer computes in (scales' dtype when quantized)."""
     if hasattr(linear, "scales"):

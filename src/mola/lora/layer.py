@@ -16,6 +16,14 @@ place (slicing [S, in, r_max] on its last axis made MLX copy the pack on every
 call). And each slot's scale is folded into its ``B`` when it is written
 (``lora_b[s] = scale[s] * B_s``), which is the same product with one
 multiplication fewer per layer; ``folded_scale`` keeps the scales for reading.
+
+The packs are sized to what is loaded, not to the ceilings: their rank is the
+largest rank written into this layer, rounded up to a power of two (at most
+``max_rank``, --max-lora-rank), and it is 0 (no bytes) until an adapter
+targeting this layer is written; their slot count is the one
+mola.lora.pack.AdapterPacks gives every layer. A resize copies the slots
+into zero-padded packs, which changes no sum (the forward reads ranks up to
+the largest written either way).
 How a base linear is cut across a tensor-parallel group, and the rows a slot
 stores, are mola.lora.geometry.
 """
@@ -25,8 +33,8 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .geometry import (WRAPPABLE, ModuleRows, Sharding, TargetGeometry, compute_dtype, full_dims, linear_dims,
-                       module_rows, sharding_of)
+from .geometry import (WRAPPABLE, ModuleRows, Sharding, TargetGeometry, bucket, compute_dtype, full_dims,
+                       linear_dims, module_rows, resized, sharding_of)
 from .routing import LoRARouting
 
 
@@ -61,13 +69,14 @@ class MultiLoRALinear(nn.Module):
         self.base = base
         self.input_dims = input_dims
         self.output_dims = output_dims
-        self.max_rank = max_rank
-        self.lora_a = mx.zeros((num_slots, max_rank, input_dims), dtype=dtype)  # [S, r, in]: A^T
-        self.lora_b = mx.zeros((num_slots, max_rank, output_dims), dtype=dtype)  # [S, r, out]: scale * B
-        self.folded_scale = mx.zeros((num_slots,), dtype=mx.float32)  # [S]: the scale folded into each slot's B
+        self.max_rank = max_rank  # the ceiling (--max-lora-rank); the packs' own rank is rank_capacity
+        self.max_slots = num_slots  # the ceiling, slot 0 included; the packs' own count is slot_capacity
+        self.lora_a = mx.zeros((num_slots, 0, input_dims), dtype=dtype)  # [S, R, in]: A^T (R = 0: no pack)
+        self.lora_b = mx.zeros((num_slots, 0, output_dims), dtype=dtype)  # [S, R, out]: scale * B
         self._routing = routing
         self._sharding = Sharding()  # this layer's part of a tensor-parallel base
         self._ranks: dict[int, int] = {}  # slot -> rank written in this layer
+        self._scales: dict[int, float] = {}  # slot -> the scale folded into its B
         self._rank = 0  # max rank over written slots: the part of r the forward uses
         # Views of the packs the forward reads, made once per write: with them
         # a decode step runs two matmuls per layer and adapter, no slicing ops.
@@ -76,7 +85,26 @@ class MultiLoRALinear(nn.Module):
 
     @property
     def num_slots(self) -> int:
+        return self.max_slots
+
+    @property
+    def slot_capacity(self) -> int:
+        """Slots the packs hold now (every written slot is below it)."""
         return self.lora_a.shape[0]
+
+    @property
+    def rank_needed(self) -> int:
+        """The rank the written slots need, in the packs' steps (0: none written)."""
+        return bucket(self._rank, self.max_rank)
+
+    @property
+    def rank_capacity(self) -> int:
+        """The packs' rank now: a power of two (or max_rank) >= every written rank; 0: no pack."""
+        return self.lora_a.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.lora_a.nbytes + self.lora_b.nbytes
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -87,10 +115,34 @@ class MultiLoRALinear(nn.Module):
         return frozenset(self._ranks)
 
     @property
+    def folded_scale(self) -> dict[int, float]:
+        """Slot -> the scale folded into its B (written slots only)."""
+        return dict(self._scales)
+
+    @property
     def full_dims(self) -> tuple[int, int]:
         """(input_dims, output_dims) of the whole linear: what an adapter's
         factors must fit, whatever this rank holds of them."""
         return full_dims(self.base)
+
+    def resize(self, num_slots: int, rank: int) -> None:
+        """Reallocate the packs as [num_slots, rank], keeping every written
+        slot (which must fit). Engine thread, between two steps."""
+        if (num_slots, rank) == self.lora_a.shape[:2]:
+            return
+        assert all(s < num_slots and r <= rank for s, r in self._ranks.items()), (num_slots, rank, self._ranks)
+        self._views.clear()
+        self.lora_a = resized(self.lora_a, num_slots, rank)
+        self.lora_b = resized(self.lora_b, num_slots, rank)
+
+    def shrink(self, lazy: bool) -> None:
+        """Give back rank no written slot uses: all of it when none does;
+        otherwise, when ``lazy``, only once the need fell to a quarter of the
+        capacity (so that loads and unloads around one size do not copy the
+        packs back and forth), else down to the need's power of two."""
+        need, cap = self.rank_needed, self.rank_capacity
+        if need < cap and (need == 0 or not lazy or 4 * need <= cap):
+            self.resize(self.slot_capacity, need)
 
     def factors(self, slot: int) -> tuple[mx.array, mx.array]:
         """The (A [in, r], scale * B [r, out]) stored in ``slot``."""
@@ -110,29 +162,32 @@ class MultiLoRALinear(nn.Module):
 
     def set_rows(self, slot: int, rows: "ModuleRows") -> None:
         """Write rows made by :func:`module_rows` into ``slot``: its first r
-        rows; rows beyond r that an older adapter of higher rank wrote there
-        are zeroed (the rest are zero already)."""
-        assert 0 < slot < self.num_slots and rows.rank <= self.max_rank, (slot, rows.rank)
+        rows, the packs' rank grown first if r exceeds it; rows beyond r that
+        an older adapter of higher rank wrote there are zeroed (the rest are
+        zero already)."""
+        assert 0 < slot < self.slot_capacity and rows.rank <= self.max_rank, (slot, rows.rank)
         r, stale = rows.rank, self._ranks.get(slot, 0)
+        if r > self.rank_capacity:
+            self.resize(self.slot_capacity, bucket(r, self.max_rank))
         self._views.clear()  # no other reference: the writes below update in place
         self.lora_a[slot, :r] = rows.a
         self.lora_b[slot, :r] = rows.b
         if stale > r:
             self.lora_a[slot, r:stale] = 0.0
             self.lora_b[slot, r:stale] = 0.0
-        self.folded_scale[slot] = rows.folded_scale
+        self._scales[slot] = rows.folded_scale
         self._ranks[slot] = rows.rank
         self._rank = max(self._ranks.values())
 
     def zero_rows(self, slot: int) -> None:
-        """Zero ``slot`` so that it adds nothing."""
+        """Zero ``slot`` so that it adds nothing (the packs keep their size:
+        :meth:`shrink` gives memory back)."""
         if slot not in self._ranks:
             return
         self._views.clear()
-        self.lora_a[slot] = mx.zeros(self.lora_a.shape[1:], dtype=self.dtype)
-        self.lora_b[slot] = mx.zeros(self.lora_b.shape[1:], dtype=self.dtype)
-        self.folded_scale[slot] = 0.0
-        del self._ranks[slot]
+        self.lora_a[slot] = 0.0
+        self.lora_b[slot] = 0.0
+        del self._ranks[slot], self._scales[slot]
         self._rank = max(self._ranks.values(), default=0)
 
     def _slot_view(self, slot: int) -> tuple[mx.array, mx.array]:

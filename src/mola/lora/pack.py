@@ -3,42 +3,34 @@
 :meth:`AdapterPacks.install` wraps the target linears of an mlx-lm model in
 place (wrap, don't fork) and keeps them by module path, so that one adapter can
 be written into, or cleared from, one slot of every layer at once.
+
+The packs hold what is loaded, not the ceilings (--max-loras, --max-lora-rank):
+a layer that no written adapter targets has no pack at all, a layer's rank is
+the largest written into it in powers of two, and every dense pack holds the
+slots up to the highest written one, in powers of two (slot numbers index the
+packs directly, so that count must be the same in every layer). Packs grow
+in the slot write that needs them and shrink lazily after clears, and fully
+when :meth:`AdapterPacks.compact` runs (the engine calls it once idle for
+EngineConfig.pack_compact_idle_s). Every
+resize is a copy between two steps on the engine thread: the step in flight
+keeps reading the arrays it was built with.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Mapping, Protocol
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
 from .experts import EXPERT_BASES, MultiLoRASwitchGLU, MultiLoRASwitchLinear, expert_dims
-from .geometry import WRAPPABLE, ModuleRows, TargetGeometry, compute_dtype, full_dims, module_rows, sharding_of
+from .geometry import WRAPPABLE, TargetGeometry, bucket, compute_dtype, full_dims, sharding_of
 from .layer import MultiLoRALinear
 from .routing import LoRARouting
+# What goes into the packs, re-exported: mola's other packages import them from here.
+from .slot_rows import Adapter, Factors, PackStats, SlotGeometry, SlotRows, prepare_rows
 
-
-class Factors(Protocol):
-    """One module's LoRA as the packs take it: delta(x) = scale * (x @ a) @ b
-    (mola.adapters.weights.ModuleLoRA is one)."""
-
-    @property
-    def a(self) -> mx.array: ...  # [in, r], or [E, in, r] for experts
-
-    @property
-    def b(self) -> mx.array: ...  # [r, out], or [E, r, out] for experts
-
-    @property
-    def scale(self) -> float: ...
-
-
-class Adapter(Protocol):
-    """An adapter as the packs take it, by module path (mola.adapters.weights.LoRAWeights is one)."""
-
-    @property
-    def modules(self) -> Mapping[str, Factors]: ...
+__all__ = ["Adapter", "AdapterPacks", "Factors", "PackStats", "SlotGeometry", "SlotRows", "expert_targets",
+           "geometry_of", "lora_targets", "prepare_rows"]
 
 
 class AdapterPacks:
@@ -50,10 +42,24 @@ class AdapterPacks:
                  max_rank: int, num_slots: int, expert_slots: int = 0, max_expert_rank: int = 0):
         self.layers = layers  # module path -> layer
         self.routing = routing
-        self.max_rank = max_rank
-        self.num_slots = num_slots  # slot 0 included
+        self.max_rank = max_rank  # the ceiling (--max-lora-rank)
+        self.num_slots = num_slots  # the ceiling, slot 0 included (--max-loras + 1)
         self.expert_slots = expert_slots  # slots 1..expert_slots carry expert LoRA
         self.max_expert_rank = max_expert_rank
+        self.num_resizes = 0  # slot writes and clears that changed the packs' size
+        self._held: set[int] = set()  # slots written (1..num_slots - 1)
+        self._dense = [l for l in layers.values() if isinstance(l, MultiLoRALinear)]
+        self._set_slot_capacity(1)
+
+    @property
+    def slot_capacity(self) -> int:
+        """Slots every dense pack holds now (slot 0 included)."""
+        return self._slot_capacity
+
+    def _set_slot_capacity(self, n: int) -> None:
+        self._slot_capacity = n
+        for layer in self._dense:
+            layer.resize(n, layer.rank_capacity)
 
     @classmethod
     def install(cls, model: nn.Module, *, max_loras: int, max_rank: int,
@@ -98,16 +104,28 @@ class AdapterPacks:
         )
 
     def arrays(self) -> list[mx.array]:
-        return [a for l in self.layers.values() for a in (l.lora_a, l.lora_b, getattr(l, "folded_scale", None))
-                if a is not None]
+        return [a for l in self.layers.values() for a in (l.lora_a, l.lora_b)]
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in self.arrays())
+        return sum(l.nbytes for l in self.layers.values())
+
+    def stats(self) -> PackStats:
+        """What the packs hold now (any thread may keep the result)."""
+        dense = [l for l in self._dense if l.rank_capacity]
+        experts = [l for l in self.layers.values() if not isinstance(l, MultiLoRALinear) and l.rank_capacity]
+        return PackStats(
+            dense_bytes=sum(l.nbytes for l in dense), expert_bytes=sum(l.nbytes for l in experts),
+            slot_capacity=self.slot_capacity, num_packs=len(dense) + len(experts), num_layers=len(self.layers),
+            ranks=tuple(sorted({l.rank_capacity for l in dense + experts})), num_resizes=self.num_resizes,
+            shape={p: l.rank_capacity for p, l in self.layers.items() if l.rank_capacity},
+        )
 
     def fill(self, slot: int, rows: SlotRows) -> None:
         """Write prepared rows into ``slot`` of every layer; layers the adapter
-        does not touch are zeroed there. Engine thread.
+        does not touch are zeroed there. The packs grow first where the rows
+        need it (more slots, a higher rank); ranks the slot's old adapter
+        alone needed are given back lazily. Engine thread.
 
         The copies are queued on the engine's stream (``mx.async_eval``), not
         waited for: they run after the step in flight and before any step
@@ -119,12 +137,25 @@ class AdapterPacks:
             raise ValueError(f"slot {slot} is outside 1..{self.num_slots - 1}")
         if rows.has_experts and slot > self.expert_slots:
             raise ValueError(f"slot {slot} cannot carry expert LoRA (slots 1..{self.expert_slots} can)")
+        before = self._shapes()
+        self._held.add(slot)
+        slots = max(self.slot_capacity, bucket(max(self._held) + 1, self.num_slots))
+        for path, layer in self.layers.items():  # one copy per pack that grows, slots and rank at once
+            row = rows.modules.get(path)
+            rank = max(layer.rank_capacity, bucket(row.rank, layer.max_rank) if row is not None else 0)
+            if isinstance(layer, MultiLoRALinear):
+                layer.resize(slots, rank)
+            else:
+                layer.resize(rank)
+        self._slot_capacity = slots
         for path, layer in self.layers.items():
             row = rows.modules.get(path)
             if row is None:
                 layer.zero_rows(slot)
             else:
                 layer.set_rows(slot, row)
+        self._shrink(lazy=True)
+        self.num_resizes += self._shapes() != before
         mx.async_eval(self.arrays())
 
     def fill_from(self, slot: int, weights: Adapter, scale: float = 1.0) -> None:
@@ -133,10 +164,43 @@ class AdapterPacks:
         self.fill(slot, prepare_rows(weights, self.geometry, scale))
 
     def empty(self, slot: int) -> None:
-        """Zero ``slot`` in every layer."""
+        """Zero ``slot`` in every layer; packs it alone needed shrink lazily."""
+        before = self._shapes()
         for layer in self.layers.values():
             layer.zero_rows(slot)
+        self._held.discard(slot)
+        self._shrink(lazy=True)
+        self.num_resizes += self._shapes() != before
         mx.eval(self.arrays())
+
+    @property
+    def is_oversized(self) -> bool:
+        """Would :meth:`compact` shrink something?"""
+        slots = bucket(max(self._held, default=0) + 1, self.num_slots)
+        return slots < self.slot_capacity or any(l.rank_capacity > l.rank_needed for l in self.layers.values())
+
+    def compact(self) -> bool:
+        """Shrink every pack to what its written slots need (an idle engine
+        calls it); True when something shrank."""
+        before = self._shapes()
+        self._shrink(lazy=False)
+        changed = self._shapes() != before
+        if changed:
+            self.num_resizes += 1
+            mx.eval(self.arrays())
+        return changed
+
+    def _shrink(self, lazy: bool) -> None:
+        """Give back slots and ranks no written slot needs (``lazy``: only
+        what is gone entirely, or down from 4x the need; see MultiLoRALinear.shrink)."""
+        for layer in self.layers.values():
+            layer.shrink(lazy)
+        need = bucket(max(self._held, default=0) + 1, self.num_slots)
+        if need < self.slot_capacity and (not lazy or 4 * need <= self.slot_capacity):
+            self._set_slot_capacity(need)
+
+    def _shapes(self) -> tuple:
+        return self.slot_capacity, tuple(l.rank_capacity for l in self.layers.values())
 
 
 def lora_targets(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -177,79 +241,3 @@ def geometry_of(model: nn.Module, max_rank: int, num_slots: int, expert_slots: i
         targets=geometry, max_rank=max_rank, num_slots=num_slots, dtype=compute_dtype(targets[0][1]),
         expert_slots=expert_slots if glus else 0, max_expert_rank=max_expert_rank if glus else 0,
     )
-
-
-@dataclass(frozen=True)
-class SlotGeometry:
-    """What an adapter must fit to go into a slot: every linear that can carry
-    LoRA (module path -> its whole dims and this rank's sharding), the largest
-    rank, the number of slots (slot 0 included) and the packs' dtype. Fixed
-    once the model is loaded; any thread may read it."""
-
-    targets: Mapping[str, TargetGeometry]
-    max_rank: int
-    num_slots: int
-    dtype: mx.Dtype
-    expert_slots: int = 0  # slots 1..expert_slots also carry expert LoRA (0: none, or no experts)
-    max_expert_rank: int = 0  # the largest rank of an expert module
-
-    @property
-    def dims(self) -> dict[str, tuple[int, int]]:
-        """Module path -> (input_dims, output_dims) of the whole linear."""
-        return {p: t.dims for p, t in self.targets.items()}
-
-    @property
-    def num_experts(self) -> int | None:
-        """Experts per MoE layer when the base has expert targets."""
-        return next((t.num_experts for t in self.targets.values() if t.num_experts), None)
-
-    @property
-    def dense_slot_bytes(self) -> int:
-        """What one slot of every plain linear takes on the device, at max_rank."""
-        size = self.dtype.size
-        return sum(self.max_rank * (t.input_dims + t.output_dims) * size + 4
-                   for t in self.targets.values() if t.num_experts is None)
-
-    @property
-    def expert_slot_bytes(self) -> int:
-        """What one expert slot of every expert projection takes, at max_expert_rank."""
-        size = self.dtype.size
-        return sum(t.num_experts * self.max_expert_rank * (t.input_dims + t.output_dims) * size
-                   for t in self.targets.values() if t.num_experts is not None)
-
-    @property
-    def pack_bytes(self) -> int:
-        """Every pack of the model: dense ones with the empty slot 0, expert ones without."""
-        experts = self.expert_slots * self.expert_slot_bytes
-        return self.num_slots * self.dense_slot_bytes + experts
-
-
-@dataclass(frozen=True)
-class SlotRows:
-    """One adapter, ready to be written into a slot of every layer (at its
-    own ranks: the write zero-pads)."""
-
-    modules: Mapping[str, ModuleRows]  # module path -> its rows; other layers are zeroed
-    nbytes: int  # host memory the rows take
-
-    @property
-    def has_experts(self) -> bool:
-        """Rows for expert projections: the adapter needs an expert slot."""
-        return any(r.a.ndim == 3 for r in self.modules.values())
-
-    @staticmethod
-    def of(modules: Mapping[str, ModuleRows]) -> "SlotRows":
-        return SlotRows(modules, sum(r.a.nbytes + r.b.nbytes for r in modules.values()))
-
-
-def prepare_rows(weights: Adapter, geometry: SlotGeometry, scale: float = 1.0) -> SlotRows:
-    """The slot rows of a validated adapter, its scales multiplied by
-    ``scale``, evaluated. Pure: any thread (the reader thread does it, so that
-    the engine thread only copies)."""
-    modules = {}
-    for path, m in weights.modules.items():
-        target = geometry.targets[path]
-        max_rank = geometry.max_expert_rank if target.num_experts else geometry.max_rank
-        modules[path] = module_rows(target, max_rank, geometry.dtype, m.a, m.b, m.scale * scale)
-    mx.eval([(r.a, r.b) for r in modules.values()])
-    return SlotRows.of(modules)

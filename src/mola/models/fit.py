@@ -19,7 +19,8 @@ from .codecs import FLOATS, KEPT, codec_name, held_nbytes, is_kept
 from .gguf import DTYPES, keep_dtype
 
 # --dtype auto on a CPU computes in float32 only where that leaves a quarter of the free
-# memory to the KV caches, the adapter packs and the rest of the process.
+# memory to the KV caches, the adapter packs (sized to the adapters loaded, so not counted
+# here: each growth is checked when it comes, engine/memory.py) and the rest of the process.
 AUTO_FLOAT32_SHARE = 0.75
 _GROUPS = (
     ("embedding", re.compile(r"token_embd\.")),

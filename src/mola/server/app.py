@@ -88,8 +88,10 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
         if bases.draining or any(s.draining for s in bases.loaded_states()):
             return error_response(503, "The server is shutting down.", "service_unavailable",
                                   code="shutting_down")
+        loaded = [b for b in bases if b.state is not None]
         return JSONResponse({"status": "ok", "blas": blas, "kv_cache": {
-            b.name: kv_health(b.state.engine.snapshot.kv) for b in bases if b.state is not None}})
+            b.name: kv_health(b.state.engine.snapshot.kv) for b in loaded},
+            "lora_packs": {b.name: b.state.engine.engine.pack_stats.describe() for b in loaded}})
 
     @app.get("/metrics")
     async def metrics(request: Request):

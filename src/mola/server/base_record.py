@@ -53,7 +53,7 @@ class Base:
     state: ServerState | None = None  # while loaded
     in_flight: int = 0  # requests on it whose response has not ended
     last_used: float = 0.0  # when a request last entered or left it (the clock's time)
-    nbytes: int = 0  # its weights and slot packs, as measured at its last load
+    nbytes: int = 0  # its weights, as measured at its last load (held_bytes adds its slot packs now)
     planned: int | None = None  # before its first load: what its files will take (size_guess)
     error: str | None = None  # why it failed to load
     failed_at: float | None = None  # when (the clock's time)
@@ -79,6 +79,11 @@ class Base:
 
     def adapter_names(self) -> set[str]:
         return set(self.adapter_paths())
+
+    @property
+    def held_bytes(self) -> int:
+        """Its weights and its slot packs as they are now (they grow with the adapters loaded)."""
+        return self.nbytes + (self.state.engine.engine.pack_stats.nbytes if self.state is not None else 0)
 
     def size_guess(self) -> int:
         """Its bytes as measured at its last load; before its first, what its

@@ -78,7 +78,7 @@ class Bases:
         starter holds its model, so it stays loaded (pinned): ``mola serve
         --keep-alive`` serves one base through :meth:`declared` instead."""
         base = Base(state.base_id, state.config, None, pin=True, status=S.LOADED, state=state)
-        base.nbytes, base.last_used = weight_bytes(state.engine.engine.loaded.model), time.monotonic()
+        base.nbytes, base.last_used = weights_of(state), time.monotonic()
         bases = cls([base], state.metrics, state.config.max_loaded_models, state.config.models_memory_bytes,
                     **kwargs)
         bases.handed = state
@@ -189,7 +189,7 @@ class Bases:
         if self.max_loaded is not None and len(others) + 1 > self.max_loaded:
             return False
         size = base.nbytes if loaded else base.size_guess()
-        return self.max_bytes is None or sum(b.nbytes for b in others) + size <= self.max_bytes
+        return self.max_bytes is None or sum(b.held_bytes for b in others) + size <= self.max_bytes
 
     # ---- loading and unloading ---------------------------------------------
 
@@ -214,12 +214,12 @@ class Bases:
                                   f"{math.ceil(self.retry_failed_after)} s)",
                                   retry_after=math.ceil(self.retry_failed_after)) from None
         state.draining = self.draining
-        base.state, base.nbytes, base.error = state, weight_bytes(loaded.model), None
+        base.state, base.nbytes, base.error = state, weights_of(state), None
         base.num_loads += 1
         base.move(S.LOADED)
         self._published(base)
-        log.info("loaded base %s in %.2f s (%.1f MiB of weights and slot packs)",
-                 base.name, time.perf_counter() - t0, base.nbytes / 2**20)
+        log.info("loaded base %s in %.2f s (%.1f MiB of weights; %s)",
+                 base.name, time.perf_counter() - t0, base.nbytes / 2**20, state.engine.engine.pack_stats.summary())
 
     async def _unload(self, base: Base, why: str) -> None:
         import mlx.core as mx
@@ -294,3 +294,10 @@ async def close_state(state: ServerState) -> None:
     state.loader.close()
     state.prompts.close()
     await asyncio.to_thread(state.engine.engine.stop)
+
+
+def weights_of(state: ServerState) -> int:
+    """Bytes of a loaded base's weights: its parameters less its slot packs
+    (which grow and shrink with the adapters loaded: Base.held_bytes)."""
+    engine = state.engine.engine
+    return weight_bytes(engine.loaded.model) - engine.pack_stats.nbytes

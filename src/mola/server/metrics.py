@@ -75,10 +75,15 @@ class StateCollector:
         geometry = s.engine.geometry
         yield g("mola_expert_adapter_slots", "Slots that can carry LoRA on experts (--max-expert-loras)",
                 value=geometry.expert_slots)
-        packs = g("mola_lora_pack_bytes", "Device memory of the LoRA slot packs, by kind", labels=["kind"])
-        packs.add_metric(["dense"], geometry.num_slots * geometry.dense_slot_bytes)
-        packs.add_metric(["experts"], geometry.expert_slots * geometry.expert_slot_bytes)
+        packs = g("mola_lora_pack_bytes", "Device memory of the LoRA slot packs now, by kind (they grow and "
+                  "shrink with the adapters loaded)", labels=["kind"])
+        packs.add_metric(["dense"], s.engine.engine.pack_stats.dense_bytes)
+        packs.add_metric(["experts"], s.engine.engine.pack_stats.expert_bytes)
         yield packs
+        yield g("mola_lora_pack_max_bytes", "What the slot packs would take at the ceilings (--max-loras, "
+                "--max-lora-rank, the expert slots)", value=geometry.max_pack_bytes)
+        yield CounterMetricFamily("mola_lora_pack_resizes", "Slot writes, clears and idle compactions that "
+                                  "resized the slot packs", value=s.engine.engine.pack_stats.num_resizes)
         sizes = g("mola_adapter_bytes", "Bytes of each adapter's factors as read, by kind (experts: LoRA on "
                   "the experts of a mixture of experts)", labels=["adapter", "kind"])
         for record in reg.adapters():
@@ -192,7 +197,7 @@ class BasesCollector:
         running = g("mola_base_running_requests", "Sequences in the base's decode batch", labels=["base"])
         waiting = g("mola_base_waiting_requests", "Sequences queued or prefilled on the base", labels=["base"])
         in_flight = g("mola_base_in_flight_requests", "HTTP requests on the base not yet answered", labels=["base"])
-        size = g("mola_base_bytes", "The base's weights and slot packs, as measured at its last load",
+        size = g("mola_base_bytes", "The base's weights (as measured at its last load) and its slot packs now",
                  labels=["base"])
         kv = {name: g(f"mola_base_kv_{name}_bytes", f"The base's KV budget: {what}", labels=["base"])
               for name, what in (("budget", "what its batches may hold (0: none)"), ("used", "what they hold"),
@@ -211,7 +216,7 @@ class BasesCollector:
                 for name, family in kv.items():
                     family.add_metric([b.name], getattr(snap.kv, f"{name}_bytes"))
                 preemptions.add_metric([b.name], snap.kv.preemptions)
-            size.add_metric([b.name], b.nbytes)
+            size.add_metric([b.name], b.held_bytes)
             loads.add_metric([b.name], b.num_loads)
             unloads.add_metric([b.name], b.num_unloads)
         yield from (status, running, waiting, in_flight, size, loads, unloads, *kv.values(), preemptions)
