@@ -36,6 +36,7 @@ import mlx.core as mx
 
 from ..errors import AdapterDirExists, InvalidAdapter, PersistFailed
 from .formats.common import CONFIG_FILE
+from .host_read import read_safetensors
 from .formats.mlx_lm import WEIGHTS_FILE as MLX_LM_WEIGHTS_FILE, adapter_scale, mlx_lm_weights
 from .formats.peft import WEIGHTS_FILE as PEFT_WEIGHTS_FILE, peft_weights
 from .weights import LoRAWeights, ModuleLoRA, alora_tokens, with_invocation
@@ -140,7 +141,10 @@ def _read_safetensors(body: bytes, where: str) -> tuple[dict, dict[str, mx.array
     """(metadata, tensors) of a safetensors body in memory; float32, float16
     and bfloat16 factors only."""
     _check_offsets(body, where)
-    try:
+    read = read_safetensors(body)  # on the host: no MLX task waits behind the engine's steps
+    if read is not None:
+        return read
+    try:  # other dtypes, malformed bodies: MLX's reader says what is wrong
         tensors, metadata = mx.load(io.BytesIO(body), format="safetensors", return_metadata=True)
     except (RuntimeError, ValueError) as e:  # MLX's reader names what is wrong with the bytes
         raise InvalidAdapter(f"{where} is not a readable safetensors body: {e}") from None
@@ -174,6 +178,7 @@ def read_pushed(source: str, dtype: mx.Dtype | None) -> LoRAWeights:
         return weights
     modules = {p: ModuleLoRA(a=m.a.astype(dtype), b=m.b.astype(dtype), scale=m.scale)
                for p, m in weights.modules.items()}
+    mx.eval([(m.a, m.b) for m in modules.values()])  # at once (validate reads them on the host)
     return dataclasses.replace(weights, format="pushed", modules=modules)
 
 

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.nn.layers.distributed as dist
+import numpy as np
 
 # Base layers mola can wrap: plain, quantized, and tensor-parallel shards
 # (mlx.nn.layers.distributed, as mlx-lm's model.shard() makes them).
 COLUMN_SHARDED = (dist.AllToShardedLinear, dist.QuantizedAllToShardedLinear)  # output split
 ROW_SHARDED = (dist.ShardedToAllLinear, dist.QuantizedShardedToAllLinear)  # input split, all-sum
 WRAPPABLE = (nn.Linear, nn.QuantizedLinear, *COLUMN_SHARDED, *ROW_SHARDED)
+_HOST = {mx.float32: np.float32, mx.float16: np.float16}  # dtypes module_rows computes with numpy
 
 
 @dataclass(frozen=True)
@@ -91,22 +93,32 @@ def module_rows(target: TargetGeometry, max_rank: int, dtype: mx.Dtype, a: mx.ar
     scale * B, cut to this rank's part, at rank r (not padded to ``max_rank``,
     so that rows kept in host memory take only what the adapter needs). For
     experts, a [E, in, r] and b [E, r, out] give A^T [E, r, in] and scale * B
-    [E, r, out] (never sharded). Pure: any thread may compute them."""
+    [E, r, out] (never sharded). Pure: any thread may compute them.
+
+    Float32 and float16 are computed with numpy and handed back evaluated, so
+    that the reader thread queues no MLX task behind the engine's steps;
+    bfloat16, which numpy lacks, with MLX (the same values either way)."""
     r = a.shape[-1]
     assert r <= max_rank, (r, max_rank)
     if target.num_experts is not None:
         E = target.num_experts
         assert a.shape == (E, target.input_dims, r) and b.shape == (E, r, target.output_dims)
-        a_rows = mx.contiguous(a.swapaxes(1, 2).astype(dtype))  # [E, r, in]
-        return ModuleRows(a_rows, (scale * b.astype(mx.float32)).astype(dtype), r, scale)
-    assert a.shape == (target.input_dims, r) and b.shape == (r, target.output_dims)
+    else:
+        assert a.shape == (target.input_dims, r) and b.shape == (r, target.output_dims)
+    host = _HOST.get(dtype)
+    if host is not None and a.dtype in _HOST and b.dtype in _HOST:
+        a, b = np.asarray(a), np.asarray(b)  # evaluated already: views, no copy
     sh = target.sharding
     if sh.kind == "row":  # this rank sees part of the input: its rows of A
         a = a[sh.part(a.shape[0])]
     elif sh.kind == "column":  # this rank makes part of the output: its columns of B
         b = b[:, sh.part(b.shape[1])]
-    a_row = mx.contiguous(a.T.astype(dtype))  # [r, in_part]
-    b_row = (scale * b.astype(mx.float32)).astype(dtype)  # [r, out_part]
+    if isinstance(a, np.ndarray):
+        a_row = np.ascontiguousarray(np.swapaxes(a, -1, -2).astype(host))  # [r, in_part] / [E, r, in]
+        b_row = (np.float32(scale) * b.astype(np.float32)).astype(host)  # [r, out_part] / [E, r, out]
+        return ModuleRows(mx.array(a_row), mx.array(b_row), r, scale)
+    a_row = mx.contiguous(a.swapaxes(-1, -2).astype(dtype))  # [r, in_part] / [E, r, in]
+    b_row = (scale * b.astype(mx.float32)).astype(dtype)  # [r, out_part] / [E, r, out]
     return ModuleRows(a_row, b_row, r, scale)
 
 
