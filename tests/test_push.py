@@ -89,6 +89,10 @@ def test_a_pushed_adapter_serves_like_its_files_and_a_new_push_is_a_new_version(
     assert second["version"] == 2
     assert chat(server.url, "live").json()["choices"][0]["message"]["content"] == \
         chat(server.url, "tiny").json()["choices"][0]["message"]["content"]
+    with httpx.Client() as client:  # a client the caller keeps: version 3, the trained factors again
+        third = push_adapter(server.url, "live", trained, admin_key=KEY, client=client)
+    assert third["version"] == 3
+    assert chat(server.url, "live").json()["choices"][0]["message"]["content"] == answer
 
 
 def test_bad_pushes_get_4xx_and_change_nothing(server, trained):

@@ -36,7 +36,7 @@ import mlx.core as mx
 
 from ..errors import AdapterDirExists, InvalidAdapter, PersistFailed
 from .formats.common import CONFIG_FILE
-from .host_read import read_safetensors
+from .host_safetensors import read_safetensors
 from .formats.mlx_lm import WEIGHTS_FILE as MLX_LM_WEIGHTS_FILE, adapter_scale, mlx_lm_weights
 from .formats.peft import WEIGHTS_FILE as PEFT_WEIGHTS_FILE, peft_weights
 from .weights import LoRAWeights, ModuleLoRA, alora_tokens, with_invocation

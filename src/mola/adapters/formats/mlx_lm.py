@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from ...errors import InvalidAdapter
 from .common import CONFIG_FILE, read_config
-from ..host_read import read_safetensors_file
+from ..host_safetensors import read_safetensors_file
 from ..weights import LoRAWeights, ModuleLoRA, alora_tokens, with_invocation
 
 WEIGHTS_FILE = "adapters.safetensors"
@@ -65,7 +65,7 @@ def read_mlx_lm_adapter(path: Path, dtype: mx.Dtype | None = None) -> LoRAWeight
     weights_file = path / WEIGHTS_FILE
     if not weights_file.is_file():
         raise InvalidAdapter(f"Adapter at {path} has no {WEIGHTS_FILE}.")
-    tensors = read_safetensors_file(str(weights_file))  # on the host (mola.adapters.host_read)
+    tensors = read_safetensors_file(str(weights_file))  # on the host (mola.adapters.host_safetensors)
     try:
         tensors = mx.load(str(weights_file)) if tensors is None else tensors
     except Exception as e:  # mlx raises RuntimeError/ValueError for bad files

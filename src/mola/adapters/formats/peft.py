@@ -33,7 +33,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ...errors import InvalidAdapter
-from ..host_read import read_safetensors_file
+from ..host_safetensors import read_safetensors_file
 from ..weights import LoRAWeights, ModuleLoRA, alora_tokens, with_invocation
 from .common import CONFIG_FILE, read_config
 from .peft_config import EMBEDDING_NAMES, check_config, module_scale, targets_module
@@ -198,7 +198,7 @@ def peft_weights(config: dict, tensors: dict[str, mx.array], path: Path, weights
 
 
 def _load_tensors(weights_file: Path) -> dict[str, mx.array]:
-    tensors = read_safetensors_file(str(weights_file))  # on the host (mola.adapters.host_read)
+    tensors = read_safetensors_file(str(weights_file))  # on the host (mola.adapters.host_safetensors)
     try:
         tensors = mx.load(str(weights_file)) if tensors is None else tensors
     except Exception as e:  # mlx raises RuntimeError/ValueError for bad files

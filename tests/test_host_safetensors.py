@@ -1,4 +1,4 @@
-"""mola.adapters.host_read against MLX's own reader, and module_rows' host
+"""mola.adapters.host_safetensors against MLX's own reader, and module_rows' host
 path against its MLX path (the same bits)."""
 
 import io
@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mola.adapters.host_read import read_safetensors, read_safetensors_file
+from mola.adapters.host_safetensors import read_safetensors, read_safetensors_file, write_safetensors
 from mola.lora.geometry import Sharding, TargetGeometry, module_rows
 
 
@@ -70,3 +70,15 @@ def test_module_rows_in_bfloat16_stay_with_mlx():
     a, b = mx.random.normal((8, 4)), mx.random.normal((4, 6))
     rows = module_rows(TargetGeometry(8, 6), 16, mx.bfloat16, a, b, 0.5)
     assert same(rows.a, a.T.astype(mx.bfloat16)) and same(rows.b, (0.5 * b).astype(mx.bfloat16))
+
+
+def test_writes_what_mlx_reads_back():
+    tensors = {"b.lora_a": mx.random.normal((3, 5)), "a.lora_b": mx.random.normal((2,)).astype(mx.float16),
+               "c": mx.array([[1.5, -np.inf]]).astype(mx.bfloat16), "empty": mx.zeros((0, 2))}
+    body = write_safetensors(tensors, {"adapter_config": '{"r": 2}'})
+    read, metadata = mx.load(io.BytesIO(body), format="safetensors", return_metadata=True)
+    assert metadata == {"adapter_config": '{"r": 2}'}
+    assert set(read) == set(tensors) and all(same(read[k], tensors[k]) for k in tensors)
+    assert read_safetensors(body)[0] == metadata
+    with pytest.raises(ValueError, match="int32"):
+        write_safetensors({"x": mx.array([1])})
