@@ -90,6 +90,11 @@ class AdapterLoader:
     async def _off_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._reader, fn, *args)
 
+    async def on_reader(self, fn, *args):
+        """``fn(*args)`` on the reader thread (a push parses its body and
+        prepares its rows there in one hop)."""
+        return await self._off_thread(fn, *args)
+
     async def prepare(self, recipe: SlotRecipe) -> PreparedAdapter:
         """Read and check the adapter(s) of ``recipe`` (several are stacked
         into one LoRA, see weights.stack_weights) and make its slot rows, on the

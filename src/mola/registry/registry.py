@@ -28,7 +28,7 @@ import math
 import time
 from typing import Any, Awaitable, Callable
 
-from ..adapters.loader import AdapterLoader
+from ..adapters.loader import AdapterLoader, PreparedAdapter
 from ..adapters.pushed import drop as forget_pushed
 from ..adapters.recipe import SlotRecipe
 from ..errors import AdapterNotFound, InvalidRequest, ModelNotFound
@@ -144,17 +144,21 @@ class AdapterRegistry:
 
     # ---- loading ------------------------------------------------------------
 
-    async def load(self, name: str, path: str, slot_scale: float = 1.0, source: str = "rest") -> AdapterRecord:
+    async def load(self, name: str, path: str, slot_scale: float = 1.0, source: str = "rest",
+                   prepared: PreparedAdapter | None = None) -> AdapterRecord:
         """Check the adapter at ``path`` now and serve it as ``name``, its delta times ``slot_scale``
         (POST /v1/adapters' "scale"): resident at once if a slot is free or can be freed and no
         request waits, else known (in the host tier) and loaded on first use. ``source`` "push":
         ``path`` names factors held in memory (mola.adapters.pushed), a new version of ``name``
-        swapped in at once (requests in flight finish on the old one, whose cached prompts go)."""
+        swapped in at once (requests in flight finish on the old one, whose cached prompts go).
+        ``prepared``: ``path`` read and made into slot rows already, at ``slot_scale`` (a push
+        does it on the reader thread in the same hop as its parse)."""
         pushed = source == "push"
         (check_adapter_id if pushed else self.catalog.check_name)(name)
         real, t0 = path if pushed else self.sources.resolve(path), time.monotonic()
         self.tier.stats.reads += 1
-        prepared = await self.loader.prepare(SlotRecipe.single(real, slot_scale))  # a 4xx MolaError: nothing changed
+        if prepared is None:  # a 4xx MolaError: nothing changed
+            prepared = await self.loader.prepare(SlotRecipe.single(real, slot_scale))
         if (old := self.catalog.get(name) if pushed else None) is not None:
             self.catalog.remove(name)
         self.catalog.check_name(name)  # another load may have taken the name meanwhile

@@ -27,7 +27,8 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 
 from ...adapters import pushed
-from ...adapters.recipe import read_checked
+from ...adapters.loader import prepare
+from ...adapters.recipe import SlotRecipe
 from ...errors import AdapterExists, InvalidRequest, ModelNotFound
 from ...registry.names import check_adapter_id, is_entry_name
 from .. import protocol as p
@@ -99,17 +100,25 @@ async def push_adapter(name: str, request: Request, scale: float = 1.0, base: st
     if persist and not state.config.adapter_dirs:
         raise InvalidRequest("persist=true writes the adapter under the server's first --adapter-dir, and this "
                              "server has none.", param="persist")
-    loader = state.registry.loader
-    body = await asyncio.to_thread(pushed.parse, name, await request.body(), loader.model_config,
-                                   state.vocab_size)  # off the loop
-    source = pushed.keep(name, body.weights)
+    loader, raw = state.registry.loader, await request.body()
+    geometry, model_config = loader.geometry, loader.model_config
+
+    def read():  # on the reader thread, in one hop: parse, check against the base, make the slot rows
+        body = pushed.parse(name, raw, model_config, state.vocab_size)
+        source = pushed.keep(name, body.weights)
+        try:
+            return body, source, prepare(SlotRecipe.single(source, scale), geometry, model_config)
+        except BaseException:
+            pushed.drop(source)
+            raise
+
+    body, source, prepared = await loader.on_reader(read)
     try:
         persisted = None
-        if persist:  # checked against the base first: nothing that cannot be served is written
-            await asyncio.to_thread(read_checked, source, loader.geometry, loader.model_config)
+        if persist:  # checked against the base first (above): nothing that cannot be served is written
             root = Path(state.config.adapter_dirs[0])
             persisted = await asyncio.to_thread(pushed.persist, name, body, root)
-        record = await state.registry.load(name, source, scale, source="push")
+        record = await state.registry.load(name, source, scale, source="push", prepared=prepared)
     except BaseException:
         pushed.drop(source)
         raise
