@@ -76,6 +76,10 @@ PRIVATE_ALLOWED = {
     # (a public name, such as SamplingBody, would let these go)
     ("server.anthropic.protocol", "_Body"), ("server.anthropic.protocol", "_Sampling"),
     ("server.generation", "_Sampling"), ("server.responses_api.protocol", "_Sampling"),
+    # mlx-lm's BatchRotatingKVCache keeps its write index in ``_idx`` and has no public
+    # accessor; cutting a window back after a verification must read and bound it
+    # (engine/quantized_cache.py's own ``_idx`` mirrors mlx-lm's BatchKVCache)
+    ("engine.verify", "_idx"),
 }
 
 
