@@ -8,6 +8,10 @@ import os
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
+if "MOLA_GGUF_CACHE" not in os.environ:  # GGUF conversions cached per session, never in ~/.cache/mola
+    import tempfile
+
+    os.environ["MOLA_GGUF_CACHE"] = tempfile.mkdtemp(prefix="mola-test-gguf-cache-")
 
 import httpx
 import mlx.core as mx

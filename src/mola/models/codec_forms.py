@@ -145,6 +145,25 @@ def nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
+_LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
+_COMPACT = ((4, np.uint64(0x00FF00FF00FF00FF)), (8, np.uint64(0x0000FFFF0000FFFF)),
+            (16, np.uint64(0x00000000FFFFFFFF)))
+
+
+def nibble_words(qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[..., 8k] bytes -> (low, high) uint32 [..., k]: the bytes' low nibbles, and
+    their high ones, each packed 8 to a word in MLX's 4-bit order (nibble j of word
+    i is byte 8i + j's), computed on whole 64-bit words."""
+    words = np.ascontiguousarray(qs).view("<u8")
+    out = []
+    for x in (words & _LOW_NIBBLES, (words >> np.uint64(4)) & _LOW_NIBBLES):
+        for shift, mask in _COMPACT:  # nibble j of byte j -> nibble j of the low 32 bits
+            x |= x >> np.uint64(shift)
+            x &= mask
+        out.append(x.astype("<u4"))
+    return out[0], out[1]
+
+
 def bits_of(field: np.ndarray, count: int) -> np.ndarray:
     """[n, bytes] -> [n, count] of its bits, little-endian (bit k of byte k // 8 first)."""
     return np.unpackbits(np.ascontiguousarray(field), axis=-1, count=count, bitorder="little")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .codec_forms import Quantized, QuantizedPair, blocks_of, f16, pack, triple
+from .codec_forms import Quantized, QuantizedPair, blocks_of, f16, nibble_words, pack, triple
 
 
 def _scale_min_k4(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -27,9 +27,10 @@ def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def q4_k(data: np.ndarray) -> Quantized:
     blocks = blocks_of(data, 144)  # d, dmin (f16), 12 bytes of scales, 128 bytes of q
-    qs = blocks[:, 16:].reshape(-1, 4, 1, 32)  # 64 weights per 32 bytes: low nibbles, high
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=2)  # [n, 4, 2, 32]: sub-blocks of 32
-    return triple(q, *_k_scales(blocks), 4, len(data), np.float32)
+    low, high = nibble_words(blocks[:, 16:].reshape(-1, 4, 32))  # 32 bytes: sub-blocks 2c, 2c + 1
+    weight = np.stack([low, high], axis=2).reshape(len(data), -1)  # [rows, cols / 8]: 4 words a group
+    scales, biases = _k_scales(blocks)
+    return Quantized(weight, scales.reshape(len(data), -1), biases.reshape(len(data), -1), 4)
 
 
 def q5_k(data: np.ndarray) -> Quantized:

@@ -1,0 +1,97 @@
+"""A GGUF model and its tokenizer for mola serve: read from the conversion cache
+(gguf_cache.py) where it holds the file at this dtype, else converted now (gguf.py,
+with progress) and then written to it. The load log says which path ran and how long
+each part took."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.nn as nn
+
+from ..errors import ModelLoadError
+from .gguf import assemble, conversion_progress, read_weights
+from .gguf_cache import ConversionCache, Entry, file_identity
+from .gguf_file import GGUFFile
+from .tokenizer import load_tokenizer_dir, tokenizer_files
+
+log = logging.getLogger("mola.loader")
+
+
+def load_gguf(f: GGUFFile, dtype: str, cache: ConversionCache) -> tuple[nn.Module, dict, object]:
+    """(model, config, mlx-lm TokenizerWrapper) for the opened file ``f`` at the
+    resolved ``dtype`` ("keep" or a float dtype)."""
+    t0 = time.perf_counter()
+    identity = None
+    if cache.enabled:
+        identity = file_identity(f.path, f.reader.data, int(f.reader.data_offset))
+        entry = cache.lookup(identity, dtype)
+        t_key = time.perf_counter() - t0
+        loaded = entry and _from_entry(f, entry)
+        if loaded:
+            log.info("model read from the conversion cache (entry %s, %.1f MiB) in %.2f s: key %.3f s, "
+                     "tensors and model %.2f s, tokenizer %.2f s", entry.path, entry.nbytes / 2**20,
+                     time.perf_counter() - t0, t_key, *loaded[3:])
+            return loaded[:3]
+    t_key = time.perf_counter() - t0
+    progress = conversion_progress(f)
+    t1 = time.perf_counter()
+    config, weights, quantization = read_weights(f, dtype, progress)
+    progress.close(time.monotonic())
+    t_convert = time.perf_counter() - t1
+    stored_config = {k: v for k, v in config.items()}
+    t2 = time.perf_counter()
+    model = assemble(f, config, weights, quantization)
+    t_build = time.perf_counter() - t2
+    t3 = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="mola-gguf-tokenizer-"))
+    try:
+        stops = _tokenizer_files(f, tmp, config)
+        tokenizer = load_tokenizer_dir(tmp, stops)
+        t_tok = time.perf_counter() - t3
+        t4 = time.perf_counter()
+        entry = None
+        if cache.enabled:
+            entry = cache.store(identity, dtype, stored_config, weights, quantization, tmp, stops)
+        t_store = time.perf_counter() - t4
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    where = (f"written to the conversion cache in {t_store:.2f} s (entry {entry.path})" if entry is not None
+             else "not cached" if cache.enabled else "conversion cache off (MOLA_GGUF_CACHE=off)")
+    log.info("model converted now in %.2f s: tensors read and converted %.2f s (%.0f MiB/s), key %.3f s, model "
+             "built %.2f s, tokenizer %.2f s; %s", time.perf_counter() - t0, t_convert,
+             progress.total_bytes / 2**20 / max(t_convert, 1e-9), t_key, t_build, t_tok, where)
+    return model, config, tokenizer
+
+
+def _tokenizer_files(f: GGUFFile, out: Path, config: dict) -> list[int]:
+    try:
+        return tokenizer_files(f.metadata, f.arch.name, out, config.get("max_position_embeddings"))
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{f.path}: {e.message}") from None
+
+
+def _from_entry(f: GGUFFile, entry: Entry):
+    """(model, config, tokenizer, seconds for the model, for the tokenizer) from ``entry``, or
+    None (logged) where it cannot be read: the caller converts instead."""
+    t0 = time.perf_counter()
+    try:
+        config, weights, quantization = entry.read()
+        model = assemble(f, config, weights, quantization)
+    except (OSError, ValueError, RuntimeError, KeyError, ModelLoadError) as e:
+        log.warning("conversion cache entry %s unreadable (%s); converting the file instead", entry.path, e)
+        shutil.rmtree(entry.path, ignore_errors=True)
+        return None
+    t_model = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    folder = entry.tokenizer_dir
+    if folder is not None:
+        tokenizer = load_tokenizer_dir(folder, entry.meta.get("stops"))
+    else:
+        with tempfile.TemporaryDirectory(prefix="mola-gguf-tokenizer-") as tmp:
+            tokenizer = load_tokenizer_dir(Path(tmp), _tokenizer_files(f, Path(tmp), config))
+    return model, config, tokenizer, t_model, time.perf_counter() - t1
