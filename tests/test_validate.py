@@ -163,6 +163,19 @@ def test_offline_geometry_of_a_gguf_file(tiny_gguf, dtype):
         assert offline.config[key] == loaded.config[key]
 
 
+def test_the_conversion_a_gguf_file_gets_at_load(tiny_gguf, twins, tmp_path, monkeypatch):
+    """Whether mola serve will read the file from the conversion cache or convert it."""
+    monkeypatch.setenv("MOLA_GGUF_CACHE", str(tmp_path / "cache"))
+    assert model_shape(str(tiny_gguf), max_rank=16, dtype="keep").conversion.startswith("not cached: converted")
+    load_base_model(str(tiny_gguf), dtype="keep")
+    assert model_shape(str(tiny_gguf), max_rank=16, dtype="keep").conversion.startswith("cached (")
+    assert model_shape(str(tiny_gguf), max_rank=16, dtype="float32").conversion.startswith("not cached")
+    code, out, _ = mola_validate(twins["gguf"], "--model", tiny_gguf, "--dtype", "keep")
+    assert code == 0 and "convert  cached (" in out
+    monkeypatch.setenv("MOLA_GGUF_CACHE", "off")
+    assert "cache is off" in model_shape(str(tiny_gguf), max_rank=16, dtype="keep").conversion
+
+
 def test_adapters_against_a_gguf_file(tiny_gguf, twins, other_model, tmp_path):
     for kind, path in twins.items():
         assert validate(str(path), str(tiny_gguf)).ok, kind

@@ -140,8 +140,7 @@ class ConversionCache:
     @classmethod
     def from_env(cls, env=None) -> ConversionCache:
         """$MOLA_GGUF_CACHE (a folder, or off) and $MOLA_GGUF_CACHE_BYTES (a size)."""
-        from ..cache import default_cache_dir
-        from ..config import parse_bytes
+        from ..cache import default_cache_dir, parse_bytes
 
         env = os.environ if env is None else env
         where = env.get("MOLA_GGUF_CACHE", "").strip()
@@ -172,7 +171,8 @@ class ConversionCache:
                 continue
         return sorted(found, key=lambda e: e.used_at)
 
-    def lookup(self, identity: dict, dtype: str) -> Entry | None:
+    def lookup(self, identity: dict, dtype: str, touch: bool = True) -> Entry | None:
+        """The entry for the file of ``identity`` at ``dtype``, marked used (``touch``)."""
         if not self.enabled:
             return None
         folder = self.root / entry_key(identity, dtype)
@@ -182,7 +182,7 @@ class ConversionCache:
             return None
         if meta.get("version") != CONVERSION_VERSION or meta.get("source") != identity or meta.get("dtype") != dtype:
             return None
-        if why_unwritable(folder) is None:
+        if touch and why_unwritable(folder) is None:
             try:
                 os.utime(folder / ENTRY)  # least recently used: the eviction order
             except OSError:
@@ -273,6 +273,18 @@ class ConversionCache:
                     shutil.rmtree(d, ignore_errors=True)
             except OSError:
                 pass
+
+
+def describe(f, dtype: str, cache: ConversionCache | None = None) -> str:
+    """What mola serve will do for the opened GGUF file ``f`` at the resolved
+    ``dtype``: read the cache's entry, or convert it (and where it will cache it)."""
+    cache = cache or ConversionCache.from_env()
+    if not cache.enabled:
+        return "converted at every load (the conversion cache is off)"
+    entry = cache.lookup(file_identity(f.path, f.reader.data, int(f.reader.data_offset)), dtype, touch=False)
+    if entry is not None:
+        return f"cached ({entry.nbytes / 2**20:,.1f} MiB in {entry.path}): read as it is at load"
+    return f"not cached: converted at the first load (with progress), then cached in {cache.root}"
 
 
 def identity_now(identity: dict) -> dict | None:
