@@ -12,6 +12,7 @@ import io
 import json
 import logging
 import os
+import threading
 
 import mlx.core as mx
 import numpy as np
@@ -21,6 +22,7 @@ from mlx.utils import tree_flatten
 from mola.cli import main
 from mola.errors import ModelLoadError
 from mola.models.gguf_cache import ConversionCache
+from mola.models.gguf_load import WRITER_THREAD
 from mola.models.loader import load_base_model
 from mola.models.progress import Progress
 from mola.testing.gguf_model import save_gguf_model
@@ -57,14 +59,24 @@ def fresh(path, dtype, monkeypatch):
     """The model converted now, the cache off."""
     with monkeypatch.context() as m:
         m.setenv("MOLA_GGUF_CACHE", "off")
-        return load_base_model(str(path), dtype=dtype)
+        loaded = load_base_model(str(path), dtype=dtype)
+    assert not any(t.name == WRITER_THREAD for t in threading.enumerate())
+    return loaded
+
+
+def wait_for_writes() -> None:
+    """Until the entries being written after a load are written."""
+    for thread in threading.enumerate():
+        if thread.name == WRITER_THREAD:
+            thread.join()
 
 
 def load(path, dtype, caplog) -> tuple[object, bool]:
-    """(the loaded model, whether it came from the cache)."""
+    """(the loaded model, whether it came from the cache), its entry written."""
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="mola.loader"):
         loaded = load_base_model(str(path), dtype=dtype)
+        wait_for_writes()
     return loaded, FROM_CACHE in caplog.text
 
 

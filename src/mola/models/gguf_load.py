@@ -1,13 +1,15 @@
 """A GGUF model and its tokenizer for mola serve: read from the conversion cache
 (gguf_cache.py) where it holds the file at this dtype, else converted now (gguf.py,
 with progress) and then written to it. The load log says which path ran and how long
-each part took."""
+each part took. A new entry is written on a thread of its own after the load, so that
+the model serves while it is written (the process waits for it at exit)."""
 
 from __future__ import annotations
 
 import logging
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from .gguf_file import GGUFFile
 from .tokenizer import load_tokenizer_dir, tokenizer_files
 
 log = logging.getLogger("mola.loader")
+WRITER_THREAD = "mola-gguf-cache-write"  # the thread that writes a new entry after the load
 
 
 def load_gguf(f: GGUFFile, dtype: str, cache: ConversionCache) -> tuple[nn.Module, dict, object]:
@@ -52,20 +55,36 @@ def load_gguf(f: GGUFFile, dtype: str, cache: ConversionCache) -> tuple[nn.Modul
     try:
         stops = _tokenizer_files(f, tmp, config)
         tokenizer = load_tokenizer_dir(tmp, stops)
-        t_tok = time.perf_counter() - t3
-        t4 = time.perf_counter()
-        entry = None
-        if cache.enabled:
-            entry = cache.store(identity, dtype, stored_config, weights, quantization, tmp, stops)
-        t_store = time.perf_counter() - t4
-    finally:
+    except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-    where = (f"written to the conversion cache in {t_store:.2f} s (entry {entry.path})" if entry is not None
-             else "not cached" if cache.enabled else "conversion cache off (MOLA_GGUF_CACHE=off)")
+        raise
+    t_tok = time.perf_counter() - t3
+    if not cache.enabled:
+        shutil.rmtree(tmp, ignore_errors=True)
+        where = "conversion cache off (MOLA_GGUF_CACHE=off)"
+    else:
+        args = (cache, identity, dtype, stored_config, weights, quantization, tmp, stops)
+        # Not a daemon: a process that ends right after the load waits for the write at exit.
+        threading.Thread(target=_store, args=args, name=WRITER_THREAD).start()
+        where = "writing it to the conversion cache in the background"
     log.info("model converted now in %.2f s: tensors read and converted %.2f s (%.0f MiB/s), key %.3f s, model "
              "built %.2f s, tokenizer %.2f s; %s", time.perf_counter() - t0, t_convert,
              progress.total_bytes / 2**20 / max(t_convert, 1e-9), t_key, t_build, t_tok, where)
     return model, config, tokenizer
+
+
+def _store(cache: ConversionCache, identity: dict, dtype: str, config: dict, weights: dict, quantization: dict,
+           tokenizer_dir: Path, stops) -> None:
+    """Write the entry (on the writer thread: the model is served meanwhile; its
+    arrays are evaluated and never changed, so reading them here is safe)."""
+    t0 = time.perf_counter()
+    try:
+        entry = cache.store(identity, dtype, config, weights, quantization, tokenizer_dir, stops)
+    finally:
+        shutil.rmtree(tokenizer_dir, ignore_errors=True)
+    if entry is not None:
+        log.info("written to the conversion cache in %.2f s: entry %s (%.1f MiB)", time.perf_counter() - t0,
+                 entry.path, entry.nbytes / 2**20)
 
 
 def _tokenizer_files(f: GGUFFile, out: Path, config: dict) -> list[int]:
