@@ -123,9 +123,12 @@ def repack(data: np.ndarray, codec: str) -> Quantized | None:
                      packed.bits)
 
 
-def read_tensor(tensor):
+def read_tensor(tensor, keep: bool = True):
     """A gguf-py ReaderTensor -> np.ndarray (float32/float16), BFloat16, Quantized or
-    QuantizedPair."""
+    QuantizedPair. ``keep`` False (a float --dtype): a quantized codec straight as
+    gguf-py's float32 values, which the kept forms equal dequantized (signed zeros
+    aside), and which gguf-py computes faster than MLX dequantizes the 5- and 6-bit
+    forms on a CPU (a Q6_K pair: about 7 times)."""
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
@@ -136,9 +139,9 @@ def read_tensor(tensor):
         return np.asarray(data)
     if kind == T.BF16:
         return BFloat16(np.ascontiguousarray(data).view(np.uint16))
-    if name in PAIRED_FORMATS and data.ndim == 2:
+    if keep and name in PAIRED_FORMATS and data.ndim == 2:
         return q6_k_pair(np.asarray(data))
-    if name in _REPACK and data.ndim in (2, 3):  # a matrix, or stacked experts [E, rows, bytes]
+    if keep and name in _REPACK and data.ndim in (2, 3):  # a matrix, or stacked experts [E, rows, bytes]
         packed = repack(np.asarray(data), name)
         if packed is not None:
             return packed

@@ -25,6 +25,7 @@ import re
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -41,7 +42,7 @@ from .progress import Progress
 from .quantized_pair import make_pairs
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
-WORKERS = 2  # tensors repacked at once (numpy releases the GIL); bounds the numpy forms held
+WORKERS = 2  # tensors converted at once (numpy and MLX release the GIL); bounds the numpy forms held
 
 
 # llama.cpp tensor -> mlx-lm parameter path (".weight"/".bias" appended); the block
@@ -143,26 +144,34 @@ def read_weights(f: GGUFFile, dtype: str, progress: Progress | None = None,
              if ARCHITECTURES[f.arch.name].permutes_qk else {})
     weights, quantization = {}, {}
     todo = [t for t in tensors.values() if names[t.name] != _CONSUMED]
-    # numpy's repacks release the GIL: up to WORKERS tensors are read at once, each
-    # turned into MLX arrays on this thread in file order as it comes
+    # numpy's repacks and MLX's evaluations release the GIL: up to WORKERS tensors are
+    # converted at once, and taken in file order as they come
     with ThreadPoolExecutor(max_workers=WORKERS) as pool:
-        pending = deque(pool.submit(_read_one, f, t, names[t.name], config, heads) for t in todo[:WORKERS])
+        convert = partial(_convert_one, f, config=config, heads=heads, target=target, keep=keep)
+        pending = deque(pool.submit(convert, t, names[t.name]) for t in todo[:WORKERS])
         for i, tensor in enumerate(todo):
-            value = pending.popleft().result()
+            arrays, quantized = pending.popleft().result()
             if i + WORKERS < len(todo):
                 nxt = todo[i + WORKERS]
-                pending.append(pool.submit(_read_one, f, nxt, names[nxt.name], config, heads))
-            _add_mx(names[tensor.name], value, target, keep, weights, quantization)
-            del value  # the numpy form goes once its MLX arrays are evaluated
+                pending.append(pool.submit(convert, nxt, names[nxt.name]))
+            weights.update(arrays)
+            if quantized is not None:
+                quantization[names[tensor.name].rpartition(".")[0]] = quantized
             if progress is not None:
                 progress.advance(int(tensor.n_bytes), time.monotonic())
     return config, weights, quantization
 
 
-def _read_one(f: GGUFFile, tensor, name: str, config: dict, heads: dict):
+def _convert_one(f: GGUFFile, tensor, name: str, *, config: dict, heads: dict, target: mx.Dtype, keep: bool):
+    """({mlx-lm name: evaluated array}, the module's quantization or None) of one
+    tensor; its numpy form is gone when this returns."""
+    return _mx_form(name, _read_one(f, tensor, name, config, heads, keep), target, keep)
+
+
+def _read_one(f: GGUFFile, tensor, name: str, config: dict, heads: dict, keep: bool):
     """One tensor read and put in mlx-lm's layout, in its held form (codecs.py)."""
     try:
-        value = read_tensor(tensor)
+        value = read_tensor(tensor, keep)
     except UnsupportedTensor as e:
         raise UnsupportedTensor(f"{f.path}: {e.message}") from None
     if name.endswith(".shared_expert_gate.weight") and len(value.shape) == 1:
@@ -177,18 +186,19 @@ def _read_one(f: GGUFFile, tensor, name: str, config: dict, heads: dict):
     return value
 
 
-def _add_mx(name: str, value, target: mx.Dtype, keep: bool, weights: dict, quantization: dict) -> None:
-    """Add ``value``'s MLX arrays, evaluated, to ``weights`` (and its module to
-    ``quantization`` where it stays quantized)."""
+def _mx_form(name: str, value, target: mx.Dtype, keep: bool) -> tuple[dict[str, mx.array], dict | None]:
+    """``value``'s evaluated MLX arrays by full name, and its quantization where it
+    stays quantized."""
     module, _, leaf = name.rpartition(".")
     arrays = _to_mx(value, target, keep)
+    quantized = None
     if "scales" in arrays:
-        quantization[module] = {"group_size": GROUP_SIZE, "bits": value.bits,
-                                **({"pair": True} if isinstance(value, QuantizedPair) else {})}
+        quantized = {"group_size": GROUP_SIZE, "bits": value.bits,
+                     **({"pair": True} if isinstance(value, QuantizedPair) else {})}
     else:  # a float weight, bias or gpt-oss's sinks
         arrays = {leaf: arrays["weight"]}
     mx.eval(list(arrays.values()))
-    weights.update({f"{module}.{k}": v for k, v in arrays.items()})
+    return {f"{module}.{k}": v for k, v in arrays.items()}, quantized
 
 
 def keep_dtype(codecs) -> mx.Dtype:
