@@ -54,7 +54,7 @@ def run_child(path: Path, dtype: str, src: Path, cache: Path) -> dict:
         raise SystemExit(f"the load failed ({dtype}, {src}):\n{r.stderr[-3000:]}")
     out = json.loads(r.stdout.strip().splitlines()[-1])
     out["process_seconds"] = time.perf_counter() - t0  # the interpreter's start and imports too
-    out["log"] = [line for line in r.stderr.splitlines() if re.search(r"model (converted|read|loaded)", line)]
+    out["log"] = [line for line in r.stderr.splitlines() if re.search(r"model (converted|read|loaded)|written to the conversion cache", line)]
     return out
 
 
