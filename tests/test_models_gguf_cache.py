@@ -155,6 +155,20 @@ def test_a_file_rewritten_in_place_is_not_served_stale(wide_model, cache_dir, tm
     assert params(got.model) != params(old.model)
 
 
+def test_an_entry_another_version_wrote_is_not_served(wide_model, cache_dir, tmp_path, monkeypatch, caplog, capsys):
+    import mola.models.gguf_cache as gguf_cache
+
+    path = save_gguf_model(tmp_path / "a.gguf", wide_model, "Q8_0")
+    load(path, "keep", caplog)
+    written = gguf_cache.versions()
+    monkeypatch.setattr(gguf_cache, "versions", lambda: {**written, "conversion": written["conversion"] + 1})
+    assert not load(path, "keep", caplog)[1]
+    assert load(path, "keep", caplog)[1]
+    capsys.readouterr()
+    assert main(["cache", "clear", "--stale"]) == 0
+    assert "removed 1 stale" in capsys.readouterr().out  # the older one
+
+
 def test_a_truncated_file_is_refused_not_served(wide_model, cache_dir, tmp_path, caplog):
     path = save_gguf_model(tmp_path / "a.gguf", wide_model, "Q8_0")
     load(path, "keep", caplog)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 
@@ -23,16 +24,18 @@ def add_cache_parser(commands) -> argparse.ArgumentParser:
     listing.add_argument("--json", action="store_true", help="print it as JSON")
     clear = actions.add_parser("clear", help="remove every entry")
     clear.add_argument("--stale", action="store_true",
-                       help="remove only the entries whose GGUF file is gone or has changed")
+                       help="remove only the entries whose GGUF file is gone or has changed, or that "
+                       "another version of mola wrote")
     return cache
 
 
 def _is_stale(entry) -> bool:
-    from ..models.gguf_cache import identity_now
+    """The entry's file is gone or changed, or another mola or gguf-py wrote it."""
+    from ..models.gguf_cache import identity_now, versions
 
     source = entry.meta.get("source", {})
     now = identity_now(source)
-    return now is None or any(now[k] != source.get(k) for k in now)
+    return now is None or any(now[k] != source.get(k) for k in now) or entry.meta.get("versions") != versions()
 
 
 def run_cache(args: argparse.Namespace, env=None) -> int:
@@ -50,8 +53,6 @@ def run_cache(args: argparse.Namespace, env=None) -> int:
         if args.stale:
             gone = [e for e in cache.entries() if _is_stale(e)]
             for e in gone:
-                import shutil
-
                 shutil.rmtree(e.path, ignore_errors=True)
             freed = sum(e.nbytes for e in gone)
             print(f"[mola] removed {len(gone)} stale entries ({freed / 2**20:,.1f} MiB) from {cache.root}")
@@ -71,5 +72,5 @@ def run_cache(args: argparse.Namespace, env=None) -> int:
     for r in rows:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["used"]))
         print(f"  {r['key']}  {r['bytes'] / 2**20:10,.1f} MiB  {r['dtype']:8s}  used {used}  {r['file']}"
-              + ("  (stale: the file is gone or changed)" if r["stale"] else ""))
+              + ("  (stale: the file is gone or changed, or another mola wrote it)" if r["stale"] else ""))
     return 0

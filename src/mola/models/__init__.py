@@ -10,6 +10,7 @@ mlx-lm models with mlx-lm tokenizers.
     codecs.py     GGUF tensor types -> MLX arrays (kept quantized or dequantized); its repacks by
                   family in codecs_legacy.py, codecs_k.py, codecs_iq.py, the held forms in codec_forms.py
     gguf_cache.py the conversion cache: a GGUF file's converted tensors in MLX safetensors
+    gguf_load.py  a GGUF model for mola serve: from the conversion cache, or converted now (then cached)
     progress.py   a long conversion's progress: a bar on a terminal, log lines otherwise
     fit.py        a GGUF file's memory by tensor group, planned before loading
     tokenizer.py  the tokenizer in a GGUF's metadata -> Hugging Face files -> mlx-lm

@@ -9,8 +9,8 @@ Where: ``$MOLA_GGUF_CACHE``, else the folder ``gguf`` in mola's cache directory
 an entry larger than the bound is never written. ``mola cache list`` shows it, ``mola
 cache clear`` empties it; deleting the folder is as safe.
 
-The key. An entry is found by a hash of: the conversion's version (CONVERSION_VERSION,
-bumped whenever read_weights' output for a file changes), the dtype, and the file's
+The key. An entry is found by a hash of: the versions (CONVERSION_VERSION, bumped whenever
+read_weights' output for a file changes, and mola's and gguf-py's), the dtype, and the file's
 identity: its resolved path, device and inode, size, mtime_ns and ctime_ns, and a
 hash of its header (every byte before the tensor data: metadata, tokenizer, tensor
 table) and of 64 KiB at 64 places spread over its tensor data, and its last 64 KiB.
@@ -112,8 +112,22 @@ def _stat_part(identity: dict) -> tuple:
     return tuple(identity[k] for k in ("dev", "ino", "size", "mtime_ns", "ctime_ns"))
 
 
+def versions() -> dict:
+    """The versions an entry was written by: the conversion's, mola's and gguf-py's
+    (whose dequantization a float dtype holds); another of any is another key."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .. import __version__
+
+    try:
+        gguf_version = version("gguf")
+    except PackageNotFoundError:
+        gguf_version = None
+    return {"conversion": CONVERSION_VERSION, "mola": __version__, "gguf": gguf_version}
+
+
 def entry_key(identity: dict, dtype: str) -> str:
-    text = json.dumps({"version": CONVERSION_VERSION, "dtype": dtype, **identity}, sort_keys=True)
+    text = json.dumps({"versions": versions(), "dtype": dtype, **identity}, sort_keys=True)
     return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 
@@ -180,7 +194,7 @@ class ConversionCache:
             meta = json.loads((folder / ENTRY).read_text())
         except (OSError, ValueError):
             return None
-        if meta.get("version") != CONVERSION_VERSION or meta.get("source") != identity or meta.get("dtype") != dtype:
+        if meta.get("versions") != versions() or meta.get("source") != identity or meta.get("dtype") != dtype:
             return None
         if touch and why_unwritable(folder) is None:
             try:
@@ -220,7 +234,7 @@ class ConversionCache:
             mx.save_safetensors(str(tmp / WEIGHTS), weights)
             if tokenizer_dir is not None:
                 shutil.copytree(tokenizer_dir, tmp / TOKENIZER)
-            meta = {"version": CONVERSION_VERSION, "key": key, "dtype": dtype, "source": identity,
+            meta = {"versions": versions(), "key": key, "dtype": dtype, "source": identity,
                     "config": config, "quantization": quantization, "stops": stops,
                     "bytes": sum(p.stat().st_size for p in tmp.rglob("*") if p.is_file()),
                     "weights_bytes": (tmp / WEIGHTS).stat().st_size, "created": time.time()}
