@@ -6,6 +6,7 @@ the model serves while it is written (the process waits for it at exit)."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import shutil
 import tempfile
@@ -46,7 +47,7 @@ def load_gguf(f: GGUFFile, dtype: str, cache: ConversionCache) -> tuple[nn.Modul
     config, weights, quantization = read_weights(f, dtype, progress)
     progress.close(time.monotonic())
     t_convert = time.perf_counter() - t1
-    stored_config = {k: v for k, v in config.items()}
+    stored_config = copy.deepcopy(config)  # as read_weights gave it: assemble adds to config
     t2 = time.perf_counter()
     model = assemble(f, config, weights, quantization)
     t_build = time.perf_counter() - t2
