@@ -117,19 +117,25 @@ def _to_mx(value, dtype: mx.Dtype, keep: bool) -> dict[str, mx.array]:
     return {"weight": mx.array(value).astype(dtype)}
 
 
-def read_weights(f: GGUFFile, dtype: str, progress: Progress | None = None,
+def gguf_config(f: GGUFFile) -> dict:
+    """The mlx-lm config of the file's model, from its metadata and tensor names."""
+    tensors = {t.name: t for t in f.reader.tensors}
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise ModelLoadError(f"{f.path} has no token_embd.weight.")
+    return model_config(f, set(tensors), int(embed.shape[-1]))  # ne [n_embd, n_vocab]
+
+
+def read_weights(f: GGUFFile, dtype: str, progress: Progress | None = None, config: dict | None = None,
                  ) -> tuple[dict, dict[str, mx.array], dict[str, dict]]:
     """(config, weights by mlx-lm name, {module path: {"bits", "group_size"}} of the
     modules kept quantized). ``dtype``: "keep" or a key of DTYPES. Streamed tensor by
     tensor: each is read, repacked, turned into MLX arrays and evaluated before the
     next, so that what is held at the end (the result) is about all that is ever
-    held; ``progress`` advances after each."""
+    held; ``progress`` advances after each. ``config``: gguf_config's answer, if at hand."""
     keep = dtype == "keep"
     tensors = {t.name: t for t in f.reader.tensors}
-    embed = tensors.get("token_embd.weight")
-    if embed is None:
-        raise ModelLoadError(f"{f.path} has no token_embd.weight.")
-    config = model_config(f, set(tensors), int(embed.shape[-1]))  # ne [n_embd, n_vocab]
+    config = gguf_config(f) if config is None else config
     names = {}
     for tensor in tensors.values():
         name = hf_name(tensor.name, f.arch)
