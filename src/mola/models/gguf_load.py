@@ -7,6 +7,7 @@ the model serves while it is written (the process waits for it at exit)."""
 from __future__ import annotations
 
 import copy
+import importlib
 import logging
 import shutil
 import tempfile
@@ -48,6 +49,7 @@ def load_gguf(f: GGUFFile, dtype: str, cache: ConversionCache) -> tuple[nn.Modul
     try:
         # the tokenizer (and mlx-lm's import) built on a thread of its own while the tensors convert
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mola-gguf-tokenizer") as pool:
+            imported = pool.submit(importlib.import_module, "mlx_lm")
             building = pool.submit(_tokenizer, f, tmp, config)
             progress = conversion_progress(f)
             t1 = time.perf_counter()
@@ -56,6 +58,7 @@ def load_gguf(f: GGUFFile, dtype: str, cache: ConversionCache) -> tuple[nn.Modul
             t_convert = time.perf_counter() - t1
             stored_config = copy.deepcopy(config)  # as read_weights gave it: assemble adds to config
             t2 = time.perf_counter()
+            imported.result()  # two threads importing transformers at once can break its lazy imports
             model = assemble(f, config, weights, quantization)
             t_build = time.perf_counter() - t2
             tokenizer, stops, t_tok = building.result()
@@ -109,10 +112,12 @@ def _from_entry(f: GGUFFile, entry: Entry):
     None (logged) where it cannot be read: the caller converts instead. The tokenizer
     loads on a thread of its own while the tensors are read."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mola-gguf-tokenizer") as pool:
+        imported = pool.submit(importlib.import_module, "mlx_lm")
         loading = pool.submit(_entry_tokenizer, f, entry)
         t0 = time.perf_counter()
         try:
             config, weights, quantization = entry.read()
+            imported.result()  # as in load_gguf
             model = assemble(f, config, weights, quantization)
         except (OSError, ValueError, RuntimeError, KeyError, ModelLoadError) as e:
             log.warning("conversion cache entry %s unreadable (%s); converting the file instead", entry.path, e)
