@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cache import SIZE_UNITS, parse_bytes  # noqa: F401 (sizes: config's settings and flags read them)
+from .cache import parse_bytes
 from .engine.config import EngineConfig, SpeculativeConfig
 from .errors import InvalidAdapterName
 from .registry.names import check_adapter_id
