@@ -111,11 +111,45 @@ _REPACK = {"Q4_0": q4_0, "Q4_1": q4_1, "Q5_0": q5_0, "Q5_1": q5_1, "Q8_0": q8_0,
 assert set(_REPACK) == set(KEPT_FORMATS)
 
 
+CHUNK_BYTES = 1 << 20  # raw bytes repacked at a time: the intermediates stay small (and in the CPU's cache)
+
+
+def _alloc(part, rows: int):
+    """Empty arrays of ``part``'s form (Quantized or QuantizedPair) for ``rows`` rows."""
+    if isinstance(part, QuantizedPair):
+        return QuantizedPair(_alloc(part.low, rows), _alloc(part.high, rows))
+    return Quantized(*(np.empty((rows, *a.shape[1:]), a.dtype) for a in (part.weight, part.scales, part.biases)),
+                     part.bits)
+
+
+def _put(out, part, start: int) -> None:
+    if isinstance(part, QuantizedPair):
+        _put(out.low, part.low, start)
+        _put(out.high, part.high, start)
+        return
+    for dst, src in ((out.weight, part.weight), (out.scales, part.scales), (out.biases, part.biases)):
+        dst[start:start + len(src)] = src
+
+
+def by_rows(fn, data: np.ndarray):
+    """``fn`` (a repack) over ``data`` [rows, row bytes], CHUNK_BYTES of rows at a time
+    (whole-array operations on each), written into arrays allocated once."""
+    step = max(1, CHUNK_BYTES // max(1, data.shape[-1]))
+    if len(data) <= step:
+        return fn(data)
+    first = fn(data[:step])
+    out = _alloc(first, len(data))
+    _put(out, first, 0)
+    for start in range(step, len(data), step):
+        _put(out, fn(data[start:start + step]), start)
+    return out
+
+
 def repack(data: np.ndarray, codec: str) -> Quantized | None:
     """A kept codec's raw blocks [(E,) rows, row bytes] -> its exact MLX affine form, or
     None where a float16 bias overflows (-8d, -16d, -128d, 128d past 65504)."""
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow is caught just below
-        packed = _REPACK[codec](data.reshape(-1, data.shape[-1]))
+        packed = by_rows(_REPACK[codec], data.reshape(-1, data.shape[-1]))
     if not (np.isfinite(packed.scales).all() and np.isfinite(packed.biases).all()):
         return None
     lead = data.shape[:-1]
@@ -140,7 +174,7 @@ def read_tensor(tensor, keep: bool = True):
     if kind == T.BF16:
         return BFloat16(np.ascontiguousarray(data).view(np.uint16))
     if keep and name in PAIRED_FORMATS and data.ndim == 2:
-        return q6_k_pair(np.asarray(data))
+        return by_rows(q6_k_pair, np.asarray(data))
     if keep and name in _REPACK and data.ndim in (2, 3):  # a matrix, or stacked experts [E, rows, bytes]
         packed = repack(np.asarray(data), name)
         if packed is not None:
