@@ -113,6 +113,21 @@ def test_repacks_by_chunks_of_rows_are_the_whole_repack(codec, tmp_path, monkeyp
     np.testing.assert_array_equal(got, quants.dequantize(raw, GGMLQuantizationType[codec]))
 
 
+@pytest.mark.parametrize("codec", ["Q4_K", "Q6_K", "Q8_0", "Q2_K", "IQ2_XS"])
+def test_dequantized_by_chunks_of_rows_is_gguf_py_whole(codec, tmp_path, monkeypatch):
+    """A float --dtype's read (gguf-py's dequantization, a few rows at a time) is
+    gguf-py's dequantization of the whole tensor, to the bit."""
+    import mola.models.codecs as codecs
+
+    raw = random_blocks(codec, 37, 512, np.random.default_rng(6))
+    path, raw = write_one(tmp_path / "t.gguf", codec, raw=raw)
+    monkeypatch.setattr(codecs, "CHUNK_BYTES", 5 * raw.shape[-1])
+    got = read_tensor(GGUFReader(str(path)).tensors[0], keep=False)
+    expected = quants.dequantize(raw, GGMLQuantizationType[codec])
+    assert got.dtype == expected.dtype == np.float32 and got.shape == expected.shape == (37, 512)
+    assert got.tobytes() == expected.tobytes()
+
+
 @pytest.mark.parametrize("codec", ["Q4_K", "Q5_K"])
 def test_k_quant_scales_are_gguf_py_products(codec):
     """scale = d*sc and bias = -(dmin*m) per 32 weights, the very float32 products

@@ -115,7 +115,9 @@ CHUNK_BYTES = 1 << 20  # raw bytes repacked at a time: the intermediates stay sm
 
 
 def _alloc(part, rows: int):
-    """Empty arrays of ``part``'s form (Quantized or QuantizedPair) for ``rows`` rows."""
+    """Empty arrays of ``part``'s form (Quantized, QuantizedPair or an array) for ``rows`` rows."""
+    if isinstance(part, np.ndarray):
+        return np.empty((rows, *part.shape[1:]), part.dtype)
     if isinstance(part, QuantizedPair):
         return QuantizedPair(_alloc(part.low, rows), _alloc(part.high, rows))
     return Quantized(*(np.empty((rows, *a.shape[1:]), a.dtype) for a in (part.weight, part.scales, part.biases)),
@@ -123,6 +125,9 @@ def _alloc(part, rows: int):
 
 
 def _put(out, part, start: int) -> None:
+    if isinstance(part, np.ndarray):
+        out[start:start + len(part)] = part
+        return
     if isinstance(part, QuantizedPair):
         _put(out.low, part.low, start)
         _put(out.high, part.high, start)
@@ -180,7 +185,8 @@ def read_tensor(tensor, keep: bool = True):
         if packed is not None:
             return packed
     try:
-        return quants.dequantize(np.asarray(data), kind)
+        rows = np.asarray(data).reshape(-1, data.shape[-1])  # [(E *) rows, row bytes]
+        return by_rows(lambda part: quants.dequantize(part, kind), rows).reshape(*data.shape[:-1], -1)
     except (NotImplementedError, KeyError, ValueError) as e:
         raise UnsupportedTensor(
             f"tensor '{tensor.name}' is stored as {name}, which mola cannot read: neither "
