@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .cache import parse_bytes
 from .engine.config import EngineConfig, SpeculativeConfig
 from .errors import InvalidAdapterName
 from .registry.names import check_adapter_id
@@ -391,20 +392,3 @@ def engine_config(speculate_always: bool = False, **settings) -> EngineConfig:
 # Every setting a flag or config-file key can give.
 SETTINGS = ({f.name for f in dataclasses.fields(ServeConfig)} - {"engine"}
             | set(ENGINE_SETTINGS) | set(SPECULATIVE_SETTINGS) | {"speculate_always"})
-SIZE_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
-              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_bytes(value: str) -> int:
-    """A size in bytes: "1073741824", "512MB", "1.5G", "2GiB" (K, M, G are
-    powers of 10, as mlx_lm.server reads them; KiB, MiB, GiB powers of 2)."""
-    text = str(value).strip()
-    number = text.rstrip("BbKkMmGgIi ")
-    unit = text[len(number):].strip().upper()
-    try:
-        amount = float(number)
-    except ValueError:
-        amount = -1.0
-    if unit not in SIZE_UNITS or not amount >= 0 or amount == float("inf"):
-        raise ValueError(f"expected a size in bytes such as 1000000, 512MB or 2GiB, got {value!r}")
-    return int(amount * SIZE_UNITS[unit])
