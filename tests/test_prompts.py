@@ -15,7 +15,7 @@ from mlx_lm import load
 
 from mola.errors import ContextLengthExceeded
 from mola.server.metrics import rss_bytes
-from mola.server.prompts import LONG_PROMPT_CHARS, PROBE_CHARS_PER_TOKEN, encode_within, max_token_chars
+from mola.frontend.prompts import LONG_PROMPT_CHARS, PROBE_CHARS_PER_TOKEN, encode_within, max_token_chars
 from mola.demo.tokenizer import CORPUS
 
 from helpers.servers import start_server
@@ -116,11 +116,11 @@ def test_never_refuses_what_fits_and_returns_the_tokenizers_own_tokens(tokenizer
 
 def test_lane_choice_by_size(server_with_lanes):
     prompts = server_with_lanes.state.prompts
-    from mola.server.protocol import ChatCompletionRequest, CompletionRequest
+    from mola.frontend.spec import PromptSpec
 
-    small = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "Hi"}])
-    big = CompletionRequest(model="tiny", prompt=["x" * LONG_PROMPT_CHARS, "y"])
-    assert prompts.lane(small) is prompts.short and prompts.lane(big) is prompts.long
+    small = PromptSpec(messages=[{"role": "user", "content": "Hi"}])
+    big = PromptSpec(texts=["x" * LONG_PROMPT_CHARS, "y"])
+    assert prompts.lane(small.chars()) is prompts.short and prompts.lane(big.chars()) is prompts.long
     assert prompts.long[0] is not prompts.short[0]  # its own copy of the tokenizer, down to the Rust one
     assert prompts.long[0]._tokenizer._tokenizer is not prompts.short[0]._tokenizer._tokenizer
     assert prompts.long[0].encode("hello world") == prompts.short[0].encode("hello world")

@@ -19,7 +19,7 @@ from .anthropic.errors import AnthropicErrorsMiddleware
 from .errors import error_response, install_error_handlers
 from .middleware import AuthMiddleware, BodyLimitMiddleware, HTTPMetricsMiddleware, RequestIdMiddleware
 from .routes import adapters, chat, completions, images, messages, models, responses, tokenize, ui, vllm
-from .state import ServerState
+from ..frontend.state import ServerState
 
 log = logging.getLogger("mola.server")
 

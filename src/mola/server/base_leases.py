@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from .bases import LEASES, Bases
-from .state import ServerState
+from ..frontend.state import ServerState
 
 
 class BaseLeases:

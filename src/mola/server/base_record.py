@@ -12,7 +12,7 @@ from ..config import AdapterSpec, ServeConfig
 from ..errors import EngineUnavailable
 from ..registry.sources import AdapterSources
 from .host_memory import planned_bytes
-from .state import ServerState
+from ..frontend.state import ServerState
 
 
 class BaseStatus(enum.Enum):

@@ -35,7 +35,7 @@ from ..errors import InvalidRequest, ShuttingDown
 from .base_record import Base, BaseStatus, BaseUnavailable, default_name
 from .host_memory import trim_heap, weight_bytes
 from .responses_api.store import ResponseStore
-from .state import ServerState
+from ..frontend.state import ServerState
 
 log = logging.getLogger("mola.bases")
 LEASES = "mola.bases"  # the ASGI scope key listing the bases a request is in flight on
@@ -78,7 +78,7 @@ class Bases:
         starter holds its model, so it stays loaded (pinned): ``mola serve
         --keep-alive`` serves one base through :meth:`declared` instead."""
         base = Base(state.base_id, state.config, None, pin=True, status=S.LOADED, state=state)
-        base.nbytes, base.last_used = weight_bytes(state.engine.engine.loaded.model), time.monotonic()
+        base.nbytes, base.last_used = state.weight_bytes, time.monotonic()
         bases = cls([base], state.metrics, state.config.max_loaded_models, state.config.models_memory_bytes,
                     **kwargs)
         bases.handed = state
