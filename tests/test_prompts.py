@@ -60,11 +60,10 @@ def test_a_long_text_is_refused_on_a_bounded_prefix(tokenizer):
     the bound lets a 1 MB text through; only a prefix of it is tokenized."""
     text = (CORPUS.read_text() + "\n") * (1_000_000 // len(CORPUS.read_text()) + 1)
     encode, calls = counted(tokenizer)
-    t0 = time.perf_counter()
     with pytest.raises(ContextLengthExceeded, match="in its first"):
         encode_within(encode, text, 2048, 1000, "prompt")
+    # The work done, not the time it took: under 2% of the text was tokenized.
     assert sum(calls) <= (2048 + 64) * PROBE_CHARS_PER_TOKEN < len(text) / 50
-    assert time.perf_counter() - t0 < 5
 
 
 def random_text(rng, words, size):
@@ -242,9 +241,12 @@ def test_a_huge_prompt_is_refused_fast_without_growing_memory(tiny_model):
                 sampler.join()
                 stop.clear()
                 assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
-                assert "maximum context length is 2048 tokens" in r.json()["error"]["message"]
+                message = r.json()["error"]["message"]
+                assert "maximum context length is 2048 tokens" in message
                 print(f"{kind}: refused in {seconds:.2f} s, peak RSS +{(peak['rss'] - before) / 2**20:.0f} MiB")
-                assert seconds < 5, kind
+                # Refused on what the work shows, not on a clock: by the character bound, or on a
+                # prefix (the whole text was never tokenized).
+                assert "no token is longer" in message or "in its first" in message, (kind, message)
                 assert peak["rss"] - before < 200 * 2**20, kind  # the request itself holds ~30 MB of copies
     finally:
         handle.stop()
