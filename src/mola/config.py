@@ -21,7 +21,7 @@ from .registry.resolvers import ResolverSpec, parse_resolver
 from .models import DTYPE_CHOICES
 
 DEMO_CHOICES = ("chat", "echo")  # what `mola serve` with no model serves (mola.demo)
-# How a thinking model's reasoning is split from its answer (mola/server/reasoning.py);
+# How a thinking model's reasoning is split from its answer (mola/frontend/reasoning.py);
 # auto: from the chat template.
 REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "gpt_oss", "none")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")

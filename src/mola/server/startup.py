@@ -1,5 +1,5 @@
 """A base's :class:`ServerState`, built on the running event loop from an
-engine that has loaded its model: the adapter registry wired to the engine,
+engine client whose engine has loaded its model: the adapter registry wired to the engine,
 and the adapters named at start loaded."""
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ async def serve_state(config: ServeConfig, async_engine, loaded: LoadedModel, me
                       registered: tuple[AdapterSpec, ...] = (), kv_budget=None, nbytes: int = 0) -> ServerState:
     """Everything the routes share, on the running event loop, over an engine
     client (an :class:`AsyncEngine`, or anything with its methods: the tests'
-    scripted one); checks and
-    loads the adapters named at start (raising MolaError for a bad one) and
-    registers every entry of the adapter directories, and the ``registered``
-    adapters (loaded over REST before the base last unloaded: read on first
-    use, so that one whose file has gone fails its own requests only)."""
+    scripted one). Checks and loads the adapters named at start (raising
+    MolaError for a bad one) and registers every entry of the adapter
+    directories, and the ``registered`` adapters (loaded over REST before the
+    base last unloaded: read on first use, so that one whose file has gone
+    fails its own requests only)."""
     loader = AdapterLoader(port=async_engine, model_config=loaded.config)  # the engine is its SlotPort
     base_id = base_model_id(config, loaded)
     sources = AdapterSources(
