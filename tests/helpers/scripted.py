@@ -14,19 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import json
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Callable
 
 import httpx
-import mlx.core as mx
-from mlx_lm.utils import load_tokenizer
+from mlx_lm.utils import load
 
 from mola.config import ServeConfig
 from mola.engine.outputs import EngineSnapshot, SeqOutput
 from mola.engine.sequence import FinishReason, Sequence
-from mola.lora.pack import SlotGeometry
+from mola.lora.pack import SlotGeometry, geometry_of
 from mola.models.eog import end_of_generation_ids
 from mola.models.model import LoadedModel
 from mola.server.app import create_app
@@ -36,7 +36,7 @@ from mola.server.startup import serve_state
 class ScriptedEngine:
     """An engine client whose answers are scripted (see the module's docstring)."""
 
-    def __init__(self, script: Callable[[Sequence], list[int]] | None = None, num_slots: int = 3):
+    def __init__(self, script: Callable[[Sequence], list[int]] | None = None):
         self.script = script or (lambda seq: list(seq.prompt))
         self.hold: asyncio.Event | None = None  # set: steps run; clear: every step waits
         self.submitted: list[Sequence] = []
@@ -44,7 +44,7 @@ class ScriptedEngine:
         self.fail_with: str | None = None  # the next step fails with this error
         self.is_alive = True
         self.snapshot = EngineSnapshot()
-        self.geometry = SlotGeometry(targets={}, max_rank=8, num_slots=num_slots, dtype=mx.float32)
+        self.geometry: SlotGeometry | None = None  # the model's, set by inprocess_app: adapters load for real
         self._ids = itertools.count()
 
     async def generate(self, seq: Sequence):
@@ -98,16 +98,19 @@ class ScriptedEngine:
 
 
 def tokenizer_model(path: Path) -> LoadedModel:
-    """What a loaded model tells the server, without its weights."""
-    tokenizer = load_tokenizer(path)
+    """What a loaded model tells the server, its weights never read (loaded
+    lazily: its linears' shapes give the slots' geometry)."""
+    model, tokenizer = load(str(path), lazy=True)
     tokenizer.eos_token_ids = end_of_generation_ids(tokenizer, path)
-    return LoadedModel(model=None, tokenizer=tokenizer, config=json.loads((path / "config.json").read_text()),
+    return LoadedModel(model=model, tokenizer=tokenizer, config=json.loads((path / "config.json").read_text()),
                        path=path)
 
 
 async def inprocess_app(model: LoadedModel, engine: ScriptedEngine, **settings):
     """The real app (create_app) over ``engine``; ``settings`` as `mola serve`'s."""
-    config = ServeConfig.from_settings(model=str(model.path), served_model_name="tiny", **settings)
+    config = ServeConfig.from_settings(model=str(model.path), **{"served_model_name": "tiny", **settings})
+    c = config.engine
+    engine.geometry = engine.geometry or geometry_of(model.model, c.max_lora_rank, c.max_loras + 1)
     state = await serve_state(config, engine, model)
     return create_app(state), state
 
@@ -126,3 +129,46 @@ async def client(model: LoadedModel, engine: ScriptedEngine | None = None, **set
         state.registry.close()
         state.loader.close()
         state.prompts.close()
+
+
+class _SyncASGI(httpx.BaseTransport):
+    """A sync httpx transport onto an app served on another thread's event loop."""
+
+    def __init__(self, app, loop: asyncio.AbstractEventLoop):
+        self.inner = httpx.ASGITransport(app=app)
+        self.loop = loop
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        async def call():
+            forwarded = httpx.Request(request.method, request.url, headers=request.headers, content=request.read())
+            response = await self.inner.handle_async_request(forwarded)
+            return response.status_code, response.headers, await response.aread()
+
+        status, headers, body = asyncio.run_coroutine_threadsafe(call(), self.loop).result(60)
+        return httpx.Response(status, headers=headers, content=body, request=request)
+
+
+class InProcessServer:
+    """The app over a ScriptedEngine on an event loop of its own thread, for
+    tests written with a sync client: ``client()`` speaks to it, no port."""
+
+    def __init__(self, model: LoadedModel, engine: ScriptedEngine | None = None, **settings):
+        self.engine = engine or ScriptedEngine()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.app, self.state = asyncio.run_coroutine_threadsafe(
+            inprocess_app(model, self.engine, **settings), self.loop).result(60)
+
+    def client(self, **kwargs) -> httpx.Client:
+        return httpx.Client(transport=_SyncASGI(self.app, self.loop), base_url="http://mola", **kwargs)
+
+    def run(self, coro, timeout: float = 60):
+        """Run ``coro`` on the server's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        for close in (self.state.registry.close, self.state.loader.close, self.state.prompts.close):
+            self.loop.call_soon_threadsafe(close)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
