@@ -8,7 +8,7 @@ import re
 
 import httpx
 
-from helpers.servers import start_server
+from helpers.scripted import InProcessServer, tokenizer_model
 
 API = "api-key-123456"
 
@@ -41,10 +41,11 @@ def test_metrics(server):
 
 
 def test_protected_metrics(tiny_model):
-    handle = start_server(model=str(tiny_model), api_key=API, protect_metrics=True)
+    handle = InProcessServer(tokenizer_model(tiny_model), api_key=API, protect_metrics=True)  # no port
     try:
-        assert httpx.get(handle.url + "/metrics").status_code == 401
-        assert httpx.get(handle.url + "/health").status_code == 401
-        assert httpx.get(handle.url + "/metrics", headers={"Authorization": f"Bearer {API}"}).status_code == 200
+        with handle.client() as c:
+            assert c.get("/metrics").status_code == 401
+            assert c.get("/health").status_code == 401
+            assert c.get("/metrics", headers={"Authorization": f"Bearer {API}"}).status_code == 200
     finally:
         handle.stop()
