@@ -181,13 +181,11 @@ def test_one_loaded_model_swaps_bases(two_bases, reference):
                 assert "\nmola_memory_active_bytes " in metrics and "\nmola_running_requests " not in metrics
         assert (h.bases.by_name["A"].num_unloads, h.bases.by_name["B"].num_unloads) == (2, 2)
         # A request in flight on A: B cannot be loaded, 503 with Retry-After, A untouched.
-        scope = {}
-        h.run(h.bases.enter("A", scope))
+        lease = h.run(h.bases.enter("A"))
         r = chat(h.url, "B")
         assert r.status_code == 503 and "Retry-After" in r.headers and "busy" in r.json()["error"]["message"]
         assert text(chat(h.url, "a1")) == reference["a1"]
-        for base in scope["mola.bases"]:
-            h.bases.leave(base)
+        lease.release()
         # Alternating traffic at once: every answer is whole and right, or a 503 to retry.
         ids = ["A", "B", "a1", "b1"] * 3
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -228,6 +226,8 @@ def test_stored_responses_outlive_their_base_and_continue_on_another(two_bases):
     try:
         b = h.bases.by_name["B"]
         first = respond("B", store=True)
+        # The base lease ends just after the response's last byte: wait for it, not a clock.
+        wait_until(lambda: b.in_flight == 0, 10, "the request's base lease to end")
         assert h.run(h.bases.unload_idle(b.last_used + 100)) == ["B"]
         got = httpx.get(h.url + f"/v1/responses/{first['id']}", timeout=60)
         assert got.status_code == 200 and got.json() == first, got.text

@@ -41,7 +41,7 @@ class ServerHandle:
 
     @property
     def state(self):
-        return self.app.state.mola
+        return self.app.state.bases.default.state
 
     def stop(self) -> None:
         self.server.should_exit = True

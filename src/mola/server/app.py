@@ -54,10 +54,8 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
                     await asyncio.to_thread(base.state.engine.engine.stop)
 
     app = FastAPI(title="mola", version="0.1.0", lifespan=lifespan)
-    app.state.mola = state  # the default base's state while it is loaded
     app.state.bases = bases
     app.state.images = image_service
-    bases.app_state = app.state
     install_error_handlers(app)
     app.include_router(chat.router)
     app.include_router(completions.router)

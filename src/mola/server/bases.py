@@ -6,7 +6,7 @@ stream, scheduler, slot packs, registry, loader, tokenizer, prompt lanes and
 prompt cache) served exactly as a server of one base serves it. A request's
 ``model`` names a base or one of its adapters; :meth:`Bases.enter` finds the
 base, loads it if it is not (the request waits), and counts the request in
-flight on it until its response ends (base_leases.py). Reaching
+flight on it until its response ends (a BaseLease, which the server releases when the response ends: base_leases.py). Reaching
 --max-loaded-models or --models-memory-bytes unloads the least recently used
 idle base; a base with requests in flight is never unloaded, and when none
 can be, the request gets a 503 with Retry-After. ``keep_alive`` unloads a
@@ -38,7 +38,6 @@ from .responses_api.store import ResponseStore
 from ..frontend.state import ServerState
 
 log = logging.getLogger("mola.bases")
-LEASES = "mola.bases"  # the ASGI scope key listing the bases a request is in flight on
 S = BaseStatus
 
 
@@ -51,8 +50,30 @@ def make_engine(config: ServeConfig):
                   config.engine)
 
 
+class BaseLease:
+    """A request's hold on the base serving it (from :meth:`Bases.enter`):
+    while held, the base counts the request in flight and is never unloaded.
+    Not a slot's :class:`mola.registry.registry.Lease`, which the pipeline
+    takes on an adapter slot of that base."""
+
+    def __init__(self, bases: Bases, base: Base):
+        self.bases, self.base = bases, base
+        self.released = False
+
+    @property
+    def state(self) -> ServerState:
+        return self.base.state
+
+    def release(self) -> None:
+        """Idempotent."""
+        if not self.released:
+            self.released = True
+            self.bases.leave(self.base)
+
+
 class Bases:
-    """Every declared base, the default first; loads and unloads them."""
+    """Every declared base, the default first; loads and unloads them. No
+    HTTP here: a request holds a :class:`BaseLease` from :meth:`enter`."""
 
     def __init__(self, bases: list[Base], metrics, max_loaded: int | None = None,
                  max_bytes: int | None = None, clock: Callable[[], float] = time.monotonic,
@@ -69,7 +90,6 @@ class Bases:
         self.retry_failed_after = retry_failed_after  # seconds before a failed base is tried again
         self.draining = False
         self.handed: ServerState | None = None  # a state whose engine its starter stops, not this
-        self.app_state = None  # the app's state, whose .mola is the default base's state while loaded
         self._lock = asyncio.Lock()  # one load or unload decision at a time
 
     @classmethod
@@ -121,9 +141,9 @@ class Bases:
 
     # ---- requests ----------------------------------------------------------
 
-    async def enter(self, model_id: str | None, scope: dict, stack: tuple[str, ...] = ()) -> ServerState:
-        """The state serving ``model_id`` (loaded now if need be), with this
-        request counted in flight on it until its response ends."""
+    async def enter(self, model_id: str | None, stack: tuple[str, ...] = ()) -> BaseLease:
+        """A lease on the base serving ``model_id`` (loaded now if need be):
+        the request counts in flight on it until the lease is released."""
         base = self.find(model_id) or self.default  # an unknown id: the default base's 404
         for name in stack:
             other = self.find(name)
@@ -135,10 +155,14 @@ class Bases:
             raise ShuttingDown("The server is shutting down.")
         base.in_flight += 1
         base.last_used = self.clock()
-        scope.setdefault(LEASES, []).append(base)
+        lease = BaseLease(self, base)
         if base.status is not S.LOADED:
-            await asyncio.shield(self._admit(base))  # a request that leaves lets the load finish
-        return base.state
+            try:
+                await asyncio.shield(self._admit(base))  # a request that leaves lets the load finish
+            except BaseException:
+                lease.release()
+                raise
+        return lease
 
     def leave(self, base: Base) -> None:
         base.in_flight -= 1
@@ -217,7 +241,6 @@ class Bases:
         base.state, base.nbytes, base.error = state, weight_bytes(loaded.model), None
         base.num_loads += 1
         base.move(S.LOADED)
-        self._published(base)
         log.info("loaded base %s in %.2f s (%.1f MiB of weights and slot packs)",
                  base.name, time.perf_counter() - t0, base.nbytes / 2**20)
 
@@ -231,7 +254,6 @@ class Bases:
         for record in state.registry.adapters():  # pushed factors live with their base's registry
             if record.source == "push":
                 forget_pushed(record.path)
-        self._published(base)
         await close_state(state)
         del state
         gc.collect()
@@ -241,10 +263,6 @@ class Bases:
         base.move(S.DECLARED)
         log.info("unloaded base %s (%s) in %.2f s; %.1f MiB freed", base.name, why,
                  time.perf_counter() - t0, (before - mx.get_active_memory()) / 2**20)
-
-    def _published(self, base: Base) -> None:
-        if base is self.default and self.app_state is not None:
-            self.app_state.mola = base.state
 
     async def unload(self, name: str) -> bool:
         """Unload the base ``name`` now if it is loaded and idle."""
