@@ -190,6 +190,17 @@ def test_the_frontend_has_no_http_in_it(graph):
     assert not found, found
 
 
+def test_the_bases_control_plane_knows_no_asgi():
+    """Bases load, unload and lease base models with no HTTP in them: no
+    FastAPI, Starlette or ASGI scope, and nothing written to the app."""
+    for name in ("bases.py", "base_record.py"):
+        path = SRC / "server" / name
+        source = path.read_text()
+        imported = house.imports_of(path, SRC.parent, ast.parse(source))
+        assert not {m for m in imported if m.split(".")[0] in ("fastapi", "starlette")}, name
+        assert "scope" not in source and "app.state" not in source and "app_state" not in source, name
+
+
 def test_the_server_reads_no_engine_internals():
     """The event loop reads the engine's published snapshot, never the
     scheduler, runner or packs that the engine thread mutates."""
