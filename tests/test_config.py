@@ -66,8 +66,8 @@ def test_an_image_model_and_its_adapters_from_a_file(tmp_path):
         ghibli = {path = "loras/ghibli.safetensors", scale = 0.7}
     """))
     c = parse("--config", str(f))
-    assert (c.image_model.name, c.image_model.path, c.image_dtype) == ("klein", str(tmp_path / "flux"), "float32")
-    assert c.image_adapters == (AdapterSpec("ghibli", str(tmp_path / "loras" / "ghibli.safetensors"), 0.7),)
+    assert (c.images.model.name, c.images.model.path, c.images.dtype) == ("klein", str(tmp_path / "flux"), "float32")
+    assert c.images.adapters == (AdapterSpec("ghibli", str(tmp_path / "loras" / "ghibli.safetensors"), 0.7),)
     f.write_text('image_model = "klein=flux"\n')
     with pytest.raises(ValueError, match="'image_model' must be a table with a name and a path"):
         parse("--config", str(f))

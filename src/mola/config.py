@@ -132,6 +132,41 @@ class ImageModelSpec:
 
 
 IMAGE_DTYPES = ("bfloat16", "float16", "float32")
+# `mola serve`'s image flags and config-file keys -> the ImagesConfig field each sets.
+IMAGE_SETTINGS = {"image_model": "model", "image_adapters": "adapters", "image_dtype": "dtype",
+                  "image_max_batch": "max_batch", "image_max_lora_rank": "max_lora_rank"}
+
+
+@dataclass(frozen=True)
+class ImagesConfig:
+    """Images (docs/images.md): a FLUX.2-klein base kept resident by one worker
+    thread, its LoRAs named at start (``adapters``: chosen by a request's model)
+    or by path in a request (under the server's adapter_dirs), applied unmerged
+    per row of one batched denoising loop. No ``model``: no images served."""
+
+    model: ImageModelSpec | None = None
+    adapters: tuple[AdapterSpec, ...] = ()
+    dtype: str = "bfloat16"  # mflux's compute dtype (its ModelConfig.precision, one per process)
+    max_batch: int = 4  # images denoised together (also how many different LoRA sets one batch holds)
+    max_lora_rank: int = 64  # the largest rank of a LoRA (or a stack's summed ranks)
+
+    def __post_init__(self):
+        if isinstance(self.model, dict):
+            object.__setattr__(self, "model", ImageModelSpec(**self.model))
+        object.__setattr__(self, "adapters", tuple(
+            a if isinstance(a, AdapterSpec) else AdapterSpec(**a) for a in self.adapters))
+        names = [a.name for a in self.adapters] + ([self.model.name] if self.model is not None else [])
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"image model or adapter names given more than once: {', '.join(dupes)}")
+        if self.adapters and self.model is None:
+            raise ValueError("image_adapters need an image_model (--image-model NAME=PATH)")
+        if self.dtype not in IMAGE_DTYPES:
+            raise ValueError(f"unknown image_dtype {self.dtype!r}; choose one of {', '.join(IMAGE_DTYPES)}")
+        for name in ("max_batch", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"image_{name} must be an integer >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -221,18 +256,8 @@ class ServeConfig:
     models_memory_bytes: int | str | None = None
     # A base idle this many seconds unloads (None: never; a model's own keep_alive wins).
     keep_alive: float | None = None
-    # Images (docs/images.md): a FLUX.2-klein base kept resident by one worker
-    # thread, its LoRAs named at start (image_adapters: chosen by a request's
-    # model) or by path in a request (under adapter_dirs), applied unmerged per
-    # row of one batched denoising loop. image_max_batch: images denoised together
-    # (also how many different LoRA sets one batch holds); image_max_lora_rank: the
-    # largest rank of a LoRA (or a stack's summed ranks); image_dtype: mflux's
-    # compute dtype (its ModelConfig.precision, one per process).
-    image_model: ImageModelSpec | None = None
-    image_adapters: tuple[AdapterSpec, ...] = ()
-    image_dtype: str = "bfloat16"
-    image_max_batch: int = 4
-    image_max_lora_rank: int = 64
+    # Images (docs/images.md): the image base and its LoRAs (IMAGE_SETTINGS).
+    images: ImagesConfig = field(default_factory=ImagesConfig)
     # The engine: adapter slots and ranks, the batch, the prompt cache and
     # speculative decoding (ENGINE_SETTINGS, SPECULATIVE_SETTINGS).
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -242,28 +267,6 @@ class ServeConfig:
         self._check_adapters()
         self._check_choices()
         self._check_models()
-        self._check_images()
-
-    def _check_images(self) -> None:
-        """The image base, its adapters and its limits."""
-        if isinstance(self.image_model, dict):
-            object.__setattr__(self, "image_model", ImageModelSpec(**self.image_model))
-        object.__setattr__(self, "image_adapters", tuple(
-            a if isinstance(a, AdapterSpec) else AdapterSpec(**a) for a in self.image_adapters))
-        names = [a.name for a in self.image_adapters]
-        if self.image_model is not None:
-            names.append(self.image_model.name)
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"image model or adapter names given more than once: {', '.join(dupes)}")
-        if self.image_adapters and self.image_model is None:
-            raise ValueError("image_adapters need an image_model (--image-model NAME=PATH)")
-        if self.image_dtype not in IMAGE_DTYPES:
-            raise ValueError(f"unknown image_dtype {self.image_dtype!r}; choose one of {', '.join(IMAGE_DTYPES)}")
-        for name in ("image_max_batch", "image_max_lora_rank"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
     def _check_models(self) -> None:
         """The declared bases: names unique, limits positive."""
@@ -358,11 +361,12 @@ class ServeConfig:
     @classmethod
     def from_settings(cls, **settings) -> ServeConfig:
         """A ServeConfig from settings named as `mola serve`'s flags and
-        config-file keys: its own fields, and the engine's (ENGINE_SETTINGS,
-        SPECULATIVE_SETTINGS, speculate_always)."""
+        config-file keys: its own fields, the engine's (ENGINE_SETTINGS,
+        SPECULATIVE_SETTINGS, speculate_always) and the images' (IMAGE_SETTINGS)."""
         engine_keys = set(ENGINE_SETTINGS) | set(SPECULATIVE_SETTINGS) | {"speculate_always"}
         engine = {k: settings.pop(k) for k in engine_keys & set(settings)}
-        return cls(**settings, engine=engine_config(**engine))
+        images = {IMAGE_SETTINGS[k]: settings.pop(k) for k in set(IMAGE_SETTINGS) & set(settings)}
+        return cls(**settings, engine=engine_config(**engine), images=ImagesConfig(**images))
 
 
 def engine_config(speculate_always: bool = False, **settings) -> EngineConfig:
@@ -389,8 +393,8 @@ def engine_config(speculate_always: bool = False, **settings) -> EngineConfig:
 
 
 # Every setting a flag or config-file key can give.
-SETTINGS = ({f.name for f in dataclasses.fields(ServeConfig)} - {"engine"}
-            | set(ENGINE_SETTINGS) | set(SPECULATIVE_SETTINGS) | {"speculate_always"})
+SETTINGS = ({f.name for f in dataclasses.fields(ServeConfig)} - {"engine", "images"}
+            | set(ENGINE_SETTINGS) | set(SPECULATIVE_SETTINGS) | {"speculate_always"} | set(IMAGE_SETTINGS))
 SIZE_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 

@@ -29,7 +29,7 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
     base of ``bases`` when several are declared."""
     bases = bases or Bases.serving(state)
     # The image base (docs/images.md): its worker thread loads it as the app starts.
-    image_service = ImageService.from_config(state.config) if state.config.image_model is not None else None
+    image_service = ImageService.from_config(state.config) if state.config.images.model is not None else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
