@@ -71,7 +71,7 @@ def serve_bases(paths, clock=None, engine_factory=None, **settings) -> Handle:
         bases = Bases.declared(config, Metrics(), **given)
         await bases.preload()
         server = uvicorn.Server(uvicorn.Config(create_app(bases.default.state, bases), host="127.0.0.1",
-                                               port=config.port, log_level="warning"))
+                                               port=config.http.port, log_level="warning"))
         box.update(bases=bases, loop=asyncio.get_running_loop(), server=server)
         started.set()
         await server.serve()
@@ -81,7 +81,7 @@ def serve_bases(paths, clock=None, engine_factory=None, **settings) -> Handle:
     assert started.wait(60), "the server did not start"
     # uvicorn binds after serve() starts, and signals nothing when it has
     wait_until(lambda: box["server"].started, timeout=60, what="uvicorn to bind")
-    return Handle(f"http://127.0.0.1:{config.port}", box["bases"], box["loop"], box["server"], thread)
+    return Handle(f"http://127.0.0.1:{config.http.port}", box["bases"], box["loop"], box["server"], thread)
 
 
 def chat(url, model, max_tokens=8, **extra):

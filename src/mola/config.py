@@ -132,6 +132,42 @@ class ImageModelSpec:
 
 
 IMAGE_DTYPES = ("bfloat16", "float16", "float32")
+@dataclass(frozen=True)
+class HTTPConfig:
+    """How the server speaks HTTP: where it listens, who may call it, what it
+    takes and how it stops."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Access: with api_key, every /v1 route needs "Authorization: Bearer KEY";
+    # with admin_key, loading and unloading adapters needs that key instead.
+    # /health and /metrics stay open unless protect_metrics.
+    api_key: str | None = field(default=None, repr=False)
+    admin_key: str | None = field(default=None, repr=False)
+    protect_metrics: bool = False
+    ui: bool = True  # serve the playground page at / (False: / is a 404)
+    # Request bodies larger than this are refused (413) before being read whole.
+    max_request_bytes: int = 4 * 1024 * 1024
+    # The body of PUT /v1/adapters/{name}/weights (an adapter's safetensors) may be this large.
+    max_adapter_push_bytes: int = 1 << 30
+    # On SIGTERM: stop accepting, let running requests finish up to this long.
+    shutdown_timeout: float = 30.0
+
+    def __post_init__(self):
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        for name in ("api_key", "admin_key"):
+            key = getattr(self, name)
+            if key is not None and (not isinstance(key, str) or len(key) < 8):
+                raise ValueError(f"{name} must be a string of at least 8 characters")
+
+
+# `mola serve`'s HTTP flags and config-file keys: HTTPConfig's fields, by the same names.
+HTTP_SETTINGS = frozenset(f.name for f in dataclasses.fields(HTTPConfig))
 # `mola serve`'s image flags and config-file keys -> the ImagesConfig field each sets.
 IMAGE_SETTINGS = {"image_model": "model", "image_adapters": "adapters", "image_dtype": "dtype",
                   "image_max_batch": "max_batch", "image_max_lora_rank": "max_lora_rank"}
@@ -194,8 +230,6 @@ class ServeConfig:
     # Where unknown model ids are looked for, in order (off by default):
     # "dir:PATH" (PATH/<id>) or "hf:ORG/*" / "hf:ORG/A,ORG/B" (hub repos).
     adapter_resolvers: tuple[ResolverSpec | str, ...] = ()
-    host: str = "127.0.0.1"
-    port: int = 8000
     # The host tier: adapters kept read, checked and prepared in host memory,
     # so that loading one into a slot is only the copy. At most this many
     # (None: no limit by count) and this many bytes (None: no limit by size);
@@ -222,17 +256,6 @@ class ServeConfig:
     reasoning_parser: str = "auto"
     log_level: str = "info"
     cache_dir: Path | None = None  # where the demo is fetched and built (default ~/.cache/mola)
-    # Access: with api_key, every /v1 route needs "Authorization: Bearer KEY";
-    # with admin_key, loading and unloading adapters needs that key instead.
-    # /health and /metrics stay open unless protect_metrics.
-    api_key: str | None = field(default=None, repr=False)
-    admin_key: str | None = field(default=None, repr=False)
-    protect_metrics: bool = False
-    ui: bool = True  # serve the playground page at / (False: / is a 404)
-    # Request bodies larger than this are refused (413) before being read whole.
-    max_request_bytes: int = 4 * 1024 * 1024
-    # The body of PUT /v1/adapters/{name}/weights (an adapter's safetensors) may be this large.
-    max_adapter_push_bytes: int = 1 << 30
     # Backpressure: requests waiting beyond the running batch; past it, 429.
     max_queue: int = 256
     # A request running longer than this many seconds ends (finish_reason
@@ -241,8 +264,6 @@ class ServeConfig:
     # Responses kept in memory for previous_response_id (least recently used
     # evicted first); 0 keeps none.
     max_stored_responses: int = 1024
-    # On SIGTERM: stop accepting, let running requests finish up to this long.
-    shutdown_timeout: float = 30.0
     # Serve a base sharded over the ranks of an mx.distributed group (started
     # by mlx.launch); rank 0 serves HTTP, the others follow its steps.
     distributed: bool = False
@@ -258,6 +279,8 @@ class ServeConfig:
     keep_alive: float | None = None
     # Images (docs/images.md): the image base and its LoRAs (IMAGE_SETTINGS).
     images: ImagesConfig = field(default_factory=ImagesConfig)
+    # HTTP: the address, the keys, the page, body limits and shutdown (HTTP_SETTINGS).
+    http: HTTPConfig = field(default_factory=HTTPConfig)
     # The engine: adapter slots and ranks, the batch, the prompt cache and
     # speculative decoding (ENGINE_SETTINGS, SPECULATIVE_SETTINGS).
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -302,27 +325,17 @@ class ServeConfig:
             keep_alive=spec.keep_alive or self.keep_alive, engine=dataclasses.replace(self.engine, **own))
 
     def _check_server(self) -> None:
-        """The address, the limits, the timeouts and the keys."""
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        """The limits and the timeouts (the address and the keys: HTTPConfig)."""
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}")
-        if self.max_request_bytes < 1024:
-            raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.max_stored_responses < 0:
             raise ValueError(f"max_stored_responses must be >= 0, got {self.max_stored_responses}")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
-        if not self.shutdown_timeout >= 0:
-            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
-        for name in ("api_key", "admin_key"):
-            key = getattr(self, name)
-            if key is not None and (not isinstance(key, str) or len(key) < 8):
-                raise ValueError(f"{name} must be a string of at least 8 characters")
 
     def _check_adapters(self) -> None:
         """Adapter names, the host tier, admission and the resolvers."""
@@ -362,11 +375,14 @@ class ServeConfig:
     def from_settings(cls, **settings) -> ServeConfig:
         """A ServeConfig from settings named as `mola serve`'s flags and
         config-file keys: its own fields, the engine's (ENGINE_SETTINGS,
-        SPECULATIVE_SETTINGS, speculate_always) and the images' (IMAGE_SETTINGS)."""
+        SPECULATIVE_SETTINGS, speculate_always), the images' (IMAGE_SETTINGS) and
+        HTTP's (HTTP_SETTINGS)."""
         engine_keys = set(ENGINE_SETTINGS) | set(SPECULATIVE_SETTINGS) | {"speculate_always"}
         engine = {k: settings.pop(k) for k in engine_keys & set(settings)}
         images = {IMAGE_SETTINGS[k]: settings.pop(k) for k in set(IMAGE_SETTINGS) & set(settings)}
-        return cls(**settings, engine=engine_config(**engine), images=ImagesConfig(**images))
+        http = {k: settings.pop(k) for k in HTTP_SETTINGS & set(settings)}
+        return cls(**settings, engine=engine_config(**engine), images=ImagesConfig(**images),
+                   http=HTTPConfig(**http))
 
 
 def engine_config(speculate_always: bool = False, **settings) -> EngineConfig:
@@ -393,8 +409,9 @@ def engine_config(speculate_always: bool = False, **settings) -> EngineConfig:
 
 
 # Every setting a flag or config-file key can give.
-SETTINGS = ({f.name for f in dataclasses.fields(ServeConfig)} - {"engine", "images"}
-            | set(ENGINE_SETTINGS) | set(SPECULATIVE_SETTINGS) | {"speculate_always"} | set(IMAGE_SETTINGS))
+SETTINGS = ({f.name for f in dataclasses.fields(ServeConfig)} - {"engine", "images", "http"}
+            | set(ENGINE_SETTINGS) | set(SPECULATIVE_SETTINGS) | {"speculate_always"} | set(IMAGE_SETTINGS)
+            | HTTP_SETTINGS)
 SIZE_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 

@@ -66,7 +66,7 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
     app.include_router(vllm.router)
     app.include_router(tokenize.router)
     app.include_router(images.router)
-    if state.config.ui:
+    if state.config.http.ui:
         ui.install(app)  # the playground at /
     state.metrics.watch(lambda: bases.default.state, bases)
 
@@ -96,11 +96,11 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
     # The last added runs first: request id, Anthropic's error envelope (on /v1/messages), auth,
     # metrics, body limit.
     config = state.config
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes,
-                       push_bytes=config.max_adapter_push_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.http.max_request_bytes,
+                       push_bytes=config.http.max_adapter_push_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=state.metrics)
-    app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_key=config.admin_key,
-                       protect_metrics=config.protect_metrics)
+    app.add_middleware(AuthMiddleware, api_key=config.http.api_key, admin_key=config.http.admin_key,
+                       protect_metrics=config.http.protect_metrics)
     app.add_middleware(AnthropicErrorsMiddleware)
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(BaseLeases, bases=bases)  # outermost: a request's lease ends with its response
