@@ -376,13 +376,13 @@ def test_flags_and_config_file_declare_bases(tmp_path):
     args = build_parser().parse_args(["serve", "--config", str(tmp_path / "mola.toml"), "--model", "C=org/c",
                                       "--max-loaded-models", "2"])
     config = config_from_args(args)
-    assert config.model == "a" and [m.name for m in config.models] == ["B", "C"]
-    b = config.for_base(config.models[0])
+    assert config.model == "a" and [m.name for m in config.bases.models] == ["B", "C"]
+    b = config.for_base(config.bases.models[0])
     assert b.model == str(tmp_path / "b") and b.served_model_name == "B" and b.engine.max_loras == 2
-    assert [a.name for a in b.adapters] == ["b1"] and b.keep_alive == 60 and config.models[0].pin
-    assert config.max_loaded_models == 2 and config.for_base(config.models[1]).model == "org/c"
+    assert [a.name for a in b.adapters] == ["b1"] and b.bases.keep_alive == 60 and config.bases.models[0].pin
+    assert config.bases.max_loaded_models == 2 and config.for_base(config.bases.models[1]).model == "org/c"
     with pytest.raises(ValueError, match="more than once"):
-        ServeConfig(model="a", adapters=(AdapterSpec("B", "x"),), models=[{"name": "B", "model": "b"}])
+        ServeConfig.from_settings(model="a", adapters=(AdapterSpec("B", "x"),), models=[{"name": "B", "model": "b"}])
 
 
 def test_mola_chat_switches_bases(two_bases, reference, tmp_path):

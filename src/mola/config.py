@@ -166,6 +166,34 @@ class HTTPConfig:
                 raise ValueError(f"{name} must be a string of at least 8 characters")
 
 
+@dataclass(frozen=True)
+class BasesConfig:
+    """The base models besides --model, and what stays resident (docs/bases.md)."""
+
+    # Further base models, each with its adapters, loaded on their first
+    # request; with no model, the first of them is the default base.
+    models: tuple[ModelSpec, ...] = ()
+    # What stays resident: at most this many bases loaded, and their weights
+    # and slot packs within this many bytes (None: no limit); reaching a limit
+    # unloads the least recently used idle base.
+    max_loaded_models: int | None = None
+    models_memory_bytes: int | str | None = None
+    # A base idle this many seconds unloads (None: never; a model's own keep_alive wins).
+    keep_alive: float | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "models", tuple(
+            m if isinstance(m, ModelSpec) else ModelSpec(**m) for m in self.models))
+        if isinstance(self.models_memory_bytes, str):
+            object.__setattr__(self, "models_memory_bytes", parse_bytes(self.models_memory_bytes))
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise ValueError(f"max_loaded_models must be at least 1, got {self.max_loaded_models}")
+        if self.keep_alive is not None and not self.keep_alive > 0:
+            raise ValueError(f"keep_alive must be > 0 seconds, got {self.keep_alive}")
+
+
+# `mola serve`'s bases flags and config-file keys: BasesConfig's fields, by the same names.
+BASES_SETTINGS = frozenset(f.name for f in dataclasses.fields(BasesConfig))
 # `mola serve`'s HTTP flags and config-file keys: HTTPConfig's fields, by the same names.
 HTTP_SETTINGS = frozenset(f.name for f in dataclasses.fields(HTTPConfig))
 # `mola serve`'s image flags and config-file keys -> the ImagesConfig field each sets.
@@ -267,16 +295,8 @@ class ServeConfig:
     # Serve a base sharded over the ranks of an mx.distributed group (started
     # by mlx.launch); rank 0 serves HTTP, the others follow its steps.
     distributed: bool = False
-    # Further base models, each with its adapters, loaded on their first
-    # request; with no model, the first of them is the default base.
-    models: tuple[ModelSpec, ...] = ()
-    # What stays resident: at most this many bases loaded, and their weights
-    # and slot packs within this many bytes (None: no limit); reaching a limit
-    # unloads the least recently used idle base.
-    max_loaded_models: int | None = None
-    models_memory_bytes: int | str | None = None
-    # A base idle this many seconds unloads (None: never; a model's own keep_alive wins).
-    keep_alive: float | None = None
+    # Further base models, and what stays resident (BASES_SETTINGS).
+    bases: BasesConfig = field(default_factory=BasesConfig)
     # Images (docs/images.md): the image base and its LoRAs (IMAGE_SETTINGS).
     images: ImagesConfig = field(default_factory=ImagesConfig)
     # HTTP: the address, the keys, the page, body limits and shutdown (HTTP_SETTINGS).
@@ -292,21 +312,14 @@ class ServeConfig:
         self._check_models()
 
     def _check_models(self) -> None:
-        """The declared bases: names unique, limits positive."""
-        object.__setattr__(self, "models", tuple(
-            m if isinstance(m, ModelSpec) else ModelSpec(**m) for m in self.models))
-        names = [m.name for m in self.models] + [self.served_model_name] * (self.served_model_name is not None)
-        adapters = [a.name for a in self.adapters] + [a.name for m in self.models for a in m.adapters]
+        """The declared bases' names and their adapters' unique (their limits: BasesConfig)."""
+        models = self.bases.models
+        names = [m.name for m in models] + [self.served_model_name] * (self.served_model_name is not None)
+        adapters = [a.name for a in self.adapters] + [a.name for m in models for a in m.adapters]
         clashes = sorted({n for n in names if names.count(n) > 1} | (set(names) & set(adapters))
                          | {n for n in adapters if adapters.count(n) > 1})
         if clashes:
             raise ValueError(f"model or adapter names given more than once: {', '.join(clashes)}")
-        if isinstance(self.models_memory_bytes, str):
-            object.__setattr__(self, "models_memory_bytes", parse_bytes(self.models_memory_bytes))
-        if self.max_loaded_models is not None and self.max_loaded_models < 1:
-            raise ValueError(f"max_loaded_models must be at least 1, got {self.max_loaded_models}")
-        if self.keep_alive is not None and not self.keep_alive > 0:
-            raise ValueError(f"keep_alive must be > 0 seconds, got {self.keep_alive}")
 
     def for_base(self, spec: ModelSpec, is_default: bool = False) -> ServeConfig:
         """The settings one declared base is served with: this server's, with
@@ -321,8 +334,9 @@ class ServeConfig:
         top = (self.adapters, self.adapter_dirs) if is_default else ((), ())
         return dataclasses.replace(
             self, model=spec.model, served_model_name=spec.name, adapters=spec.adapters + top[0],
-            adapter_dirs=spec.adapter_dirs + top[1], dtype=spec.dtype or self.dtype, models=(),
-            keep_alive=spec.keep_alive or self.keep_alive, engine=dataclasses.replace(self.engine, **own))
+            adapter_dirs=spec.adapter_dirs + top[1], dtype=spec.dtype or self.dtype,
+            bases=dataclasses.replace(self.bases, models=(), keep_alive=spec.keep_alive or self.bases.keep_alive),
+            engine=dataclasses.replace(self.engine, **own))
 
     def _check_server(self) -> None:
         """The limits and the timeouts (the address and the keys: HTTPConfig)."""
@@ -375,14 +389,15 @@ class ServeConfig:
     def from_settings(cls, **settings) -> ServeConfig:
         """A ServeConfig from settings named as `mola serve`'s flags and
         config-file keys: its own fields, the engine's (ENGINE_SETTINGS,
-        SPECULATIVE_SETTINGS, speculate_always), the images' (IMAGE_SETTINGS) and
-        HTTP's (HTTP_SETTINGS)."""
+        SPECULATIVE_SETTINGS, speculate_always), the images' (IMAGE_SETTINGS),
+        HTTP's (HTTP_SETTINGS) and the bases' (BASES_SETTINGS)."""
         engine_keys = set(ENGINE_SETTINGS) | set(SPECULATIVE_SETTINGS) | {"speculate_always"}
         engine = {k: settings.pop(k) for k in engine_keys & set(settings)}
         images = {IMAGE_SETTINGS[k]: settings.pop(k) for k in set(IMAGE_SETTINGS) & set(settings)}
         http = {k: settings.pop(k) for k in HTTP_SETTINGS & set(settings)}
+        bases = {k: settings.pop(k) for k in BASES_SETTINGS & set(settings)}
         return cls(**settings, engine=engine_config(**engine), images=ImagesConfig(**images),
-                   http=HTTPConfig(**http))
+                   http=HTTPConfig(**http), bases=BasesConfig(**bases))
 
 
 def engine_config(speculate_always: bool = False, **settings) -> EngineConfig:
@@ -409,9 +424,9 @@ def engine_config(speculate_always: bool = False, **settings) -> EngineConfig:
 
 
 # Every setting a flag or config-file key can give.
-SETTINGS = ({f.name for f in dataclasses.fields(ServeConfig)} - {"engine", "images", "http"}
+SETTINGS = ({f.name for f in dataclasses.fields(ServeConfig)} - {"engine", "images", "http", "bases"}
             | set(ENGINE_SETTINGS) | set(SPECULATIVE_SETTINGS) | {"speculate_always"} | set(IMAGE_SETTINGS)
-            | HTTP_SETTINGS)
+            | HTTP_SETTINGS | BASES_SETTINGS)
 SIZE_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 

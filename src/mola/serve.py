@@ -34,7 +34,7 @@ def with_demo(config: ServeConfig) -> ServeConfig:
     adapters, and the echo demo's tiny base as a second base with its adapters
     (named echo-upper, ...), loaded on its first request; the echo demo alone
     when asked for (--demo echo), or when the chat demo's model cannot be had."""
-    if config.model is not None or config.models:
+    if config.model is not None or config.bases.models:
         return config
     from .demo import ensure_demo
 
@@ -52,7 +52,7 @@ def with_demo(config: ServeConfig) -> ServeConfig:
         demo=ServeConfig.demo,  # the demo is now the model: no choice is left to make
         served_model_name=config.served_model_name or demo.name,
         adapters=demo_adapters + config.adapters,
-        models=models,
+        bases=dataclasses.replace(config.bases, models=models),
     )
 
 
@@ -118,7 +118,7 @@ def serve(config: ServeConfig) -> int:
     setup_logging(config.log_level)
     config = with_demo(config)
     warning = exposure_warning(config)
-    if config.models or config.keep_alive is not None:  # bases loaded and unloaded here
+    if config.bases.models or config.bases.keep_alive is not None:  # bases loaded and unloaded here
         if warning:  # printed whatever --log-level says
             print(f"[mola] warning: {warning}", file=sys.stderr, flush=True)
         if config.distributed:

@@ -99,7 +99,7 @@ class Bases:
         --keep-alive`` serves one base through :meth:`declared` instead."""
         base = Base(state.base_id, state.config, None, pin=True, status=S.LOADED, state=state)
         base.nbytes, base.last_used = state.weight_bytes, time.monotonic()
-        bases = cls([base], state.metrics, state.config.max_loaded_models, state.config.models_memory_bytes,
+        bases = cls([base], state.metrics, state.config.bases.max_loaded_models, state.config.bases.models_memory_bytes,
                     **kwargs)
         bases.handed = state
         return bases
@@ -108,16 +108,19 @@ class Bases:
     def declared(cls, config: ServeConfig, metrics, **kwargs) -> Bases:
         """Every base ``config`` declares, none loaded: the default first (its
         --model, or the first of its models)."""
-        specs = list(config.models)
+        specs = list(config.bases.models)
         if config.model is not None:
             name = config.served_model_name or default_name(config.model)
-            first = Base(name, dataclasses.replace(config, served_model_name=name, models=()), config.keep_alive)
+            first = Base(name, dataclasses.replace(config, served_model_name=name,
+                                                   bases=dataclasses.replace(config.bases, models=())),
+                         config.bases.keep_alive)
         else:
             spec = specs.pop(0)
-            first = Base(spec.name, config.for_base(spec, is_default=True), spec.keep_alive or config.keep_alive,
+            first = Base(spec.name, config.for_base(spec, is_default=True), spec.keep_alive or config.bases.keep_alive,
                          spec.pin)
-        others = [Base(m.name, config.for_base(m), m.keep_alive or config.keep_alive, m.pin) for m in specs]
-        return cls([first, *others], metrics, config.max_loaded_models, config.models_memory_bytes, **kwargs)
+        others = [Base(m.name, config.for_base(m), m.keep_alive or config.bases.keep_alive, m.pin) for m in specs]
+        return cls([first, *others], metrics, config.bases.max_loaded_models, config.bases.models_memory_bytes,
+                   **kwargs)
 
     async def preload(self) -> None:
         """Load the default base and the pinned ones (at start)."""
