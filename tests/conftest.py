@@ -8,6 +8,14 @@ import os
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the network
+if "MOLA_GGUF_CACHE" not in os.environ:  # GGUF conversions cached per session, never in ~/.cache/mola
+    import tempfile
+
+    os.environ["MOLA_GGUF_CACHE"] = SESSION_GGUF_CACHE = tempfile.mkdtemp(prefix="mola-test-gguf-cache-")
+    # the twins' entries (KBs to MBs), not the real model's (113 MiB kept, 540 float32): no test waits on those
+    os.environ.setdefault("MOLA_GGUF_CACHE_BYTES", "64MiB")
+else:
+    SESSION_GGUF_CACHE = None
 
 import httpx
 import mlx.core as mx
@@ -63,6 +71,10 @@ def fixed_template_date():
 def pytest_sessionfinish(session, exitstatus):
     # MLX wants every thread's streams cleared before the process exits.
     mx.clear_streams()
+    if SESSION_GGUF_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(SESSION_GGUF_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

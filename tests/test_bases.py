@@ -71,7 +71,7 @@ def serve_bases(paths, clock=None, engine_factory=None, **settings) -> Handle:
         bases = Bases.declared(config, Metrics(), **given)
         await bases.preload()
         server = uvicorn.Server(uvicorn.Config(create_app(bases.default.state, bases), host="127.0.0.1",
-                                               port=config.port, log_level="warning"))
+                                               port=config.http.port, log_level="warning"))
         box.update(bases=bases, loop=asyncio.get_running_loop(), server=server)
         started.set()
         await server.serve()
@@ -81,7 +81,7 @@ def serve_bases(paths, clock=None, engine_factory=None, **settings) -> Handle:
     assert started.wait(60), "the server did not start"
     # uvicorn binds after serve() starts, and signals nothing when it has
     wait_until(lambda: box["server"].started, timeout=60, what="uvicorn to bind")
-    return Handle(f"http://127.0.0.1:{config.port}", box["bases"], box["loop"], box["server"], thread)
+    return Handle(f"http://127.0.0.1:{config.http.port}", box["bases"], box["loop"], box["server"], thread)
 
 
 def chat(url, model, max_tokens=8, **extra):
@@ -181,13 +181,11 @@ def test_one_loaded_model_swaps_bases(two_bases, reference):
                 assert "\nmola_memory_active_bytes " in metrics and "\nmola_running_requests " not in metrics
         assert (h.bases.by_name["A"].num_unloads, h.bases.by_name["B"].num_unloads) == (2, 2)
         # A request in flight on A: B cannot be loaded, 503 with Retry-After, A untouched.
-        scope = {}
-        h.run(h.bases.enter("A", scope))
+        lease = h.run(h.bases.enter("A"))
         r = chat(h.url, "B")
         assert r.status_code == 503 and "Retry-After" in r.headers and "busy" in r.json()["error"]["message"]
         assert text(chat(h.url, "a1")) == reference["a1"]
-        for base in scope["mola.bases"]:
-            h.bases.leave(base)
+        lease.release()
         # Alternating traffic at once: every answer is whole and right, or a 503 to retry.
         ids = ["A", "B", "a1", "b1"] * 3
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -228,6 +226,8 @@ def test_stored_responses_outlive_their_base_and_continue_on_another(two_bases):
     try:
         b = h.bases.by_name["B"]
         first = respond("B", store=True)
+        # The base lease ends just after the response's last byte: wait for it, not a clock.
+        wait_until(lambda: b.in_flight == 0, 10, "the request's base lease to end")
         assert h.run(h.bases.unload_idle(b.last_used + 100)) == ["B"]
         got = httpx.get(h.url + f"/v1/responses/{first['id']}", timeout=60)
         assert got.status_code == 200 and got.json() == first, got.text
@@ -377,13 +377,13 @@ def test_flags_and_config_file_declare_bases(tmp_path):
     args = build_parser().parse_args(["serve", "--config", str(tmp_path / "mola.toml"), "--model", "C=org/c",
                                       "--max-loaded-models", "2"])
     config = config_from_args(args)
-    assert config.model == "a" and [m.name for m in config.models] == ["B", "C"]
-    b = config.for_base(config.models[0])
+    assert config.model == "a" and [m.name for m in config.bases.models] == ["B", "C"]
+    b = config.for_base(config.bases.models[0])
     assert b.model == str(tmp_path / "b") and b.served_model_name == "B" and b.engine.max_loras == 2
-    assert [a.name for a in b.adapters] == ["b1"] and b.keep_alive == 60 and config.models[0].pin
-    assert config.max_loaded_models == 2 and config.for_base(config.models[1]).model == "org/c"
+    assert [a.name for a in b.adapters] == ["b1"] and b.bases.keep_alive == 60 and config.bases.models[0].pin
+    assert config.bases.max_loaded_models == 2 and config.for_base(config.bases.models[1]).model == "org/c"
     with pytest.raises(ValueError, match="more than once"):
-        ServeConfig(model="a", adapters=(AdapterSpec("B", "x"),), models=[{"name": "B", "model": "b"}])
+        ServeConfig.from_settings(model="a", adapters=(AdapterSpec("B", "x"),), models=[{"name": "B", "model": "b"}])
 
 
 def test_mola_chat_switches_bases(two_bases, reference, tmp_path):

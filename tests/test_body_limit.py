@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 
 import httpx
 import pytest
@@ -78,11 +77,11 @@ def raw_request(server, head: bytes, body: bytes = b"") -> bytes:
 
 def test_an_announced_body_over_the_limit_is_refused_unread(server):
     """A client that announces 1 GB and sends none of it gets its 413 at once:
-    the server did not wait for (or read) the body."""
-    t0 = time.monotonic()
+    the server did not wait for (or read) the body. No clock needed: the
+    client sends nothing after the head, so a server that waited for the body
+    would never answer (and the socket's timeout would fail the test)."""
     out = raw_request(server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
                               b"Content-Type: application/json\r\nContent-Length: 1000000000\r\n\r\n")
-    assert time.monotonic() - t0 < 5
     head, _, payload = out.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 413") and b"connection: close" in head.lower()
     assert b"request_too_large" in payload

@@ -130,10 +130,10 @@ def test_a_warning_when_listening_beyond_loopback_without_an_api_key(tmp_path):
     from mola.serve import exposure_warning
 
     for host in ("0.0.0.0", "::", "[::]", "192.168.1.20", "my-host.example", ""):
-        assert "--api-key" in exposure_warning(ServeConfig(host=host)), host
-        assert exposure_warning(ServeConfig(host=host, api_key="k" * 16)) is None
+        assert "--api-key" in exposure_warning(ServeConfig.from_settings(host=host)), host
+        assert exposure_warning(ServeConfig.from_settings(host=host, api_key="k" * 16)) is None
     for host in ("127.0.0.1", "127.0.0.2", "::1", "[::1]", "localhost"):
-        assert exposure_warning(ServeConfig(host=host)) is None, host
+        assert exposure_warning(ServeConfig.from_settings(host=host)) is None, host
     # mola serve prints it at start, before loading the model (which is missing here: nothing binds),
     # serving one base or several.
     for more in ([], ["--model", f"other={tmp_path / 'o'}"]):

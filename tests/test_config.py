@@ -17,7 +17,7 @@ def parse(*argv):
 
 def test_defaults():
     c = parse()
-    assert (c.model, c.host, c.port, c.engine.max_loras, c.engine.max_lora_rank) == (None, "127.0.0.1", 8000, 8, 64)
+    assert (c.model, c.http.host, c.http.port, c.engine.max_loras, c.engine.max_lora_rank) == (None, "127.0.0.1", 8000, 8, 64)
     assert c.engine.max_loras == 8 and c.adapters == () and not c.allow_any_adapter_path
 
 
@@ -43,7 +43,7 @@ def test_toml_file_with_relative_paths(tmp_path):
     """))
     c = parse("--config", str(f))
     assert c.model == str(tmp_path / "model")
-    assert (c.served_model_name, c.port, c.engine.max_loras) == ("base", 9001, 3)
+    assert (c.served_model_name, c.http.port, c.engine.max_loras) == ("base", 9001, 3)
     assert c.adapter_dirs == (str(tmp_path / "ads"),)
     assert c.adapters == (AdapterSpec("sql", str(tmp_path / "ads" / "sql"), 0.5),
                           AdapterSpec("hub", "org/some-adapter"))
@@ -66,8 +66,8 @@ def test_an_image_model_and_its_adapters_from_a_file(tmp_path):
         ghibli = {path = "loras/ghibli.safetensors", scale = 0.7}
     """))
     c = parse("--config", str(f))
-    assert (c.image_model.name, c.image_model.path, c.image_dtype) == ("klein", str(tmp_path / "flux"), "float32")
-    assert c.image_adapters == (AdapterSpec("ghibli", str(tmp_path / "loras" / "ghibli.safetensors"), 0.7),)
+    assert (c.images.model.name, c.images.model.path, c.images.dtype) == ("klein", str(tmp_path / "flux"), "float32")
+    assert c.images.adapters == (AdapterSpec("ghibli", str(tmp_path / "loras" / "ghibli.safetensors"), 0.7),)
     f.write_text('image_model = "klein=flux"\n')
     with pytest.raises(ValueError, match="'image_model' must be a table with a name and a path"):
         parse("--config", str(f))
@@ -83,7 +83,7 @@ def test_flags_override_the_file(tmp_path):
           b: {path: /abs/b, scale: 2}
     """))
     c = parse("--config", str(f), "--port", "9002", "--adapter", "b=/other/b", "--adapter", "c=/abs/c")
-    assert c.port == 9002 and c.engine.max_lora_rank == 16
+    assert c.http.port == 9002 and c.engine.max_lora_rank == 16
     assert c.adapters == (AdapterSpec("a", "/abs/a"), AdapterSpec("b", "/other/b"), AdapterSpec("c", "/abs/c"))
 
 
@@ -104,7 +104,7 @@ def test_bad_files_name_the_problem(tmp_path, text, suffix, message):
 
 def test_bad_values_are_refused():
     with pytest.raises(ValueError, match="port"):
-        ServeConfig(port=0)
+        ServeConfig.from_settings(port=0)
     with pytest.raises(ValueError, match="more than once"):
         ServeConfig(adapters=(AdapterSpec("a", "/x"), AdapterSpec("a", "/y")))
     with pytest.raises(ValueError, match="max_lora_rank"):
@@ -139,15 +139,15 @@ def test_dtype_from_flag_and_file(tmp_path):
 def test_access_and_limit_flags(monkeypatch):
     c = parse("--api-key", "k" * 12, "--admin-key", "a" * 12, "--protect-metrics", "--max-queue", "5",
               "--request-timeout", "2.5", "--shutdown-timeout", "4", "--max-stored-responses", "7")
-    assert (c.api_key, c.admin_key, c.protect_metrics) == ("k" * 12, "a" * 12, True)
-    assert (c.max_queue, c.request_timeout, c.shutdown_timeout) == (5, 2.5, 4.0)
+    assert (c.http.api_key, c.http.admin_key, c.http.protect_metrics) == ("k" * 12, "a" * 12, True)
+    assert (c.max_queue, c.request_timeout, c.http.shutdown_timeout) == (5, 2.5, 4.0)
     assert c.max_stored_responses == 7 and parse().max_stored_responses == 1024
     assert "k" * 12 not in repr(c)  # keys never appear in reprs or logs
     monkeypatch.setenv("MOLA_API_KEY", "from-the-env-1")
-    assert parse().api_key == "from-the-env-1"
-    assert parse("--api-key", "flag-beats-env").api_key == "flag-beats-env"
+    assert parse().http.api_key == "from-the-env-1"
+    assert parse("--api-key", "flag-beats-env").http.api_key == "flag-beats-env"
     with pytest.raises(ValueError, match="api_key"):
-        ServeConfig(api_key="short")
+        ServeConfig.from_settings(api_key="short")
     with pytest.raises(ValueError, match="request_timeout"):
         ServeConfig(request_timeout=0)
     with pytest.raises(ValueError, match="max_stored_responses"):

@@ -20,8 +20,8 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from mola.config import AdapterSpec
-from mola.server.prompts import render_messages
-from mola.server.tools import JsonCallParser, messages_for_template
+from mola.frontend.prompts import render_messages
+from mola.frontend.tools import JsonCallParser, messages_for_template
 from mola.structured import JsonCalls, StructuredOutputs
 
 from helpers.references import grammar_walks

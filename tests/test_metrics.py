@@ -1,4 +1,4 @@
-"""/metrics on a real server on 127.0.0.1: request, token, latency, adapter,
+"""/metrics on a real server on 127.0.0.1 (in process where no model is needed): request, token, latency, adapter,
 memory and HTTP series move as requests are answered, and the route can be
 put behind the API key (mola/server/metrics.py)."""
 
@@ -8,6 +8,7 @@ import re
 
 import httpx
 
+from helpers.scripted import InProcessServer, tokenizer_model
 from helpers.servers import start_server
 
 API = "api-key-123456"
@@ -41,11 +42,12 @@ def test_metrics(server):
 
 
 def test_protected_metrics(tiny_model):
-    handle = start_server(model=str(tiny_model), api_key=API, protect_metrics=True)
+    handle = InProcessServer(tokenizer_model(tiny_model), api_key=API, protect_metrics=True)  # no port
     try:
-        assert httpx.get(handle.url + "/metrics").status_code == 401
-        assert httpx.get(handle.url + "/health").status_code == 401
-        assert httpx.get(handle.url + "/metrics", headers={"Authorization": f"Bearer {API}"}).status_code == 200
+        with handle.client() as c:
+            assert c.get("/metrics").status_code == 401
+            assert c.get("/health").status_code == 401
+            assert c.get("/metrics", headers={"Authorization": f"Bearer {API}"}).status_code == 200
     finally:
         handle.stop()
 

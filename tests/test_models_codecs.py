@@ -94,6 +94,40 @@ def test_kept_codecs_repack_random_blocks_bit_for_bit(codec, tmp_path):
         assert (q.scales.astype(np.float16).astype(np.float32) != q.scales).any()
 
 
+@pytest.mark.parametrize("codec", [*KEPT, *PAIRED])
+def test_repacks_by_chunks_of_rows_are_the_whole_repack(codec, tmp_path, monkeypatch):
+    """A tensor repacked a few rows at a time (CHUNK_BYTES, the last chunk shorter)
+    is the tensor repacked at once, to the bit, and still gguf-py's values."""
+    import mola.models.codecs as codecs
+
+    raw = random_blocks(codec, 37, 512, np.random.default_rng(5))
+    path, raw = write_one(tmp_path / "t.gguf", codec, raw=raw)
+    whole = read_tensor(GGUFReader(str(path)).tensors[0])
+    monkeypatch.setattr(codecs, "CHUNK_BYTES", 5 * raw.shape[-1])  # chunks of 5 rows: 8 chunks, the last of 2
+    chunked = read_tensor(GGUFReader(str(path)).tensors[0])
+    halves = (lambda v: (v.low, v.high)) if codec in PAIRED else (lambda v: (v,))
+    for a, b in zip(halves(whole), halves(chunked)):
+        for x, y in ((a.weight, b.weight), (a.scales, b.scales), (a.biases, b.biases)):
+            assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
+    got = sum(dequantize(h) for h in halves(chunked))
+    np.testing.assert_array_equal(got, quants.dequantize(raw, GGMLQuantizationType[codec]))
+
+
+@pytest.mark.parametrize("codec", ["Q4_K", "Q6_K", "Q8_0", "Q2_K", "IQ2_XS"])
+def test_dequantized_by_chunks_of_rows_is_gguf_py_whole(codec, tmp_path, monkeypatch):
+    """A float --dtype's read (gguf-py's dequantization, a few rows at a time) is
+    gguf-py's dequantization of the whole tensor, to the bit."""
+    import mola.models.codecs as codecs
+
+    raw = random_blocks(codec, 37, 512, np.random.default_rng(6))
+    path, raw = write_one(tmp_path / "t.gguf", codec, raw=raw)
+    monkeypatch.setattr(codecs, "CHUNK_BYTES", 5 * raw.shape[-1])
+    got = read_tensor(GGUFReader(str(path)).tensors[0], keep=False)
+    expected = quants.dequantize(raw, GGMLQuantizationType[codec])
+    assert got.dtype == expected.dtype == np.float32 and got.shape == expected.shape == (37, 512)
+    assert got.tobytes() == expected.tobytes()
+
+
 @pytest.mark.parametrize("codec", ["Q4_K", "Q5_K"])
 def test_k_quant_scales_are_gguf_py_products(codec):
     """scale = d*sc and bias = -(dmin*m) per 32 weights, the very float32 products

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType, quants
 
 from mola.lora.layer import MultiLoRALinear
 from mola.lora.routing import LoRARouting
-from mola.models.codecs import _q6_k_pair
+from mola.models.codecs_k import q6_k_pair as _q6_k_pair
 from mola.models.convert import convert
 from mola.models.loader import load_base_model
 from mola.models.quantized_pair import QuantizedPairEmbedding, QuantizedPairLinear, make_pairs, unpair

@@ -5,7 +5,6 @@ model's name."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from mola.cli import build_parser, config_from_args
@@ -16,7 +15,7 @@ from mola.registry.names import check_adapter_id, is_entry_name
 from mola.train import TrainConfig
 
 from helpers.schemas import validate_schema
-from helpers.servers import start_server
+from helpers.scripted import InProcessServer, tokenizer_model
 
 VALID = ["a", "upper", "org/name", "org/name:v2", "A-b_c.d", "x" * 128, "a.b/c-d/e_f", "v1.0", ".hidden"]
 # name -> words of the rule its message must name
@@ -86,10 +85,17 @@ def test_adapter_spec_cli_config_and_train_refuse_bad_names(tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def server(tiny_model, adapters):
-    handle = start_server(model=str(tiny_model), served_model_name="tiny", allow_any_adapter_path=True,
-                          max_loras=2, max_lora_rank=16)
+    """The app in process over a scripted engine: names are the protocol's, no model runs."""
+    handle = InProcessServer(tokenizer_model(tiny_model), served_model_name="tiny", allow_any_adapter_path=True,
+                             max_loras=2, max_lora_rank=16)
     yield handle
     handle.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with server.client() as c:
+        yield c
 
 
 def chat(model):
@@ -148,11 +154,12 @@ def test_an_adapter_dir_entry_named_like_the_base_is_not_served_as_an_adapter(ti
     root = tmp_path / "dir"
     shutil.copytree(adapters["a"], root / "tiny")
     shutil.copytree(adapters["b"], root / "bad name")  # not a valid id: skipped, not fatal
-    handle = start_server(model=str(tiny_model), served_model_name="tiny", adapter_dirs=(str(root),),
-                          max_loras=2, max_lora_rank=16)
+    handle = InProcessServer(tokenizer_model(tiny_model), served_model_name="tiny", adapter_dirs=(str(root),),
+                             max_loras=2, max_lora_rank=16)
     try:
-        models = httpx.get(handle.url + "/v1/models").json()["data"]
-        assert [(m["id"], m["parent"]) for m in models] == [("tiny", None)]
-        assert httpx.post(handle.url + "/v1/chat/completions", json=chat("bad name")).status_code == 404
+        with handle.client() as c:
+            models = c.get("/v1/models").json()["data"]
+            assert [(m["id"], m["parent"]) for m in models] == [("tiny", None)]
+            assert c.post("/v1/chat/completions", json=chat("bad name")).status_code == 404
     finally:
         handle.stop()

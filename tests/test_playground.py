@@ -415,11 +415,14 @@ def test_the_page_is_open_and_no_ui_leaves_it_out(server, echo_demo):
         assert httpx.get(server.url + asset).status_code == 200, asset
     assert httpx.get(server.url + "/v1/models").status_code == 401
     assert build_parser().parse_args(["serve", "--no-ui"]).ui is False
-    handle = start_server(model=str(echo_demo[0]), served_model_name=BASE, ui=False)
+    from helpers.scripted import InProcessServer, tokenizer_model
+
+    handle = InProcessServer(tokenizer_model(echo_demo[0]), served_model_name=BASE, ui=False)  # no port
     try:
-        assert httpx.get(handle.url + "/").status_code == 404
-        assert httpx.get(handle.url + "/ui/app.js").status_code == 404
-        assert httpx.get(handle.url + "/health").status_code == 200
+        with handle.client() as c:
+            assert c.get("/").status_code == 404
+            assert c.get("/ui/app.js").status_code == 404
+            assert c.get("/health").status_code == 200
     finally:
         handle.stop()
 

@@ -15,7 +15,7 @@ from mlx_lm import load
 
 from mola.errors import ContextLengthExceeded
 from mola.server.metrics import rss_bytes
-from mola.server.prompts import LONG_PROMPT_CHARS, PROBE_CHARS_PER_TOKEN, encode_within, max_token_chars
+from mola.frontend.prompts import LONG_PROMPT_CHARS, PROBE_CHARS_PER_TOKEN, encode_within, max_token_chars
 from mola.demo.tokenizer import CORPUS
 
 from helpers.servers import start_server
@@ -60,11 +60,10 @@ def test_a_long_text_is_refused_on_a_bounded_prefix(tokenizer):
     the bound lets a 1 MB text through; only a prefix of it is tokenized."""
     text = (CORPUS.read_text() + "\n") * (1_000_000 // len(CORPUS.read_text()) + 1)
     encode, calls = counted(tokenizer)
-    t0 = time.perf_counter()
     with pytest.raises(ContextLengthExceeded, match="in its first"):
         encode_within(encode, text, 2048, 1000, "prompt")
+    # The work done, not the time it took: under 2% of the text was tokenized.
     assert sum(calls) <= (2048 + 64) * PROBE_CHARS_PER_TOKEN < len(text) / 50
-    assert time.perf_counter() - t0 < 5
 
 
 def random_text(rng, words, size):
@@ -116,11 +115,11 @@ def test_never_refuses_what_fits_and_returns_the_tokenizers_own_tokens(tokenizer
 
 def test_lane_choice_by_size(server_with_lanes):
     prompts = server_with_lanes.state.prompts
-    from mola.server.protocol import ChatCompletionRequest, CompletionRequest
+    from mola.frontend.spec import PromptSpec
 
-    small = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "Hi"}])
-    big = CompletionRequest(model="tiny", prompt=["x" * LONG_PROMPT_CHARS, "y"])
-    assert prompts.lane(small) is prompts.short and prompts.lane(big) is prompts.long
+    small = PromptSpec(messages=[{"role": "user", "content": "Hi"}])
+    big = PromptSpec(texts=["x" * LONG_PROMPT_CHARS, "y"])
+    assert prompts.lane(small.chars()) is prompts.short and prompts.lane(big.chars()) is prompts.long
     assert prompts.long[0] is not prompts.short[0]  # its own copy of the tokenizer, down to the Rust one
     assert prompts.long[0]._tokenizer._tokenizer is not prompts.short[0]._tokenizer._tokenizer
     assert prompts.long[0].encode("hello world") == prompts.short[0].encode("hello world")
@@ -242,9 +241,12 @@ def test_a_huge_prompt_is_refused_fast_without_growing_memory(tiny_model):
                 sampler.join()
                 stop.clear()
                 assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
-                assert "maximum context length is 2048 tokens" in r.json()["error"]["message"]
+                message = r.json()["error"]["message"]
+                assert "maximum context length is 2048 tokens" in message
                 print(f"{kind}: refused in {seconds:.2f} s, peak RSS +{(peak['rss'] - before) / 2**20:.0f} MiB")
-                assert seconds < 5, kind
+                # Refused on what the work shows, not on a clock: by the character bound, or on a
+                # prefix (the whole text was never tokenized).
+                assert "no token is longer" in message or "in its first" in message, (kind, message)
                 assert peak["rss"] - before < 200 * 2**20, kind  # the request itself holds ~30 MB of copies
     finally:
         handle.stop()

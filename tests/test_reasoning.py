@@ -15,9 +15,9 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from mola.models.eog import special_token_ids
-from mola.server.reasoning import (DeepSeekR1, GptOss, HarmonyParser, Qwen3, Split, ThinkParser, detect,
+from mola.frontend.reasoning import (DeepSeekR1, GptOss, HarmonyParser, Qwen3, Split, ThinkParser, detect,
                                    reasoning_format)
-from mola.server.tools import ToolCallParser
+from mola.frontend.tools import ToolCallParser
 from mola.structured import StructuredOutputs
 
 from helpers.tokenizers import with_added_tokens, with_chat_template

@@ -20,7 +20,7 @@ import httpx
 import jsonschema
 import pytest
 
-from mola.server.reasoning import reasoning_format
+from mola.frontend.reasoning import reasoning_format
 
 from helpers.schemas import sse_events, typed_events, validate_schema, validate_stream_event
 from helpers.servers import start_server

@@ -195,7 +195,7 @@ def test_adapter_flags(tiny_model, tree):
     config = config_from_args(build_parser().parse_args(args))
     assert config.allow_adapter_symlinks
     handle = serve(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-                      if f.name not in ("host", "port", "log_level", "served_model_name", "engine")})
+                      if f.name not in ("log_level", "served_model_name", "engine", "images", "http", "bases")})
     try:
         c = httpx.Client(base_url=handle.url, timeout=60)
         assert answer(c, "cli-in")[0] == 200 and answer(c, "cli-in") == answer(c, "inner")

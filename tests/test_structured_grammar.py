@@ -15,7 +15,7 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from mola.errors import InvalidRequest
-from mola.server.tools import ToolCallParser
+from mola.frontend.tools import ToolCallParser
 from mola.structured import JsonCalls, StructuredOutputs
 
 from helpers.references import grammar_walks

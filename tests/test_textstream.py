@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from mola.server.textstream import TextStream
+from mola.frontend.textstream import TextStream
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import httpx
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from mola.server.tools import ToolCallParser, messages_for_template
+from mola.frontend.tools import ToolCallParser, messages_for_template
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

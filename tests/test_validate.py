@@ -10,11 +10,13 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import httpx
 import mlx.core as mx
 import pytest
 
+from mola.models.gguf_load import WRITER_THREAD
 from mola.models.loader import load_base_model
 from mola.adapters.formats import read_adapter
 from mola.lora.pack import AdapterPacks, geometry_of
@@ -161,6 +163,22 @@ def test_offline_geometry_of_a_gguf_file(tiny_gguf, dtype):
     assert offline.geometry.dtype == packs.geometry.dtype
     for key in ("model_type", "num_attention_heads", "num_key_value_heads", "hidden_size"):
         assert offline.config[key] == loaded.config[key]
+
+
+def test_the_conversion_a_gguf_file_gets_at_load(tiny_gguf, twins, tmp_path, monkeypatch):
+    """Whether mola serve will read the file from the conversion cache or convert it."""
+    monkeypatch.setenv("MOLA_GGUF_CACHE", str(tmp_path / "cache"))
+    assert model_shape(str(tiny_gguf), max_rank=16, dtype="keep").conversion.startswith("not cached: converted")
+    load_base_model(str(tiny_gguf), dtype="keep")
+    for thread in threading.enumerate():  # the entry is written after the load
+        if thread.name == WRITER_THREAD:
+            thread.join()
+    assert model_shape(str(tiny_gguf), max_rank=16, dtype="keep").conversion.startswith("cached (")
+    assert model_shape(str(tiny_gguf), max_rank=16, dtype="float32").conversion.startswith("not cached")
+    code, out, _ = mola_validate(twins["gguf"], "--model", tiny_gguf, "--dtype", "keep")
+    assert code == 0 and "convert  cached (" in out
+    monkeypatch.setenv("MOLA_GGUF_CACHE", "off")
+    assert "cache is off" in model_shape(str(tiny_gguf), max_rank=16, dtype="keep").conversion
 
 
 def test_adapters_against_a_gguf_file(tiny_gguf, twins, other_model, tmp_path):

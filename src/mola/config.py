@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .cache import parse_bytes
 from .engine.config import EngineConfig, SpeculativeConfig
 from .errors import InvalidAdapterName
 from .registry.names import check_adapter_id
@@ -21,7 +22,7 @@ from .registry.resolvers import ResolverSpec, parse_resolver
 from .models import DTYPE_CHOICES
 
 DEMO_CHOICES = ("chat", "echo")  # what `mola serve` with no model serves (mola.demo)
-# How a thinking model's reasoning is split from its answer (mola/server/reasoning.py);
+# How a thinking model's reasoning is split from its answer (mola/frontend/reasoning.py);
 # auto: from the chat template.
 REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "gpt_oss", "none")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -132,6 +133,105 @@ class ImageModelSpec:
 
 
 IMAGE_DTYPES = ("bfloat16", "float16", "float32")
+@dataclass(frozen=True)
+class HTTPConfig:
+    """How the server speaks HTTP: where it listens, who may call it, what it
+    takes and how it stops."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Access: with api_key, every /v1 route needs "Authorization: Bearer KEY";
+    # with admin_key, loading and unloading adapters needs that key instead.
+    # /health and /metrics stay open unless protect_metrics.
+    api_key: str | None = field(default=None, repr=False)
+    admin_key: str | None = field(default=None, repr=False)
+    protect_metrics: bool = False
+    ui: bool = True  # serve the playground page at / (False: / is a 404)
+    # Request bodies larger than this are refused (413) before being read whole.
+    max_request_bytes: int = 4 * 1024 * 1024
+    # The body of PUT /v1/adapters/{name}/weights (an adapter's safetensors) may be this large.
+    max_adapter_push_bytes: int = 1 << 30
+    # On SIGTERM: stop accepting, let running requests finish up to this long.
+    shutdown_timeout: float = 30.0
+
+    def __post_init__(self):
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
+        for name in ("api_key", "admin_key"):
+            key = getattr(self, name)
+            if key is not None and (not isinstance(key, str) or len(key) < 8):
+                raise ValueError(f"{name} must be a string of at least 8 characters")
+
+
+@dataclass(frozen=True)
+class BasesConfig:
+    """The base models besides --model, and what stays resident (docs/bases.md)."""
+
+    # Further base models, each with its adapters, loaded on their first
+    # request; with no model, the first of them is the default base.
+    models: tuple[ModelSpec, ...] = ()
+    # What stays resident: at most this many bases loaded, and their weights
+    # and slot packs within this many bytes (None: no limit); reaching a limit
+    # unloads the least recently used idle base.
+    max_loaded_models: int | None = None
+    models_memory_bytes: int | str | None = None
+    # A base idle this many seconds unloads (None: never; a model's own keep_alive wins).
+    keep_alive: float | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "models", tuple(
+            m if isinstance(m, ModelSpec) else ModelSpec(**m) for m in self.models))
+        if isinstance(self.models_memory_bytes, str):
+            object.__setattr__(self, "models_memory_bytes", parse_bytes(self.models_memory_bytes))
+        if self.max_loaded_models is not None and self.max_loaded_models < 1:
+            raise ValueError(f"max_loaded_models must be at least 1, got {self.max_loaded_models}")
+        if self.keep_alive is not None and not self.keep_alive > 0:
+            raise ValueError(f"keep_alive must be > 0 seconds, got {self.keep_alive}")
+
+
+# `mola serve`'s bases flags and config-file keys: BasesConfig's fields, by the same names.
+BASES_SETTINGS = frozenset(f.name for f in dataclasses.fields(BasesConfig))
+# `mola serve`'s HTTP flags and config-file keys: HTTPConfig's fields, by the same names.
+HTTP_SETTINGS = frozenset(f.name for f in dataclasses.fields(HTTPConfig))
+# `mola serve`'s image flags and config-file keys -> the ImagesConfig field each sets.
+IMAGE_SETTINGS = {"image_model": "model", "image_adapters": "adapters", "image_dtype": "dtype",
+                  "image_max_batch": "max_batch", "image_max_lora_rank": "max_lora_rank"}
+
+
+@dataclass(frozen=True)
+class ImagesConfig:
+    """Images (docs/images.md): a FLUX.2-klein base kept resident by one worker
+    thread, its LoRAs named at start (``adapters``: chosen by a request's model)
+    or by path in a request (under the server's adapter_dirs), applied unmerged
+    per row of one batched denoising loop. No ``model``: no images served."""
+
+    model: ImageModelSpec | None = None
+    adapters: tuple[AdapterSpec, ...] = ()
+    dtype: str = "bfloat16"  # mflux's compute dtype (its ModelConfig.precision, one per process)
+    max_batch: int = 4  # images denoised together (also how many different LoRA sets one batch holds)
+    max_lora_rank: int = 64  # the largest rank of a LoRA (or a stack's summed ranks)
+
+    def __post_init__(self):
+        if isinstance(self.model, dict):
+            object.__setattr__(self, "model", ImageModelSpec(**self.model))
+        object.__setattr__(self, "adapters", tuple(
+            a if isinstance(a, AdapterSpec) else AdapterSpec(**a) for a in self.adapters))
+        names = [a.name for a in self.adapters] + ([self.model.name] if self.model is not None else [])
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"image model or adapter names given more than once: {', '.join(dupes)}")
+        if self.adapters and self.model is None:
+            raise ValueError("image_adapters need an image_model (--image-model NAME=PATH)")
+        if self.dtype not in IMAGE_DTYPES:
+            raise ValueError(f"unknown image_dtype {self.dtype!r}; choose one of {', '.join(IMAGE_DTYPES)}")
+        for name in ("max_batch", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"image_{name} must be an integer >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -159,8 +259,6 @@ class ServeConfig:
     # Where unknown model ids are looked for, in order (off by default):
     # "dir:PATH" (PATH/<id>) or "hf:ORG/*" / "hf:ORG/A,ORG/B" (hub repos).
     adapter_resolvers: tuple[ResolverSpec | str, ...] = ()
-    host: str = "127.0.0.1"
-    port: int = 8000
     # The host tier: adapters kept read, checked and prepared in host memory,
     # so that loading one into a slot is only the copy. At most this many
     # (None: no limit by count) and this many bytes (None: no limit by size);
@@ -187,17 +285,6 @@ class ServeConfig:
     reasoning_parser: str = "auto"
     log_level: str = "info"
     cache_dir: Path | None = None  # where the demo is fetched and built (default ~/.cache/mola)
-    # Access: with api_key, every /v1 route needs "Authorization: Bearer KEY";
-    # with admin_key, loading and unloading adapters needs that key instead.
-    # /health and /metrics stay open unless protect_metrics.
-    api_key: str | None = field(default=None, repr=False)
-    admin_key: str | None = field(default=None, repr=False)
-    protect_metrics: bool = False
-    ui: bool = True  # serve the playground page at / (False: / is a 404)
-    # Request bodies larger than this are refused (413) before being read whole.
-    max_request_bytes: int = 4 * 1024 * 1024
-    # The body of PUT /v1/adapters/{name}/weights (an adapter's safetensors) may be this large.
-    max_adapter_push_bytes: int = 1 << 30
     # Backpressure: requests waiting beyond the running batch; past it, 429.
     max_queue: int = 256
     # A request running longer than this many seconds ends (finish_reason
@@ -206,33 +293,15 @@ class ServeConfig:
     # Responses kept in memory for previous_response_id (least recently used
     # evicted first); 0 keeps none.
     max_stored_responses: int = 1024
-    # On SIGTERM: stop accepting, let running requests finish up to this long.
-    shutdown_timeout: float = 30.0
     # Serve a base sharded over the ranks of an mx.distributed group (started
     # by mlx.launch); rank 0 serves HTTP, the others follow its steps.
     distributed: bool = False
-    # Further base models, each with its adapters, loaded on their first
-    # request; with no model, the first of them is the default base.
-    models: tuple[ModelSpec, ...] = ()
-    # What stays resident: at most this many bases loaded, and their weights
-    # and slot packs within this many bytes (None: no limit); reaching a limit
-    # unloads the least recently used idle base.
-    max_loaded_models: int | None = None
-    models_memory_bytes: int | str | None = None
-    # A base idle this many seconds unloads (None: never; a model's own keep_alive wins).
-    keep_alive: float | None = None
-    # Images (docs/images.md): a FLUX.2-klein base kept resident by one worker
-    # thread, its LoRAs named at start (image_adapters: chosen by a request's
-    # model) or by path in a request (under adapter_dirs), applied unmerged per
-    # row of one batched denoising loop. image_max_batch: images denoised together
-    # (also how many different LoRA sets one batch holds); image_max_lora_rank: the
-    # largest rank of a LoRA (or a stack's summed ranks); image_dtype: mflux's
-    # compute dtype (its ModelConfig.precision, one per process).
-    image_model: ImageModelSpec | None = None
-    image_adapters: tuple[AdapterSpec, ...] = ()
-    image_dtype: str = "bfloat16"
-    image_max_batch: int = 4
-    image_max_lora_rank: int = 64
+    # Further base models, and what stays resident (BASES_SETTINGS).
+    bases: BasesConfig = field(default_factory=BasesConfig)
+    # Images (docs/images.md): the image base and its LoRAs (IMAGE_SETTINGS).
+    images: ImagesConfig = field(default_factory=ImagesConfig)
+    # HTTP: the address, the keys, the page, body limits and shutdown (HTTP_SETTINGS).
+    http: HTTPConfig = field(default_factory=HTTPConfig)
     # The engine: adapter slots and ranks, the batch, the prompt cache and
     # speculative decoding (ENGINE_SETTINGS, SPECULATIVE_SETTINGS).
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -242,45 +311,16 @@ class ServeConfig:
         self._check_adapters()
         self._check_choices()
         self._check_models()
-        self._check_images()
-
-    def _check_images(self) -> None:
-        """The image base, its adapters and its limits."""
-        if isinstance(self.image_model, dict):
-            object.__setattr__(self, "image_model", ImageModelSpec(**self.image_model))
-        object.__setattr__(self, "image_adapters", tuple(
-            a if isinstance(a, AdapterSpec) else AdapterSpec(**a) for a in self.image_adapters))
-        names = [a.name for a in self.image_adapters]
-        if self.image_model is not None:
-            names.append(self.image_model.name)
-        dupes = sorted({n for n in names if names.count(n) > 1})
-        if dupes:
-            raise ValueError(f"image model or adapter names given more than once: {', '.join(dupes)}")
-        if self.image_adapters and self.image_model is None:
-            raise ValueError("image_adapters need an image_model (--image-model NAME=PATH)")
-        if self.image_dtype not in IMAGE_DTYPES:
-            raise ValueError(f"unknown image_dtype {self.image_dtype!r}; choose one of {', '.join(IMAGE_DTYPES)}")
-        for name in ("image_max_batch", "image_max_lora_rank"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
 
     def _check_models(self) -> None:
-        """The declared bases: names unique, limits positive."""
-        object.__setattr__(self, "models", tuple(
-            m if isinstance(m, ModelSpec) else ModelSpec(**m) for m in self.models))
-        names = [m.name for m in self.models] + [self.served_model_name] * (self.served_model_name is not None)
-        adapters = [a.name for a in self.adapters] + [a.name for m in self.models for a in m.adapters]
+        """The declared bases' names and their adapters' unique (their limits: BasesConfig)."""
+        models = self.bases.models
+        names = [m.name for m in models] + [self.served_model_name] * (self.served_model_name is not None)
+        adapters = [a.name for a in self.adapters] + [a.name for m in models for a in m.adapters]
         clashes = sorted({n for n in names if names.count(n) > 1} | (set(names) & set(adapters))
                          | {n for n in adapters if adapters.count(n) > 1})
         if clashes:
             raise ValueError(f"model or adapter names given more than once: {', '.join(clashes)}")
-        if isinstance(self.models_memory_bytes, str):
-            object.__setattr__(self, "models_memory_bytes", parse_bytes(self.models_memory_bytes))
-        if self.max_loaded_models is not None and self.max_loaded_models < 1:
-            raise ValueError(f"max_loaded_models must be at least 1, got {self.max_loaded_models}")
-        if self.keep_alive is not None and not self.keep_alive > 0:
-            raise ValueError(f"keep_alive must be > 0 seconds, got {self.keep_alive}")
 
     def for_base(self, spec: ModelSpec, is_default: bool = False) -> ServeConfig:
         """The settings one declared base is served with: this server's, with
@@ -295,31 +335,22 @@ class ServeConfig:
         top = (self.adapters, self.adapter_dirs) if is_default else ((), ())
         return dataclasses.replace(
             self, model=spec.model, served_model_name=spec.name, adapters=spec.adapters + top[0],
-            adapter_dirs=spec.adapter_dirs + top[1], dtype=spec.dtype or self.dtype, models=(),
-            keep_alive=spec.keep_alive or self.keep_alive, engine=dataclasses.replace(self.engine, **own))
+            adapter_dirs=spec.adapter_dirs + top[1], dtype=spec.dtype or self.dtype,
+            bases=dataclasses.replace(self.bases, models=(), keep_alive=spec.keep_alive or self.bases.keep_alive),
+            engine=dataclasses.replace(self.engine, **own))
 
     def _check_server(self) -> None:
-        """The address, the limits, the timeouts and the keys."""
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        """The limits and the timeouts (the address and the keys: HTTPConfig)."""
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be at least 1, got {self.default_max_tokens}")
-        if self.max_request_bytes < 1024:
-            raise ValueError(f"max_request_bytes must be at least 1024, got {self.max_request_bytes}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if self.max_stored_responses < 0:
             raise ValueError(f"max_stored_responses must be >= 0, got {self.max_stored_responses}")
         if self.request_timeout is not None and not self.request_timeout > 0:
             raise ValueError(f"request_timeout must be > 0 seconds, got {self.request_timeout}")
-        if not self.shutdown_timeout >= 0:
-            raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {self.shutdown_timeout}")
-        for name in ("api_key", "admin_key"):
-            key = getattr(self, name)
-            if key is not None and (not isinstance(key, str) or len(key) < 8):
-                raise ValueError(f"{name} must be a string of at least 8 characters")
 
     def _check_adapters(self) -> None:
         """Adapter names, the host tier, admission and the resolvers."""
@@ -358,11 +389,16 @@ class ServeConfig:
     @classmethod
     def from_settings(cls, **settings) -> ServeConfig:
         """A ServeConfig from settings named as `mola serve`'s flags and
-        config-file keys: its own fields, and the engine's (ENGINE_SETTINGS,
-        SPECULATIVE_SETTINGS, speculate_always)."""
+        config-file keys: its own fields, the engine's (ENGINE_SETTINGS,
+        SPECULATIVE_SETTINGS, speculate_always), the images' (IMAGE_SETTINGS),
+        HTTP's (HTTP_SETTINGS) and the bases' (BASES_SETTINGS)."""
         engine_keys = set(ENGINE_SETTINGS) | set(SPECULATIVE_SETTINGS) | {"speculate_always"}
         engine = {k: settings.pop(k) for k in engine_keys & set(settings)}
-        return cls(**settings, engine=engine_config(**engine))
+        images = {IMAGE_SETTINGS[k]: settings.pop(k) for k in set(IMAGE_SETTINGS) & set(settings)}
+        http = {k: settings.pop(k) for k in HTTP_SETTINGS & set(settings)}
+        bases = {k: settings.pop(k) for k in BASES_SETTINGS & set(settings)}
+        return cls(**settings, engine=engine_config(**engine), images=ImagesConfig(**images),
+                   http=HTTPConfig(**http), bases=BasesConfig(**bases))
 
 
 def engine_config(speculate_always: bool = False, **settings) -> EngineConfig:
@@ -389,22 +425,6 @@ def engine_config(speculate_always: bool = False, **settings) -> EngineConfig:
 
 
 # Every setting a flag or config-file key can give.
-SETTINGS = ({f.name for f in dataclasses.fields(ServeConfig)} - {"engine"}
-            | set(ENGINE_SETTINGS) | set(SPECULATIVE_SETTINGS) | {"speculate_always"})
-SIZE_UNITS = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9,
-              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_bytes(value: str) -> int:
-    """A size in bytes: "1073741824", "512MB", "1.5G", "2GiB" (K, M, G are
-    powers of 10, as mlx_lm.server reads them; KiB, MiB, GiB powers of 2)."""
-    text = str(value).strip()
-    number = text.rstrip("BbKkMmGgIi ")
-    unit = text[len(number):].strip().upper()
-    try:
-        amount = float(number)
-    except ValueError:
-        amount = -1.0
-    if unit not in SIZE_UNITS or not amount >= 0 or amount == float("inf"):
-        raise ValueError(f"expected a size in bytes such as 1000000, 512MB or 2GiB, got {value!r}")
-    return int(amount * SIZE_UNITS[unit])
+SETTINGS = ({f.name for f in dataclasses.fields(ServeConfig)} - {"engine", "images", "http", "bases"}
+            | set(ENGINE_SETTINGS) | set(SPECULATIVE_SETTINGS) | {"speculate_always"} | set(IMAGE_SETTINGS)
+            | HTTP_SETTINGS | BASES_SETTINGS)

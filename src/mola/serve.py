@@ -34,7 +34,7 @@ def with_demo(config: ServeConfig) -> ServeConfig:
     adapters, and the echo demo's tiny base as a second base with its adapters
     (named echo-upper, ...), loaded on its first request; the echo demo alone
     when asked for (--demo echo), or when the chat demo's model cannot be had."""
-    if config.model is not None or config.models:
+    if config.model is not None or config.bases.models:
         return config
     from .demo import ensure_demo
 
@@ -52,7 +52,7 @@ def with_demo(config: ServeConfig) -> ServeConfig:
         demo=ServeConfig.demo,  # the demo is now the model: no choice is left to make
         served_model_name=config.served_model_name or demo.name,
         adapters=demo_adapters + config.adapters,
-        models=models,
+        bases=dataclasses.replace(config.bases, models=models),
     )
 
 
@@ -98,15 +98,15 @@ def model_loader(config: ServeConfig, group=None):
 
 def exposure_warning(config: ServeConfig) -> str | None:
     """A warning when the server listens beyond this machine with no API key."""
-    if config.api_key is not None:
+    if config.http.api_key is not None:
         return None
-    host = config.host.strip("[]")
+    host = config.http.host.strip("[]")
     try:
         if host == "localhost" or ipaddress.ip_address(host).is_loopback:
             return None
     except ValueError:  # a host name: it may resolve to anything
         pass
-    return (f"listening on {config.host or 'every address'}, beyond this machine, with no --api-key: "
+    return (f"listening on {config.http.host or 'every address'}, beyond this machine, with no --api-key: "
             "anyone who can reach the port can use the models (and, with no --admin-key, load and "
             "unload adapters). Set --api-key (or MOLA_API_KEY), or bind --host 127.0.0.1.")
 
@@ -118,7 +118,7 @@ def serve(config: ServeConfig) -> int:
     setup_logging(config.log_level)
     config = with_demo(config)
     warning = exposure_warning(config)
-    if config.models or config.keep_alive is not None:  # bases loaded and unloaded here
+    if config.bases.models or config.bases.keep_alive is not None:  # bases loaded and unloaded here
         if warning:  # printed whatever --log-level says
             print(f"[mola] warning: {warning}", file=sys.stderr, flush=True)
         if config.distributed:
@@ -210,15 +210,15 @@ async def _run(config: ServeConfig, app) -> int:
             if not bases.draining:
                 running = bases.drain()
                 print(f"[mola] shutting down: draining {running} running "
-                      f"sequence(s) for up to {config.shutdown_timeout:g} s", file=sys.stderr, flush=True)
+                      f"sequence(s) for up to {config.http.shutdown_timeout:g} s", file=sys.stderr, flush=True)
             super().handle_exit(sig, frame)
             # uvicorn re-raises the signal once it has stopped, which would
             # end the process "killed by SIGTERM"; a drained stop exits 0.
             self._captured_signals.clear()
 
     server = Server(uvicorn.Config(
-        app, host=config.host, port=config.port, log_level=config.log_level,
-        timeout_graceful_shutdown=config.shutdown_timeout,
+        app, host=config.http.host, port=config.http.port, log_level=config.log_level,
+        timeout_graceful_shutdown=config.http.shutdown_timeout,
     ))
     await server.serve()
     return 0

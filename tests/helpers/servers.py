@@ -41,7 +41,7 @@ class ServerHandle:
 
     @property
     def state(self):
-        return self.app.state.mola
+        return self.app.state.bases.default.state
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -74,7 +74,7 @@ def start_server(**kwargs) -> ServerHandle:
 
     async def main():
         app = create_app(await build_state(config, engine, loaded))
-        box["server"] = server = _Server(uvicorn.Config(app, host=config.host, port=config.port,
+        box["server"] = server = _Server(uvicorn.Config(app, host=config.http.host, port=config.http.port,
                                                         log_level="warning"), ready)
         await server.serve()
 
@@ -92,7 +92,7 @@ def start_server(**kwargs) -> ServerHandle:
     if not ("server" in box and box["server"].started):
         engine.stop()
         raise RuntimeError(f"the test server did not start: {box.get('error')}")
-    return ServerHandle(f"http://127.0.0.1:{config.port}", engine, box["server"], thread, config)
+    return ServerHandle(f"http://127.0.0.1:{config.http.port}", engine, box["server"], thread, config)
 
 
 def start_mola_serve(args, env=None, timeout=120):

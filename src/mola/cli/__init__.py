@@ -3,6 +3,7 @@
     serve_flags.py  mola serve's flags
     config_file.py  mola serve --config FILE: the settings a TOML, YAML or JSON file declares
     commands.py     mola train, convert, chat and validate: their parsers
+    cache_command.py  mola cache list|clear: the conversion cache of GGUF models
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from ..blas import maybe_reexec_with_openblas
 from ..config import SETTINGS, ServeConfig
 from .commands import (add_chat_parser, add_convert_parser, add_train_parser, add_validate_parser, run_convert,
                        train_config_from_args)
+from .cache_command import add_cache_parser, run_cache
 from .config_file import load_config_file, merge_adapters
 from .serve_flags import add_serve_parser
 from ..distill.command import add_distill_parser
@@ -33,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_convert_parser(commands)
     add_validate_parser(commands)
     add_chat_parser(commands)
+    add_cache_parser(commands)
     return parser
 
 
@@ -86,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         return distill(args, parser, argv)
     if args.command == "convert":
         return run_convert(args)
+    if args.command == "cache":
+        return run_cache(args)
     if args.command == "chat":
         from ..chat.command import main as chat
 

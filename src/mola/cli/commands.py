@@ -91,12 +91,24 @@ def run_convert(args: argparse.Namespace) -> int:
     from ..errors import MolaError
     from ..models.convert import convert
 
+    import logging
+
+    # a long conversion's progress: a bar on a terminal, else these log lines (models/progress.py)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[mola] %(message)s"))
+    loader_log = logging.getLogger("mola.loader")
+    level = loader_log.level
+    loader_log.addHandler(handler)
+    loader_log.setLevel(logging.INFO)
     t0 = time.perf_counter()
     try:
         out = convert(args.src, args.out, dtype=args.dtype, force=args.force)
     except MolaError as e:
         print(f"[mola] error: {e.message}", file=sys.stderr)
         return 1
+    finally:
+        loader_log.removeHandler(handler)
+        loader_log.setLevel(level)
     print(f"[mola] wrote {out} ({args.dtype}) in {time.perf_counter() - t0:.1f} s; "
           f"e.g. mlx_lm.generate --model {out} --prompt 'Hello'", file=sys.stderr)
     return 0

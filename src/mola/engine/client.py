@@ -12,7 +12,7 @@ import asyncio
 from typing import Any, AsyncIterator, Callable
 
 from ..adapters.recipe import SlotRecipe
-from ..lora.pack import SlotGeometry, SlotRows
+from ..lora.pack import PackStats, SlotGeometry, SlotRows
 from .engine import Engine
 from .outputs import EngineSnapshot, SeqOutput
 from .sequence import Sequence
@@ -67,6 +67,11 @@ class AsyncEngine:
     def snapshot(self) -> EngineSnapshot:
         """The engine's state as of its last step (immutable)."""
         return self.engine.snapshot
+
+    @property
+    def pack_stats(self) -> PackStats:
+        """The slot packs' sizes as of their last resize (immutable)."""
+        return self.engine.pack_stats
 
     # ---- the slot port (mola.adapters.loader.SlotPort) -----------------------
 

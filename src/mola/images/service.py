@@ -62,16 +62,16 @@ class ImageService:
 
     @classmethod
     def from_config(cls, config) -> ImageService:
-        """The service a ServeConfig with an image_model describes (not started)."""
+        """The service a ServeConfig with an image model describes (not started)."""
+        images = config.images
         sources = AdapterSources(
             adapter_dirs=config.adapter_dirs,
-            named_paths=[a.path for a in config.image_adapters if Path(a.path).expanduser().exists()],
+            named_paths=[a.path for a in images.adapters if Path(a.path).expanduser().exists()],
             allow_any_path=config.allow_any_adapter_path, allow_symlinks=config.allow_adapter_symlinks,
             resolver_dirs=[r.root for r in config.adapter_resolvers if r.kind == "dir"])
-        adapters = {a.name: LoRAUse(lora_file(sources.resolve(a.path), a.name), a.scale) for a in config.image_adapters}
-        worker = ImageWorker(config.image_model.path, config.image_dtype, config.image_max_batch,
-                             config.image_max_lora_rank)
-        return cls(config.image_model.name, worker, sources, adapters)
+        adapters = {a.name: LoRAUse(lora_file(sources.resolve(a.path), a.name), a.scale) for a in images.adapters}
+        worker = ImageWorker(images.model.path, images.dtype, images.max_batch, images.max_lora_rank)
+        return cls(images.model.name, worker, sources, adapters)
 
     def start(self) -> None:
         """Load the model on the worker thread (blocking until loaded)."""

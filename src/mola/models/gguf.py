@@ -22,6 +22,10 @@ from __future__ import annotations
 
 import importlib
 import re
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -34,9 +38,11 @@ from .codecs import (F32_SCALES, GROUP_SIZE, KEPT, BFloat16, Quantized, Quantize
 from .gguf_arch import BASE_ARCHITECTURES, BaseArchitecture
 from .gguf_file import GGUFFile, open_gguf
 from .metadata import model_config
+from .progress import Progress
 from .quantized_pair import make_pairs
 
 DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+WORKERS = 2  # tensors converted at once (numpy and MLX release the GIL); bounds the numpy forms held
 
 
 # llama.cpp tensor -> mlx-lm parameter path (".weight"/".bias" appended); the block
@@ -111,48 +117,94 @@ def _to_mx(value, dtype: mx.Dtype, keep: bool) -> dict[str, mx.array]:
     return {"weight": mx.array(value).astype(dtype)}
 
 
-def read_weights(f: GGUFFile, dtype: str) -> tuple[dict, dict[str, mx.array], dict[str, dict]]:
-    """(config, weights by mlx-lm name, {module path: {"bits", "group_size"}} of the
-    modules kept quantized). ``dtype``: "keep" or a key of DTYPES."""
-    keep = dtype == "keep"
+def gguf_config(f: GGUFFile) -> dict:
+    """The mlx-lm config of the file's model, from its metadata and tensor names."""
     tensors = {t.name: t for t in f.reader.tensors}
     embed = tensors.get("token_embd.weight")
     if embed is None:
         raise ModelLoadError(f"{f.path} has no token_embd.weight.")
-    config = model_config(f, set(tensors), int(embed.shape[-1]))  # ne [n_embd, n_vocab]
-    held, codecs = {}, {}
+    return model_config(f, set(tensors), int(embed.shape[-1]))  # ne [n_embd, n_vocab]
+
+
+def read_weights(f: GGUFFile, dtype: str, progress: Progress | None = None, config: dict | None = None,
+                 ) -> tuple[dict, dict[str, mx.array], dict[str, dict]]:
+    """(config, weights by mlx-lm name, {module path: {"bits", "group_size"}} of the
+    modules kept quantized). ``dtype``: "keep" or a key of DTYPES. Streamed tensor by
+    tensor: each is read, repacked, turned into MLX arrays and evaluated before the
+    next, so that what is held at the end (the result) is about all that is ever
+    held; ``progress`` advances after each. ``config``: gguf_config's answer, if at hand."""
+    keep = dtype == "keep"
+    tensors = {t.name: t for t in f.reader.tensors}
+    config = gguf_config(f) if config is None else config
+    names = {}
     for tensor in tensors.values():
         name = hf_name(tensor.name, f.arch)
-        if name == _CONSUMED:
-            continue
         if name is None:
             raise ModelLoadError(
                 f"{f.path} holds tensor '{tensor.name}', which has no place in mlx-lm's "
                 f"{config['model_type']} model; mola does not drop part of a model silently.")
-        try:
-            held[name] = read_tensor(tensor)
-        except UnsupportedTensor as e:
-            raise UnsupportedTensor(f"{f.path}: {e.message}") from None
-        if name.endswith(".shared_expert_gate.weight") and len(held[name].shape) == 1:
-            held[name] = _rows(held[name], lambda v: v.reshape(1, -1))  # llama.cpp's {n_embd}: [1, n_embd]
-        if len(tensor.shape) > 1:
-            codecs[codec_name(tensor.tensor_type)] = True
-    if ARCHITECTURES[f.arch.name].permutes_qk:
-        _unpermute_qk(held, config)
-    if f.arch.weights is not None:
-        f.arch.weights(held, config)
+        names[tensor.name] = name
+    codecs = {codec_name(t.tensor_type) for t in tensors.values() if len(t.shape) > 1 and names[t.name]}
     target = keep_dtype(codecs) if keep else DTYPES[dtype]
+    heads = ({"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
+             if ARCHITECTURES[f.arch.name].permutes_qk else {})
     weights, quantization = {}, {}
-    for name, value in held.items():
-        module, _, leaf = name.rpartition(".")
-        arrays = _to_mx(value, target, keep)
-        if "scales" in arrays:
-            quantization[module] = {"group_size": GROUP_SIZE, "bits": value.bits,
-                                    **({"pair": True} if isinstance(value, QuantizedPair) else {})}
-        else:  # a float weight, bias or gpt-oss's sinks
-            arrays = {leaf: arrays["weight"]}
-        weights.update({f"{module}.{k}": v for k, v in arrays.items()})
+    todo = [t for t in tensors.values() if names[t.name] != _CONSUMED]
+    # numpy's repacks and MLX's evaluations release the GIL: up to WORKERS tensors are
+    # converted at once, and taken in file order as they come
+    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+        convert = partial(_convert_one, f, config=config, heads=heads, target=target, keep=keep)
+        pending = deque(pool.submit(convert, t, names[t.name]) for t in todo[:WORKERS])
+        for i, tensor in enumerate(todo):
+            arrays, quantized = pending.popleft().result()
+            if i + WORKERS < len(todo):
+                nxt = todo[i + WORKERS]
+                pending.append(pool.submit(convert, nxt, names[nxt.name]))
+            weights.update(arrays)
+            if quantized is not None:
+                quantization[names[tensor.name].rpartition(".")[0]] = quantized
+            if progress is not None:
+                progress.advance(int(tensor.n_bytes), time.monotonic())
     return config, weights, quantization
+
+
+def _convert_one(f: GGUFFile, tensor, name: str, *, config: dict, heads: dict, target: mx.Dtype, keep: bool):
+    """({mlx-lm name: evaluated array}, the module's quantization or None) of one
+    tensor; its numpy form is gone when this returns."""
+    return _mx_form(name, _read_one(f, tensor, name, config, heads, keep), target, keep)
+
+
+def _read_one(f: GGUFFile, tensor, name: str, config: dict, heads: dict, keep: bool):
+    """One tensor read and put in mlx-lm's layout, in its held form (codecs.py)."""
+    try:
+        value = read_tensor(tensor, keep)
+    except UnsupportedTensor as e:
+        raise UnsupportedTensor(f"{f.path}: {e.message}") from None
+    if name.endswith(".shared_expert_gate.weight") and len(value.shape) == 1:
+        value = _rows(value, lambda v: v.reshape(1, -1))  # llama.cpp's {n_embd}: [1, n_embd]
+    proj = name.split(".")[-2]
+    if proj in heads:  # llama.cpp's q/k rows (weights and biases) back in Hugging Face's order
+        value = _rows(value, lambda rows, n=heads[proj]: hf_row_order(rows, n))
+    if f.arch.weights is not None:  # the architecture's per-tensor fixes (gguf_arch/)
+        one = {name: value}
+        f.arch.weights(one, config)
+        value = one[name]
+    return value
+
+
+def _mx_form(name: str, value, target: mx.Dtype, keep: bool) -> tuple[dict[str, mx.array], dict | None]:
+    """``value``'s evaluated MLX arrays by full name, and its quantization where it
+    stays quantized."""
+    module, _, leaf = name.rpartition(".")
+    arrays = _to_mx(value, target, keep)
+    quantized = None
+    if "scales" in arrays:
+        quantized = {"group_size": GROUP_SIZE, "bits": value.bits,
+                     **({"pair": True} if isinstance(value, QuantizedPair) else {})}
+    else:  # a float weight, bias or gpt-oss's sinks
+        arrays = {leaf: arrays["weight"]}
+    mx.eval(list(arrays.values()))
+    return {f"{module}.{k}": v for k, v in arrays.items()}, quantized
 
 
 def keep_dtype(codecs) -> mx.Dtype:
@@ -177,15 +229,6 @@ def keep_dtype(codecs) -> mx.Dtype:
     if "F16" in codecs or codecs - {"F32", "BF16", *KEPT}:
         return mx.float16
     return mx.bfloat16 if "BF16" in codecs else mx.float32
-
-
-def _unpermute_qk(held: dict, config: dict) -> None:
-    """Put llama.cpp's q/k rows (weights and biases) back in Hugging Face's order."""
-    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    for name in list(held):
-        proj = name.split(".")[-2]
-        if proj in heads:
-            held[name] = _rows(held[name], lambda rows, n=heads[proj]: hf_row_order(rows, n))
 
 
 def build_model(config: dict, weights: dict[str, mx.array], quantization: dict[str, dict]) -> nn.Module:
@@ -219,17 +262,34 @@ def build_model(config: dict, weights: dict[str, mx.array], quantization: dict[s
     return model
 
 
-def load_gguf_model(path: Path, dtype: str, f: GGUFFile | None = None) -> tuple[nn.Module, dict, GGUFFile]:
+def load_gguf_model(path: Path, dtype: str, f: GGUFFile | None = None,
+                    show_progress: bool = True) -> tuple[nn.Module, dict, GGUFFile]:
     """(mlx-lm model, its config dict, the opened file ``f``, opened here if None)
-    for a GGUF model file."""
+    for a GGUF model file, converted now (with a progress bar or log lines if it
+    takes a while: models/progress.py); models/gguf_load.py reads the conversion
+    cache first."""
     f = f or open_gguf(path)
-    config, weights, quantization = read_weights(f, dtype)
+    progress = conversion_progress(f) if show_progress else None
+    config, weights, quantization = read_weights(f, dtype, progress)
+    if progress is not None:
+        progress.close(time.monotonic())
+    return assemble(f, config, weights, quantization), config, f
+
+
+def conversion_progress(f: GGUFFile) -> Progress:
+    tensors = f.reader.tensors
+    return Progress(Path(f.path).name, len(tensors), sum(int(t.n_bytes) for t in tensors), time.monotonic())
+
+
+def assemble(f: GGUFFile, config: dict, weights: dict[str, mx.array], quantization: dict[str, dict]) -> nn.Module:
+    """The model from read_weights' answer (or the conversion cache's copy of it);
+    ``config`` gains its "quantization" (mlx-lm's form) where any layer is kept."""
     try:
         model = build_model(config, weights, quantization)
     except ModelLoadError as e:
-        raise ModelLoadError(f"{path}: {e.message}") from None
+        raise ModelLoadError(f"{f.path}: {e.message}") from None
     if f.arch.model is not None:  # the architecture's fixes to mlx-lm's model (gguf_arch/)
         f.arch.model(model, config)
     if quantization:
         config["quantization"] = {"group_size": GROUP_SIZE, "bits": 4, **quantization}
-    return model, config, f
+    return model

@@ -119,21 +119,21 @@ def check_gguf(f, dtype: str, free: int | None):
 
 def _load_gguf(path: Path, dtype: str, group, shard: str = "") -> LoadedModel:
     from .fit import free_bytes, gib
-    from .gguf import load_gguf_model
+    from .gguf_cache import ConversionCache
     from .gguf_file import open_gguf
-    from .tokenizer import load_tokenizer
+    from .gguf_load import load_gguf
 
+    try:
+        cache = ConversionCache.from_env()
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
     f = open_gguf(path)
     dtype, need = check_gguf(f, dtype, None if group else free_bytes())
     log.info("loading model from %s (dtype %s, computing in %s)%s: %s by tensor group", path, dtype,
              need.compute, shard, gib(need.total))
     for line in need.lines():
         log.info("  %s", line)
-    model, config, f = load_gguf_model(path, dtype, f)
-    try:
-        tokenizer = load_tokenizer(f.metadata, f.arch.name, config.get("max_position_embeddings"))
-    except ModelLoadError as e:
-        raise ModelLoadError(f"{path}: {e.message}") from None
+    model, config, tokenizer = load_gguf(f, dtype, cache)
     if group is not None:
         _shard(model, group, path)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)

@@ -127,8 +127,14 @@ def tokenizer_files(metadata: dict, architecture: str, out: Path, context_length
 
 def load_tokenizer(metadata: dict, architecture: str, context_length: int | None = None):
     """mlx-lm's TokenizerWrapper for the tokenizer in ``metadata``."""
-    from mlx_lm.tokenizer_utils import load
-
     with tempfile.TemporaryDirectory(prefix="mola-gguf-tokenizer-") as tmp:
         stops = tokenizer_files(metadata, architecture, Path(tmp), context_length)
-        return load(Path(tmp), eos_token_ids=stops or None)
+        return load_tokenizer_dir(Path(tmp), stops)
+
+
+def load_tokenizer_dir(folder: Path, stops: list[int] | None):
+    """mlx-lm's TokenizerWrapper for the files tokenizer_files wrote into ``folder``
+    (the conversion cache keeps them: models/gguf_cache.py)."""
+    from mlx_lm.tokenizer_utils import load
+
+    return load(Path(folder), eos_token_ids=stops or None)

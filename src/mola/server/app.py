@@ -19,7 +19,7 @@ from .anthropic.errors import AnthropicErrorsMiddleware
 from .errors import error_response, install_error_handlers
 from .middleware import AuthMiddleware, BodyLimitMiddleware, HTTPMetricsMiddleware, RequestIdMiddleware
 from .routes import adapters, chat, completions, images, messages, models, responses, tokenize, ui, vllm
-from .state import ServerState
+from ..frontend.state import ServerState
 
 log = logging.getLogger("mola.server")
 
@@ -29,7 +29,7 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
     base of ``bases`` when several are declared."""
     bases = bases or Bases.serving(state)
     # The image base (docs/images.md): its worker thread loads it as the app starts.
-    image_service = ImageService.from_config(state.config) if state.config.image_model is not None else None
+    image_service = ImageService.from_config(state.config) if state.config.images.model is not None else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -54,10 +54,8 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
                     await asyncio.to_thread(base.state.engine.engine.stop)
 
     app = FastAPI(title="mola", version="0.1.0", lifespan=lifespan)
-    app.state.mola = state  # the default base's state while it is loaded
     app.state.bases = bases
     app.state.images = image_service
-    bases.app_state = app.state
     install_error_handlers(app)
     app.include_router(chat.router)
     app.include_router(completions.router)
@@ -68,7 +66,7 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
     app.include_router(vllm.router)
     app.include_router(tokenize.router)
     app.include_router(images.router)
-    if state.config.ui:
+    if state.config.http.ui:
         ui.install(app)  # the playground at /
     state.metrics.watch(lambda: bases.default.state, bases)
 
@@ -91,7 +89,7 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
         loaded = [b for b in bases if b.state is not None]
         return JSONResponse({"status": "ok", "blas": blas, "kv_cache": {
             b.name: kv_health(b.state.engine.snapshot.kv) for b in loaded},
-            "lora_packs": {b.name: b.state.engine.engine.pack_stats.describe() for b in loaded}})
+            "lora_packs": {b.name: b.state.engine.pack_stats.describe() for b in loaded}})
 
     @app.get("/metrics")
     async def metrics(request: Request):
@@ -100,11 +98,11 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
     # The last added runs first: request id, Anthropic's error envelope (on /v1/messages), auth,
     # metrics, body limit.
     config = state.config
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes,
-                       push_bytes=config.max_adapter_push_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.http.max_request_bytes,
+                       push_bytes=config.http.max_adapter_push_bytes)
     app.add_middleware(HTTPMetricsMiddleware, metrics=state.metrics)
-    app.add_middleware(AuthMiddleware, api_key=config.api_key, admin_key=config.admin_key,
-                       protect_metrics=config.protect_metrics)
+    app.add_middleware(AuthMiddleware, api_key=config.http.api_key, admin_key=config.http.admin_key,
+                       protect_metrics=config.http.protect_metrics)
     app.add_middleware(AnthropicErrorsMiddleware)
     app.add_middleware(RequestIdMiddleware)
     app.add_middleware(BaseLeases, bases=bases)  # outermost: a request's lease ends with its response

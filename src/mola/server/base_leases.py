@@ -1,15 +1,18 @@
-"""A request's hold on the bases it is served by: counted in flight from
-:meth:`Bases.enter` until its response (a stream too) has been sent."""
+"""A request's hold on the bases it is served by: a :class:`BaseLease` from
+:meth:`Bases.enter`, kept in the ASGI scope until its response (a stream
+too) has been sent."""
 
 from __future__ import annotations
 
-from .bases import LEASES, Bases
-from .state import ServerState
+from ..frontend.state import ServerState
+from .bases import Bases
+
+LEASES = "mola.base_leases"  # the ASGI scope key listing a request's BaseLeases
 
 
 class BaseLeases:
-    """ASGI middleware: a request stays in flight on the bases it entered
-    until its response (a stream too) has been sent."""
+    """ASGI middleware: a request's base leases are released once its
+    response (a stream too) has been sent."""
 
     def __init__(self, app, bases: Bases):
         self.app = app
@@ -22,11 +25,13 @@ class BaseLeases:
         try:
             await self.app(scope, receive, send)
         finally:
-            for base in scope.get(LEASES, ()):
-                self.bases.leave(base)
+            for lease in scope.get(LEASES, ()):
+                lease.release()
 
 
 async def state_for(request, model_id: str | None, stack=None) -> ServerState:
-    """The state serving ``model_id`` for this request (see Bases.enter)."""
+    """The state serving ``model_id`` for this request, held until its response ends (see Bases.enter)."""
     names = tuple(a.name for a in stack or () if getattr(a, "name", None))
-    return await request.app.state.bases.enter(model_id, request.scope, names)
+    lease = await request.app.state.bases.enter(model_id, names)
+    request.scope.setdefault(LEASES, []).append(lease)
+    return lease.state

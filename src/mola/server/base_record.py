@@ -12,7 +12,7 @@ from ..config import AdapterSpec, ServeConfig
 from ..errors import EngineUnavailable
 from ..registry.sources import AdapterSources
 from .host_memory import planned_bytes
-from .state import ServerState
+from ..frontend.state import ServerState
 
 
 class BaseStatus(enum.Enum):
@@ -83,7 +83,7 @@ class Base:
     @property
     def held_bytes(self) -> int:
         """Its weights and its slot packs as they are now (they grow with the adapters loaded)."""
-        return self.nbytes + (self.state.engine.engine.pack_stats.nbytes if self.state is not None else 0)
+        return self.nbytes + (self.state.engine.pack_stats.nbytes if self.state is not None else 0)
 
     def size_guess(self) -> int:
         """Its bytes as measured at its last load; before its first, what its

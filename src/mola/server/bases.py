@@ -6,7 +6,7 @@ stream, scheduler, slot packs, registry, loader, tokenizer, prompt lanes and
 prompt cache) served exactly as a server of one base serves it. A request's
 ``model`` names a base or one of its adapters; :meth:`Bases.enter` finds the
 base, loads it if it is not (the request waits), and counts the request in
-flight on it until its response ends (base_leases.py). Reaching
+flight on it until its response ends (a BaseLease, which the server releases when the response ends: base_leases.py). Reaching
 --max-loaded-models or --models-memory-bytes unloads the least recently used
 idle base; a base with requests in flight is never unloaded, and when none
 can be, the request gets a 503 with Retry-After. ``keep_alive`` unloads a
@@ -35,10 +35,9 @@ from ..errors import InvalidRequest, ShuttingDown
 from .base_record import Base, BaseStatus, BaseUnavailable, default_name
 from .host_memory import trim_heap, weight_bytes
 from .responses_api.store import ResponseStore
-from .state import ServerState
+from ..frontend.state import ServerState
 
 log = logging.getLogger("mola.bases")
-LEASES = "mola.bases"  # the ASGI scope key listing the bases a request is in flight on
 S = BaseStatus
 
 
@@ -51,8 +50,30 @@ def make_engine(config: ServeConfig):
                   config.engine)
 
 
+class BaseLease:
+    """A request's hold on the base serving it (from :meth:`Bases.enter`):
+    while held, the base counts the request in flight and is never unloaded.
+    Not a slot's :class:`mola.registry.registry.Lease`, which the pipeline
+    takes on an adapter slot of that base."""
+
+    def __init__(self, bases: Bases, base: Base):
+        self.bases, self.base = bases, base
+        self.released = False
+
+    @property
+    def state(self) -> ServerState:
+        return self.base.state
+
+    def release(self) -> None:
+        """Idempotent."""
+        if not self.released:
+            self.released = True
+            self.bases.leave(self.base)
+
+
 class Bases:
-    """Every declared base, the default first; loads and unloads them."""
+    """Every declared base, the default first; loads and unloads them. No
+    HTTP here: a request holds a :class:`BaseLease` from :meth:`enter`."""
 
     def __init__(self, bases: list[Base], metrics, max_loaded: int | None = None,
                  max_bytes: int | None = None, clock: Callable[[], float] = time.monotonic,
@@ -69,7 +90,6 @@ class Bases:
         self.retry_failed_after = retry_failed_after  # seconds before a failed base is tried again
         self.draining = False
         self.handed: ServerState | None = None  # a state whose engine its starter stops, not this
-        self.app_state = None  # the app's state, whose .mola is the default base's state while loaded
         self._lock = asyncio.Lock()  # one load or unload decision at a time
 
     @classmethod
@@ -78,8 +98,9 @@ class Bases:
         starter holds its model, so it stays loaded (pinned): ``mola serve
         --keep-alive`` serves one base through :meth:`declared` instead."""
         base = Base(state.base_id, state.config, None, pin=True, status=S.LOADED, state=state)
-        base.nbytes, base.last_used = weights_of(state), time.monotonic()
-        bases = cls([base], state.metrics, state.config.max_loaded_models, state.config.models_memory_bytes,
+        base.nbytes, base.last_used = state.weight_bytes, time.monotonic()
+        bases = cls([base], state.metrics, state.config.bases.max_loaded_models,
+                     state.config.bases.models_memory_bytes,
                     **kwargs)
         bases.handed = state
         return bases
@@ -88,16 +109,19 @@ class Bases:
     def declared(cls, config: ServeConfig, metrics, **kwargs) -> Bases:
         """Every base ``config`` declares, none loaded: the default first (its
         --model, or the first of its models)."""
-        specs = list(config.models)
+        specs = list(config.bases.models)
         if config.model is not None:
             name = config.served_model_name or default_name(config.model)
-            first = Base(name, dataclasses.replace(config, served_model_name=name, models=()), config.keep_alive)
+            first = Base(name, dataclasses.replace(config, served_model_name=name,
+                                                   bases=dataclasses.replace(config.bases, models=())),
+                         config.bases.keep_alive)
         else:
             spec = specs.pop(0)
-            first = Base(spec.name, config.for_base(spec, is_default=True), spec.keep_alive or config.keep_alive,
+            first = Base(spec.name, config.for_base(spec, is_default=True), spec.keep_alive or config.bases.keep_alive,
                          spec.pin)
-        others = [Base(m.name, config.for_base(m), m.keep_alive or config.keep_alive, m.pin) for m in specs]
-        return cls([first, *others], metrics, config.max_loaded_models, config.models_memory_bytes, **kwargs)
+        others = [Base(m.name, config.for_base(m), m.keep_alive or config.bases.keep_alive, m.pin) for m in specs]
+        return cls([first, *others], metrics, config.bases.max_loaded_models, config.bases.models_memory_bytes,
+                   **kwargs)
 
     async def preload(self) -> None:
         """Load the default base and the pinned ones (at start)."""
@@ -121,9 +145,9 @@ class Bases:
 
     # ---- requests ----------------------------------------------------------
 
-    async def enter(self, model_id: str | None, scope: dict, stack: tuple[str, ...] = ()) -> ServerState:
-        """The state serving ``model_id`` (loaded now if need be), with this
-        request counted in flight on it until its response ends."""
+    async def enter(self, model_id: str | None, stack: tuple[str, ...] = ()) -> BaseLease:
+        """A lease on the base serving ``model_id`` (loaded now if need be):
+        the request counts in flight on it until the lease is released."""
         base = self.find(model_id) or self.default  # an unknown id: the default base's 404
         for name in stack:
             other = self.find(name)
@@ -135,10 +159,14 @@ class Bases:
             raise ShuttingDown("The server is shutting down.")
         base.in_flight += 1
         base.last_used = self.clock()
-        scope.setdefault(LEASES, []).append(base)
+        lease = BaseLease(self, base)
         if base.status is not S.LOADED:
-            await asyncio.shield(self._admit(base))  # a request that leaves lets the load finish
-        return base.state
+            try:
+                await asyncio.shield(self._admit(base))  # a request that leaves lets the load finish
+            except BaseException:
+                lease.release()
+                raise
+        return lease
 
     def leave(self, base: Base) -> None:
         base.in_flight -= 1
@@ -214,12 +242,11 @@ class Bases:
                                   f"{math.ceil(self.retry_failed_after)} s)",
                                   retry_after=math.ceil(self.retry_failed_after)) from None
         state.draining = self.draining
-        base.state, base.nbytes, base.error = state, weights_of(state), None
+        base.state, base.nbytes, base.error = state, state.weight_bytes, None
         base.num_loads += 1
         base.move(S.LOADED)
-        self._published(base)
         log.info("loaded base %s in %.2f s (%.1f MiB of weights; %s)",
-                 base.name, time.perf_counter() - t0, base.nbytes / 2**20, state.engine.engine.pack_stats.summary())
+                 base.name, time.perf_counter() - t0, base.nbytes / 2**20, state.engine.pack_stats.summary())
 
     async def _unload(self, base: Base, why: str) -> None:
         import mlx.core as mx
@@ -231,7 +258,6 @@ class Bases:
         for record in state.registry.adapters():  # pushed factors live with their base's registry
             if record.source == "push":
                 forget_pushed(record.path)
-        self._published(base)
         await close_state(state)
         del state
         gc.collect()
@@ -241,10 +267,6 @@ class Bases:
         base.move(S.DECLARED)
         log.info("unloaded base %s (%s) in %.2f s; %.1f MiB freed", base.name, why,
                  time.perf_counter() - t0, (before - mx.get_active_memory()) / 2**20)
-
-    def _published(self, base: Base) -> None:
-        if base is self.default and self.app_state is not None:
-            self.app_state.mola = base.state
 
     async def unload(self, name: str) -> bool:
         """Unload the base ``name`` now if it is loaded and idle."""
@@ -295,9 +317,3 @@ async def close_state(state: ServerState) -> None:
     state.prompts.close()
     await asyncio.to_thread(state.engine.engine.stop)
 
-
-def weights_of(state: ServerState) -> int:
-    """Bytes of a loaded base's weights: its parameters less its slot packs
-    (which grow and shrink with the adapters loaded: Base.held_bytes)."""
-    engine = state.engine.engine
-    return weight_bytes(engine.loaded.model) - engine.pack_stats.nbytes

@@ -77,13 +77,13 @@ class StateCollector:
                 value=geometry.expert_slots)
         packs = g("mola_lora_pack_bytes", "Device memory of the LoRA slot packs now, by kind (they grow and "
                   "shrink with the adapters loaded)", labels=["kind"])
-        packs.add_metric(["dense"], s.engine.engine.pack_stats.dense_bytes)
-        packs.add_metric(["experts"], s.engine.engine.pack_stats.expert_bytes)
+        packs.add_metric(["dense"], s.engine.pack_stats.dense_bytes)
+        packs.add_metric(["experts"], s.engine.pack_stats.expert_bytes)
         yield packs
         yield g("mola_lora_pack_max_bytes", "What the slot packs would take at the ceilings (--max-loras, "
                 "--max-lora-rank, the expert slots)", value=geometry.max_pack_bytes)
         yield CounterMetricFamily("mola_lora_pack_resizes", "Slot writes, clears and idle compactions that "
-                                  "resized the slot packs", value=s.engine.engine.pack_stats.num_resizes)
+                                  "resized the slot packs", value=s.engine.pack_stats.num_resizes)
         sizes = g("mola_adapter_bytes", "Bytes of each adapter's factors as read, by kind (experts: LoRA on "
                   "the experts of a mixture of experts)", labels=["adapter", "kind"])
         for record in reg.adapters():

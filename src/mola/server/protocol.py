@@ -21,12 +21,12 @@ by :mod:`mola.structured`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import InvalidRequest
+from ..frontend.spec import SamplingSpec, TemplateOptions
 from ..registry.catalog import AdapterRef
 
 MAX_N = 16  # choices per request
@@ -35,17 +35,6 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_TEMPLATE_KWARGS_CHARS = 8192  # chat_template_kwargs, as JSON
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's values
 ReasoningEffort = Literal[REASONING_EFFORTS]
-
-
-@dataclass(frozen=True)
-class TemplateOptions:
-    """What a request adds to its chat template's variables: its
-    ``chat_template_kwargs`` and ``reasoning_effort`` (``effort_param``: the
-    field that carried it), checked against the template in prompts.py."""
-
-    kwargs: dict[str, Any] | None = None
-    reasoning_effort: str | None = None
-    effort_param: str = "reasoning_effort"
 
 
 def check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -168,30 +157,22 @@ class _Sampling(_Body):
                 raise ValueError(f"stop_token_ids must be token ids (integers >= 0), got {token}")
         return v
 
-    def stop_token_set(self, vocab_size: int) -> frozenset[int]:
-        """The request's own stop token ids, checked against the vocabulary."""
-        for token in self.stop_token_ids or ():
-            if token >= vocab_size:
-                raise InvalidRequest(
-                    f"stop_token_ids names token {token}, outside the vocabulary (size {vocab_size}).",
-                    param="stop_token_ids",
-                )
-        return frozenset(self.stop_token_ids or ())
-
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def bias_pairs(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
-        pairs = tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
-        for token, _ in pairs:
-            if token >= vocab_size:
-                raise InvalidRequest(
-                    f"logit_bias names token {token}, outside the vocabulary (size {vocab_size}).",
-                    param="logit_bias",
-                )
-        return pairs
+    def sampling(self) -> SamplingSpec:
+        """How to sample, as this request asks (its dialect's fields, its own checks)."""
+        return SamplingSpec(
+            max_tokens=self.requested_max_tokens(), temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+            stop=tuple(self.stop_strings()), stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos, skip_special_tokens=self.skip_special_tokens,
+            frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
+            logit_bias=self.logit_bias, logprobs=self.num_logprobs(), max_tokens_param=self.MAX_TOKENS_PARAM)
+
+    def adapter_refs(self) -> tuple[AdapterRef, ...] | None:
+        return tuple(a.ref() for a in self.adapters) if self.adapters else None
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

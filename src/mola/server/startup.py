@@ -1,5 +1,5 @@
 """A base's :class:`ServerState`, built on the running event loop from an
-engine that has loaded its model: the adapter registry wired to the engine,
+engine client whose engine has loaded its model: the adapter registry wired to the engine,
 and the adapters named at start loaded."""
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from ..registry.registry import AdapterRegistry
 from ..registry.resolvers import make_resolvers
 from ..registry.sources import AdapterSources
 from ..structured import StructuredOutputs
+from .host_memory import weight_bytes
 from .metrics import Metrics
-from .reasoning import reasoning_format
-from .state import ServerState
+from ..frontend.reasoning import reasoning_format
+from ..frontend.state import ServerState
 
 log = logging.getLogger("mola.server")
 
@@ -34,12 +35,20 @@ def base_model_id(config: ServeConfig, loaded: LoadedModel) -> str:
 
 async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel,
                       metrics: Metrics | None = None, registered: tuple[AdapterSpec, ...] = ()) -> ServerState:
-    """Everything the routes share, on the running event loop; checks and
-    loads the adapters named at start (raising MolaError for a bad one) and
-    registers every entry of the adapter directories, and the ``registered``
-    adapters (loaded over REST before the base last unloaded: read on first
-    use, so that one whose file has gone fails its own requests only)."""
-    async_engine = AsyncEngine(engine)
+    """A base's state over ``engine``, which has loaded ``loaded`` (see serve_state)."""
+    return await serve_state(config, AsyncEngine(engine), loaded, metrics, registered, kv_budget=engine.kv_budget,
+                             nbytes=weight_bytes(loaded.model) - engine.pack_stats.nbytes)
+
+
+async def serve_state(config: ServeConfig, async_engine, loaded: LoadedModel, metrics: Metrics | None = None,
+                      registered: tuple[AdapterSpec, ...] = (), kv_budget=None, nbytes: int = 0) -> ServerState:
+    """Everything the routes share, on the running event loop, over an engine
+    client (an :class:`AsyncEngine`, or anything with its methods: the tests'
+    scripted one). Checks and loads the adapters named at start (raising
+    MolaError for a bad one) and registers every entry of the adapter
+    directories, and the ``registered`` adapters (loaded over REST before the
+    base last unloaded: read on first use, so that one whose file has gone
+    fails its own requests only)."""
     loader = AdapterLoader(port=async_engine, model_config=loaded.config)  # the engine is its SlotPort
     base_id = base_model_id(config, loaded)
     sources = AdapterSources(
@@ -66,8 +75,9 @@ async def build_state(config: ServeConfig, engine: Engine, loaded: LoadedModel,
         vocab_size=loaded.vocab_size,
         structured=StructuredOutputs(loaded.tokenizer, loaded.vocab_size),
         reasoning=reasoning_format(config.reasoning_parser, loaded.tokenizer),
-        kv_budget=engine.kv_budget,
-        **({"metrics": metrics} if metrics is not None else {}),  # several bases share the app's
+        kv_budget=kv_budget,
+        metrics=metrics or Metrics(),  # several bases share the app's
+        weight_bytes=nbytes,
     )
     if state.reasoning is not None:
         log.info("reasoning parser: %s", state.reasoning.name)

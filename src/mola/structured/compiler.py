@@ -86,7 +86,7 @@ class StructuredOutputs:
                     ) -> CompiledGrammar | None:
         """The compiled grammar a request's output must follow (None: free).
         ``thinking(literal)``: what a thinking model writes before its answer
-        (mola.server.reasoning), which the grammar leaves free. Raises
+        (mola.frontend.reasoning), which the grammar leaves free. Raises
         InvalidRequest naming what cannot be constrained."""
         grammar = grammar_for(self.tokenizer, self.literal, response_format=response_format,
                               tools=tools, tool_choice=tool_choice,

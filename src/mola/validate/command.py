@@ -41,6 +41,8 @@ class Report:
                 plan = self.model.memory
                 model["memory"] = {"dtype": plan.dtype, "compute": plan.compute, "bytes": plan.total,
                                    "groups": plan.groups}
+            if self.model.conversion is not None:
+                model["conversion"] = self.model.conversion
         return {"adapter": self.adapter, "ok": self.ok, "error": self.error,
                 **({"info": self.info.to_json()} if self.info else {"info": None}), "model": model}
 
@@ -106,6 +108,8 @@ def text(report: Report) -> list[str]:
         if m.memory is not None:
             lines.append(f"memory   {_size(m.memory.total)} as --dtype {m.memory.dtype}, by tensor group:")
             lines += [f"         {line}" for line in m.memory.lines()]
+        if m.conversion is not None:
+            lines.append(f"convert  {m.conversion}")
     if report.ok:
         lines.append("ok       the adapter would load" + (" on this model" if report.model else
                                                           " (pass --model to check it against a base)"))

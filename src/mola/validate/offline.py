@@ -31,6 +31,7 @@ class ModelShape:
     config: dict  # the mlx-lm config mola serve reads adapters against
     geometry: SlotGeometry  # what an adapter must fit
     memory: MemoryPlan | None = None  # a GGUF file's, by tensor group, in the dtype serve would pick
+    conversion: str | None = None  # a GGUF file's: from the conversion cache, or converted (models/gguf_cache.py)
 
     @property
     def model_type(self) -> str | None:
@@ -95,4 +96,10 @@ def _gguf_shape(path: Path, max_rank: int, dtype: str, max_expert_rank: int) -> 
         if ne != g.dims:
             raise ModelLoadError(f"{path}: {name} has ne {list(ne)}, but its metadata make "
                                  f"{target} a {g.input_dims}->{g.output_dims} linear")
-    return ModelShape(path=path, config=config, geometry=geometry, memory=memory)
+    try:
+        from ..models.gguf_cache import describe
+
+        conversion = describe(f, dtype)
+    except (OSError, ValueError) as e:
+        conversion = f"unknown ({e})"
+    return ModelShape(path=path, config=config, geometry=geometry, memory=memory, conversion=conversion)

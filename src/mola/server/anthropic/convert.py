@@ -171,7 +171,7 @@ def _unsupported(kind: str, where: str, allowed: str) -> InvalidRequest:
 
 
 def tool_use_block(call: dict) -> dict:
-    """A chat tool call (mola/server/tools.py) as a tool_use block. Its
+    """A chat tool call (mola/frontend/tools.py) as a tool_use block. Its
     arguments are the JSON the model wrote; ones that are not an object
     (a parser may return any JSON) are wrapped as ``{"arguments": ...}``."""
     arguments = call["function"]["arguments"]

@@ -26,7 +26,7 @@ from pydantic import Field, field_validator
 
 from ...errors import InvalidRequest
 from ..protocol import TemplateOptions, _Body, _Sampling, check_template_kwargs
-from ..tools import chat_function
+from ...frontend.tools import chat_function
 
 MAX_STOP_SEQUENCES = 16  # as chat's stop
 MIN_THINKING_BUDGET = 1024  # Anthropic's floor for thinking.budget_tokens

@@ -18,7 +18,7 @@ from pydantic import Field, field_validator
 
 from ...errors import InvalidRequest
 from ..protocol import REASONING_EFFORTS, TemplateOptions, _Sampling, check_template_kwargs, forces_tool_call
-from ..tools import chat_function
+from ...frontend.tools import chat_function
 
 # `include` values that ask for items mola never produces (built-in tool
 # calls, encrypted reasoning, input images): accepted, they add nothing.

@@ -33,7 +33,7 @@ from ...errors import AdapterExists, InvalidRequest, ModelNotFound
 from ...registry.names import check_adapter_id, is_entry_name
 from .. import protocol as p
 from ..base_leases import state_for
-from ..state import ServerState
+from ...frontend.state import ServerState
 
 router = APIRouter()
 

@@ -59,7 +59,8 @@ def _image_cards(request: Request, created: int) -> list[dict]:
 
 def _cards(request: Request) -> list[dict]:
     bases = request.app.state.bases
-    created = request.app.state.mola.created if request.app.state.mola is not None else 0
+    default = bases.default.state  # None while the default base is unloaded
+    created = default.created if default is not None else 0
     return [card for base in bases for card in _base_cards(base, created)] + _image_cards(request, created)
 
 

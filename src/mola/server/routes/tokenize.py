@@ -16,10 +16,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from ...errors import InvalidRequest, ModelNotFound
-from ..prompts import message_dicts, render_messages
+from ...frontend.prompts import render_messages
+from ..dialects.chat import message_dicts
 from ..protocol import DetokenizeRequest, TokenizeRequest
 from ..base_leases import state_for
-from ..state import ServerState
+from ...frontend.state import ServerState
 
 router = APIRouter()
 

@@ -19,7 +19,7 @@ from ...registry.names import check_adapter_id
 from .. import protocol as p
 from ..errors import error_response
 from ..base_leases import state_for
-from ..state import ServerState
+from ...frontend.state import ServerState
 
 router = APIRouter()
 

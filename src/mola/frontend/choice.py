@@ -1,7 +1,7 @@
 """One choice of a request: a :class:`Generation` runs its sequence on the
 engine and turns the engine's outputs into deltas (text, reasoning, tool
 calls, log-probabilities); :func:`merge` interleaves several choices'.
-Requests are made into generations in generation.py."""
+Requests are made into generations in pipeline.py."""
 
 from __future__ import annotations
 

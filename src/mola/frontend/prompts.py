@@ -12,7 +12,7 @@ the context length without tokenizing much more than the context can hold.
   text's only near the cut, so the prefix must exceed the limit by a slack
   of 3% (at least 32 tokens) before the text is refused: a prompt that fits
   is never refused here; whether it fits with max_tokens is decided exactly
-  later (generation.sampling_params).
+  later (admit.sampling_params).
 - **Two lanes.** A Hugging Face fast tokenizer must not be used by two
   threads at once, and one long prompt must not hold up the others: prompts
   of up to LONG_PROMPT_CHARS characters are templated and tokenized on one
@@ -26,13 +26,12 @@ import asyncio
 import concurrent.futures
 import copy
 import functools
-import json
 import logging
 import re
 from typing import Callable
 
 from ..errors import ContextLengthExceeded, InvalidRequest
-from .protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, TemplateOptions
+from .spec import TemplateOptions
 from .tools import check_tool_support, messages_for_template
 
 log = logging.getLogger("mola.server")
@@ -88,35 +87,6 @@ def encode_within(encode: Callable[[str], list[int]], text: str, limit: int | No
         # The next prefix: where this one's density says the limit is, and at least twice as long.
         size = max(2 * size, int(cut * (limit + slack) / max(n, 1) * 1.1))
     return list(encode(text))
-
-
-def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """Validated chat messages as the chat template takes them."""
-    out = []
-    for i, m in enumerate(messages):
-        message = {"role": m.role, "content": m.text(i)}
-        if m.tool_calls:
-            message["tool_calls"] = m.tool_calls
-        if m.tool_call_id:
-            message["tool_call_id"] = m.tool_call_id
-        if m.name:
-            message["name"] = m.name
-        reasoning = (m.model_extra or {}).get("reasoning_content") or (m.model_extra or {}).get("reasoning")
-        if m.role == "assistant" and isinstance(reasoning, str) and reasoning:
-            message["reasoning_content"] = reasoning  # what Qwen3's template reads
-            message["thinking"] = reasoning  # and gpt-oss's
-        out.append(message)
-    return out
-
-
-def render_chat(tokenizer, body: ChatCompletionRequest, limit: int | None, max_chars: int,
-                reads_calls: bool = False) -> list[int]:
-    """The tokenizer's own chat template over the request's messages (and
-    tools). ``reads_calls``: the server reads this model's free tool calls
-    itself (its reasoning parser does: harmony), without mlx-lm's parser."""
-    return render_messages(tokenizer, message_dicts(body.messages), body.tools,
-                           body.parses_tool_calls() and not reads_calls, "messages", limit, max_chars,
-                           options=body.template_options())
 
 
 def _reads(template: str, name: str) -> bool:
@@ -192,10 +162,11 @@ def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None, u
     return tokens
 
 
-def encode_prompts(tokenizer, body: CompletionRequest, vocab_size: int, limit: int | None,
+def encode_prompts(tokenizer, prompts: list[str | list[int]], vocab_size: int, limit: int | None,
                    max_chars: int) -> list[list[int]]:
+    """/v1/completions' prompts (strings, or token ids checked against the vocabulary) as token ids."""
     out = []
-    for i, prompt in enumerate(body.prompts()):
+    for i, prompt in enumerate(prompts):
         if isinstance(prompt, str):
             tokens = encode_within(tokenizer.encode, prompt, limit, max_chars, "prompt")
         else:
@@ -210,22 +181,6 @@ def encode_prompts(tokenizer, body: CompletionRequest, vocab_size: int, limit: i
             )
         out.append(tokens)
     return out
-
-
-def prompt_chars(body: ChatCompletionRequest | CompletionRequest) -> int:
-    """About how much a request gives the tokenizer to do (characters, or token ids)."""
-    if isinstance(body, CompletionRequest):
-        p = body.prompt
-        return len(p) if isinstance(p, str) else sum(len(x) if isinstance(x, (str, list)) else 1 for x in p)
-    total = len(json.dumps(body.tools)) if body.tools else 0
-    for m in body.messages:
-        if isinstance(m.content, str):
-            total += len(m.content)
-        elif m.content:
-            total += sum(len(part.get("text") or "") for part in m.content if isinstance(part, dict))
-        if m.tool_calls:
-            total += len(json.dumps(m.tool_calls))
-    return total
 
 
 class PromptLanes:
@@ -246,32 +201,13 @@ class PromptLanes:
     def _thread(name: str) -> concurrent.futures.ThreadPoolExecutor:
         return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
 
-    def lane(self, body) -> tuple:
-        """(tokenizer, thread) for the request ``body``."""
-        return self.long if prompt_chars(body) > LONG_PROMPT_CHARS else self.short
-
-    async def _run(self, body, fn, *args):
-        tokenizer, thread = self.lane(body)
-        return await asyncio.get_running_loop().run_in_executor(thread, fn, tokenizer, body, *args)
-
-    async def chat(self, body: ChatCompletionRequest, reads_calls: bool = False) -> list[int]:
-        return await self._run(body, render_chat, self.limit, self.max_chars, reads_calls)
-
-    async def completion(self, body: CompletionRequest) -> list[list[int]]:
-        return await self._run(body, encode_prompts, self.vocab_size, self.limit, self.max_chars)
-
-    async def messages(self, messages: list[dict], tools: list[dict] | None, uses_tools: bool,
-                       param: str, options: TemplateOptions | None = None) -> list[int]:
-        """Chat-shaped ``messages`` (what /v1/responses builds from its input items)."""
-        chars = len(json.dumps(messages)) + (len(json.dumps(tools)) if tools else 0)
-        tokenizer, thread = self.long if chars > LONG_PROMPT_CHARS else self.short
-        render = functools.partial(render_messages, options=options)
-        return await asyncio.get_running_loop().run_in_executor(
-            thread, render, tokenizer, messages, tools, uses_tools, param, self.limit, self.max_chars)
+    def lane(self, chars: int) -> tuple:
+        """(tokenizer, thread) for a text of ``chars`` characters."""
+        return self.long if chars > LONG_PROMPT_CHARS else self.short
 
     async def call(self, chars: int, fn, *args):
         """``fn(tokenizer, *args)`` on the lane for a text of ``chars`` characters."""
-        tokenizer, thread = self.long if chars > LONG_PROMPT_CHARS else self.short
+        tokenizer, thread = self.lane(chars)
         return await asyncio.get_running_loop().run_in_executor(thread, fn, tokenizer, *args)
 
     async def structured(self, fn, **kwargs):

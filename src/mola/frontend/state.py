@@ -1,4 +1,5 @@
-"""What the routes share: handed to the app at construction, no globals."""
+"""What one base serves requests with (its engine client, registry, tokenizer,
+prompt lanes): built by server/startup.py, handed to the pipeline, no globals."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from ..adapters.loader import AdapterLoader
 from ..registry.registry import AdapterRegistry
 from ..models.eog import special_token_ids
 from ..structured import StructuredOutputs
-from .metrics import Metrics
 from .prompts import PromptLanes
 from .reasoning import ReasoningFormat
 
@@ -32,10 +32,11 @@ class ServerState:
     structured: StructuredOutputs  # response_format / tool_choice -> grammars
     reasoning: ReasoningFormat | None = None  # how the model's thinking is split off (--reasoning-parser)
     kv_budget: KVBudget | None = None  # what the batches' KV caches may hold (None: no budget)
-    metrics: Metrics = field(default_factory=Metrics)
+    metrics: Any = None  # server/metrics.py's Metrics (shared by every base's state)
     created: int = field(default_factory=lambda: int(time.time()))
     active_sequences: int = 0  # generations accepted and not finished (each choice counts)
     draining: bool = False  # shutting down: no new generations
+    weight_bytes: int = 0  # the model's weights in memory, its slot packs not counted (0: not known)
     # Templating and tokenizing, off the event loop, on two lanes (short and
     # long prompts), each with its own tokenizer.
     prompts: PromptLanes = field(init=False)
