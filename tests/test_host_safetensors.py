@@ -7,7 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mola.adapters.host_safetensors import read_safetensors, read_safetensors_file, write_safetensors
+from mola.adapters.host_safetensors import read_safetensors, read_safetensors_file
+from mola.client import write_safetensors
 from mola.lora.geometry import Sharding, TargetGeometry, module_rows
 
 

@@ -16,6 +16,36 @@ requests already running finish on the version they started with.
 from __future__ import annotations
 
 import json
+import struct
+
+
+def write_safetensors(tensors: dict, metadata: dict[str, str] | None = None) -> bytes:
+    """The safetensors bytes of ``tensors`` (float32, float16 or bfloat16),
+    written with numpy: what ``mx.save_safetensors`` writes to a stream,
+    without its per-write Python callbacks (a training loop's push builds its
+    body with it)."""
+    import mlx.core as mx
+    import numpy as np
+
+    names = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
+    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+    chunks, offset = [], 0
+    for key in sorted(tensors):
+        x = tensors[key]
+        if x.dtype == mx.bfloat16:
+            host, dtype = np.asarray(x.view(mx.uint16)), "BF16"
+        else:
+            host = np.asarray(x)
+            dtype = names.get(host.dtype)
+            if dtype is None:
+                raise ValueError(f"'{key}' is of type {x.dtype}; float32, float16 or bfloat16 only")
+        data = np.ascontiguousarray(host).tobytes()
+        header[key] = {"dtype": dtype, "shape": list(x.shape), "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
+    return b"".join([struct.pack("<Q", len(text)), text, *chunks])
 
 
 def adapter_body(model, alora_invocation_tokens: list[int] | None = None) -> bytes:
@@ -23,8 +53,6 @@ def adapter_body(model, alora_invocation_tokens: list[int] | None = None) -> byt
     one scale), with its adapter_config in the metadata (mola.adapters.pushed);
     ``alora_invocation_tokens``: an activated LoRA's invocation."""
     from mlx.utils import tree_flatten
-
-    from .adapters.host_safetensors import write_safetensors
 
     factors = {k: v for k, v in tree_flatten(model.parameters()) if k.endswith((".lora_a", ".lora_b"))}
     scales = {float(m.scale) for _, m in model.named_modules() if hasattr(m, "lora_a") and hasattr(m, "scale")}

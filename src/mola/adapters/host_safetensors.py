@@ -1,5 +1,5 @@
-"""Safetensors read on the host, with numpy, into evaluated MLX arrays (and
-written, for a push's body).
+"""Safetensors read on the host, with numpy, into evaluated MLX arrays (a
+push's body is written the same way by mola.client.write_safetensors).
 
 ``mx.load`` gives lazy arrays whose read runs as MLX tasks. On the adapter
 reader thread those tasks queue in the same scheduler as the engine's decode
@@ -71,28 +71,3 @@ def read_safetensors_file(path: str) -> dict[str, mx.array] | None:
     read = read_safetensors(data)
     return None if read is None else read[1]
 
-
-def write_safetensors(tensors: dict[str, mx.array], metadata: dict[str, str] | None = None) -> bytes:
-    """The safetensors bytes of ``tensors`` (float32, float16 or bfloat16),
-    written with numpy: what ``mx.save_safetensors`` writes to a stream,
-    without its per-write Python callbacks (a training loop's push builds its
-    body with it)."""
-    names = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16"}
-    header: dict = {"__metadata__": dict(metadata)} if metadata else {}
-    chunks, offset = [], 0
-    for key in sorted(tensors):
-        x = tensors[key]
-        if x.dtype == mx.bfloat16:
-            host, dtype = np.asarray(x.view(mx.uint16)), "BF16"
-        else:
-            host = np.asarray(x)
-            dtype = names.get(host.dtype)
-            if dtype is None:
-                raise ValueError(f"'{key}' is of type {x.dtype}; float32, float16 or bfloat16 only")
-        data = np.ascontiguousarray(host).tobytes()
-        header[key] = {"dtype": dtype, "shape": list(x.shape), "data_offsets": [offset, offset + len(data)]}
-        chunks.append(data)
-        offset += len(data)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
-    return b"".join([struct.pack("<Q", len(text)), text, *chunks])
