@@ -3,7 +3,7 @@ conversion cache), kept and float32, each in a fresh process, with its resident
 memory after the load (issue 43).
 
     python benchmarks/gguf_load.py [--file F.gguf] [--dtypes keep float32] [--repeats 1]
-        [--baseline-src DIR] [--llama-server PATH]
+        [--baseline-src DIR] [--llama-server PATH] [--serve]
 
 --file: the GGUF file (default: kquants.py's SmolLM2-1.7B-shaped Q4_K_M file, 1.06 GB,
 written into a temporary folder). Every run is a new `python` that calls
@@ -13,7 +13,9 @@ temporary folder of its own, emptied before each "first" run. --baseline-src: a
 ``src`` folder of another mola (e.g. ``git archive <commit> src | tar -x -C DIR``)
 loaded the same way, for today-against-before figures under the same load.
 --llama-server: a llama-server binary, timed from its start until /health answers 200
-on the same file (not built here: see /work/shared/notes/llama-server.md).
+on the same file, with its VmRSS then (build steps: benchmarks/README.md). --serve: also
+`mola serve --model FILE` (no adapter) from its start to a healthy /health, reading the
+entry the runs before it wrote, with its VmRSS then.
 Written to benchmarks/results/gguf_load.json.
 """
 
@@ -58,24 +60,46 @@ def run_child(path: Path, dtype: str, src: Path, cache: Path) -> dict:
     return out
 
 
-def llama_server_seconds(binary: str, path: Path) -> float:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def healthy(argv: list[str], port: int, env: dict | None = None) -> dict:
+    """Start ``argv`` (a server on ``port``), and time it until /health answers
+    200; its VmRSS then (the whole process: weights, packs, KV, the runtime)."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([binary, "-m", str(path), "--no-repack", "-t", "2", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         while time.perf_counter() - t0 < 600:
+            if proc.poll() is not None:
+                raise SystemExit(f"{argv[0]} exited with {proc.returncode} before it was healthy")
             try:
                 if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).status == 200:
-                    return time.perf_counter() - t0
+                    seconds = time.perf_counter() - t0
+                    with open(f"/proc/{proc.pid}/status") as f:
+                        rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+                    return {"seconds": seconds, "rss_mib": rss / 1024}
             except OSError:
                 time.sleep(0.05)
-        raise SystemExit("llama-server did not become healthy within 600 s")
+        raise SystemExit(f"{argv[0]} did not become healthy within 600 s")
     finally:
         proc.terminate()
         proc.wait()
+
+
+def llama_server(binary: str, path: Path) -> dict:
+    port = free_port()
+    return healthy([binary, "-m", str(path), "--no-repack", "-t", "2", "--port", str(port)], port)
+
+
+def mola_serve(path: Path, dtype: str, src: Path, cache: Path) -> dict:
+    """``mola serve --model FILE`` (no adapter) from start to a healthy /health."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(src), "MOLA_GGUF_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    return healthy([sys.executable, "-m", "mola", "serve", "--model", str(path), "--dtype", dtype,
+                    "--host", "127.0.0.1", "--port", str(port)], port, env)
 
 
 def main() -> int:
@@ -85,6 +109,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--baseline-src", type=Path)
     p.add_argument("--llama-server")
+    p.add_argument("--serve", action="store_true", help="also time `mola serve` to a healthy /health, cached")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "gguf_load.json"))
     a = p.parse_args()
     src = Path(__file__).resolve().parent.parent / "src"
@@ -111,13 +136,15 @@ def main() -> int:
                         print(f"repeat {r + 1}: {d:8s} {kind:8s} load {x['seconds']:6.1f} s (process "
                               f"{x['process_seconds']:6.1f} s), RSS {x['rss_mib']:7.0f} MiB, peak "
                               f"{x['peak_rss_mib']:7.0f} MiB", file=sys.stderr)
-        llama = llama_server_seconds(a.llama_server, path) if a.llama_server else None
+        llama = llama_server(a.llama_server, path) if a.llama_server else None
+        # a second start of `mola serve` (the entry written by the runs above), against llama-server's
+        served = {d: mola_serve(path, d, src, cache) for d in a.dtypes} if a.serve else {}
         size = path.stat().st_size
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
     result = {"file": str(a.file or "kquants.py SmolLM2-1.7B shape, Q4_K_M"), "file_bytes": size,
               "machine": platform.machine(), "cpus": os.cpu_count(), "loadavg_after": load, "runs": runs,
-              "llama_server_healthy_s": llama}
+              "llama_server": llama, "mola_serve_cached": served}
     print(f"\n{result['file']}: {size / 2**30:.2f} GiB; load average after: {' '.join(load)}")
     for d in a.dtypes:
         for kind, xs in runs[d].items():
@@ -125,7 +152,10 @@ def main() -> int:
                 best = min(xs, key=lambda x: x["seconds"])
                 print(f"  {d:8s} {kind:8s} {best['seconds']:6.1f} s, RSS {best['rss_mib']:,.0f} MiB "
                       f"(peak {best['peak_rss_mib']:,.0f})")
-    print(f"  llama-server healthy in {llama:.1f} s" if llama else "  llama-server: not run (no --llama-server)")
+    for d, x in served.items():
+        print(f"  mola serve --dtype {d} (cached) healthy in {x['seconds']:.1f} s, RSS {x['rss_mib']:,.0f} MiB")
+    print(f"  llama-server healthy in {llama['seconds']:.1f} s, RSS {llama['rss_mib']:,.0f} MiB" if llama
+          else "  llama-server: not run (no --llama-server)")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"written to {a.out}", file=sys.stderr)

@@ -59,7 +59,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64)
     a = p.parse_args()
     from mola.demo.questions import questions
-    from mola.engine.kv_store import kv_bytes_per_token
+    from mola.engine.kv_store import kv_bytes_per_token, measured_caches
     from mola.lora.pack import AdapterPacks
     from mola.models.fetch import ensure_smollm
     from mola.models.loader import load_base_model
@@ -72,7 +72,7 @@ def main() -> int:
     answers = [greedy(model, pr, a.tokens, None) for pr in prompts]
     floats = [logprobs_along(model, pr, ans, None) for pr, ans in zip(prompts, answers)]
     result = {"model": "SmolLM2-135M-Instruct (float32)", "prompts": len(prompts), "tokens": a.tokens,
-              "float": {"kv_bytes_per_token": kv_bytes_per_token(model, routing)}}
+              "float": {"kv_bytes_per_token": kv_bytes_per_token(measured_caches(model, routing))}}
     for bits in (8, 4):
         top, diffs, same = 0, [], 0
         for pr, ans, ref in zip(prompts, answers, floats):
@@ -81,7 +81,7 @@ def main() -> int:
             diffs += [abs(lp[i, t] - ref[i, t]) for i, t in enumerate(ans)]
             same += greedy(model, pr, a.tokens, bits) == ans
         result[f"{bits}-bit"] = {
-            "kv_bytes_per_token": kv_bytes_per_token(model, routing, quant=(bits, 64)),
+            "kv_bytes_per_token": kv_bytes_per_token(measured_caches(model, routing, quant=(bits, 64))),
             "top1_agreement": round(top / (len(prompts) * a.tokens), 4),
             "mean_abs_logprob_diff": round(float(np.mean(diffs)), 4),
             "max_abs_logprob_diff": round(float(np.max(diffs)), 4),

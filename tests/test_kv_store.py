@@ -187,7 +187,7 @@ def test_what_a_snapshot_takes_is_measured_per_kind_of_cache(tiny_model):
     import mlx.nn as nn
     from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-    from mola.engine.kv_store import kv_cost
+    from mola.engine.kv_store import kv_cost, measured_caches
 
     class Routing:
         def set(self, *args):
@@ -211,6 +211,7 @@ def test_what_a_snapshot_takes_is_measured_per_kind_of_cache(tiny_model):
         def make_cache(self):
             return [KVCache(), RotatingKVCache(max_size=4, keep=2)]
 
-    cost = kv_cost(Layered(), Routing())
+    cost = kv_cost(measured_caches(Layered(), Routing()))
     assert (cost.per_token, cost.windows) == (2 * 2 * 2 * 3 * 4, ((4, 2 * 2 * 3 * 4),))
-    assert kv_cost(Recurrent(), Routing()) is None and kv_cost(Sinks(), Routing()) is None
+    # refused by their kinds, before any pass reads them
+    assert kv_cost(Recurrent().make_cache()) is None and kv_cost(Sinks().make_cache()) is None

@@ -39,7 +39,7 @@ from ..lora.pack import AdapterPacks
 from . import verify
 from .caches import ModelCaches, held_nbytes
 from .constraint import MaskFiller
-from .kv_store import KVStore, kv_bytes_per_token, kv_cost
+from .kv_store import KVStore, kv_bytes_per_token, kv_cost, measured_caches
 from .logits import add_biases, apply_bitmask, count_tokens, output_counts, penalize
 from .plan import StepPlan, StepResult
 from .prefill import PrefillBatch
@@ -68,8 +68,9 @@ class ModelRunner:
             and all(type(c) is KVCache for c in caches.draft)
         # The prompt cache's KV state, and what it takes (None: no prompt cache, or caches it cannot snapshot).
         self.kv = KVStore()
-        self.kv_cost = kv_cost(model, self.routing, draft, kv_quant) if prompt_cache else None
-        self.kv_position_bytes = kv_bytes_per_token(model, self.routing, draft, kv_quant) or 1  # (budget)
+        measured = measured_caches(model, self.routing, draft, kv_quant)  # one forward pass, read twice
+        self.kv_cost = kv_cost(measured) if prompt_cache else None
+        self.kv_position_bytes = kv_bytes_per_token(measured) or 1  # (budget)
         # Decode rows, aligned with the scheduler's running list:
         self.cache: ModelCaches | None = None  # one batch cache per layer of each model
         self.keys: mx.array | None = None  # [B, 2] PRNG key per row
