@@ -24,6 +24,7 @@ import httpx
 from mlx_lm.utils import load
 
 from mola.config import ServeConfig
+from mola.errors import EngineUnavailable
 from mola.engine.outputs import EngineSnapshot, SeqOutput
 from mola.engine.sequence import FinishReason, Sequence
 from mola.lora.pack import PackStats, SlotGeometry, geometry_of
@@ -49,6 +50,8 @@ class ScriptedEngine:
         self._ids = itertools.count()
 
     async def generate(self, seq: Sequence):
+        if not self.is_alive:  # as Engine.add refuses a sequence once its thread is down
+            raise EngineUnavailable("The engine is not running (scripted).")
         seq.seq_id = next(self._ids)
         self.submitted.append(seq)
         answer = self.script(seq)
