@@ -23,6 +23,7 @@ from typing import Callable
 import httpx
 from mlx_lm.utils import load
 
+from mola.adapters.recipe import SlotRecipe
 from mola.config import ServeConfig
 from mola.errors import EngineUnavailable
 from mola.engine.outputs import EngineSnapshot, SeqOutput
@@ -47,6 +48,7 @@ class ScriptedEngine:
         self.snapshot = EngineSnapshot()
         self.pack_stats = PackStats()  # no packs: nothing is written to a device
         self.geometry: SlotGeometry | None = None  # the model's, set by inprocess_app: adapters load for real
+        self.slots: dict[int, SlotRecipe] = {}  # what each written slot holds
         self._ids = itertools.count()
 
     async def generate(self, seq: Sequence):
@@ -90,15 +92,30 @@ class ScriptedEngine:
         return fn()
 
     def write_slot(self, slot, rows, recipe) -> asyncio.Future:
+        self.slots[slot] = recipe
         future = asyncio.get_running_loop().create_future()
         future.set_result(None)
         return future
 
     async def clear_slot(self, slot: int) -> None:
-        return None
+        self.slots.pop(slot, None)
 
     async def forget_prompts(self, adapter_keys) -> int:
         return 0
+
+
+def by_recipe(engine: ScriptedEngine, tokenizer) -> Callable[[Sequence], list[int]]:
+    """A script whose answer names what the sequence's slot holds (" answer 0"
+    for the first recipe seen, and so on; the base is a recipe too): the same
+    adapter files answer the same, whichever name reached them."""
+    seen: list = []
+
+    def script(seq: Sequence) -> list[int]:
+        recipe = engine.slots.get(seq.slot) if seq.slot else None
+        if recipe not in seen:
+            seen.append(recipe)
+        return tokenizer.encode(f" answer {seen.index(recipe)}", add_special_tokens=False)
+    return script
 
 
 def tokenizer_model(path: Path) -> LoadedModel:
