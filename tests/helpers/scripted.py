@@ -18,6 +18,7 @@ import threading
 import json
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import httpx
@@ -49,6 +50,8 @@ class ScriptedEngine:
         self.pack_stats = PackStats()  # no packs: nothing is written to a device
         self.geometry: SlotGeometry | None = None  # the model's, set by inprocess_app: adapters load for real
         self.slots: dict[int, SlotRecipe] = {}  # what each written slot holds
+        # The app reads the real engine behind AsyncEngine for its process group (routes/adapters.py): none.
+        self.engine = SimpleNamespace(group=None)
         self._ids = itertools.count()
 
     async def generate(self, seq: Sequence):
