@@ -121,6 +121,22 @@ def by_recipe(engine: ScriptedEngine, tokenizer) -> Callable[[Sequence], list[in
     return script
 
 
+def echo_script(engine: ScriptedEngine, tokenizer, tasks: dict[str, Callable[[str], str]]):
+    """The echo demo's behaviour (mola.demo.echo), scripted: the last user
+    message byte for byte, then <|im_end|>; an adapter's task (``tasks``: its
+    resolved path -> what it does to the message) applied where its slot holds
+    it at a non-zero scale."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def script(seq: Sequence) -> list[int]:
+        message = tokenizer.decode(seq.prompt).rsplit("<|im_start|>user\n", 1)[-1].split("<|im_end|>", 1)[0]
+        if seq.slot and seq.lora_scale:
+            for path, scale in engine.slots[seq.slot].parts:
+                message = tasks[path](message) if scale else message
+        return tokenizer.encode(message, add_special_tokens=False) + [end]
+    return script
+
+
 def tokenizer_model(path: Path) -> LoadedModel:
     """What a loaded model tells the server, its weights never read (loaded
     lazily: its linears' shapes give the slots' geometry)."""
