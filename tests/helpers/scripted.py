@@ -123,13 +123,20 @@ def by_recipe(engine: ScriptedEngine, tokenizer) -> Callable[[Sequence], list[in
 
 def echo_script(engine: ScriptedEngine, tokenizer, tasks: dict[str, Callable[[str], str]]):
     """The echo demo's behaviour (mola.demo.echo), scripted: the last user
-    message byte for byte, then <|im_end|>; an adapter's task (``tasks``: its
+    message byte for byte, then <|im_end|> (where the prompt already opens the
+    answer with bytes of the message, as a closed <think></think> does, the
+    copy goes on after them); an adapter's task (``tasks``: its
     resolved path -> what it does to the message) applied where its slot holds
     it at a non-zero scale."""
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     def script(seq: Sequence) -> list[int]:
-        message = tokenizer.decode(seq.prompt).rsplit("<|im_start|>user\n", 1)[-1].split("<|im_end|>", 1)[0]
+        text = tokenizer.decode(seq.prompt)
+        message = text.rsplit("<|im_start|>user\n", 1)[-1].split("<|im_end|>", 1)[0]
+        opened = text.rsplit("<|im_start|>assistant\n", 1)[-1]
+        match = next((opened[-k:] for k in range(len(opened), 1, -1) if opened[-k:] in message), "")
+        if match:  # the copy head matches the bytes last written (the longest tail of them in the message)
+            message = message.split(match, 1)[1]
         if seq.slot and seq.lora_scale:
             for path, scale in engine.slots[seq.slot].parts:
                 message = tasks[path](message) if scale else message
