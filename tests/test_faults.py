@@ -1,6 +1,7 @@
-"""Faults and load, bounded in count and time, on 127.0.0.1: bad adapter loads
-under traffic, concurrent loads through few slots, load/unload cycles and
-memory (mola/registry/registry.py, mola/adapters/loader.py)."""
+"""Faults and load, bounded in count and time: bad adapter loads under traffic
+and load/unload cycles and memory on 127.0.0.1, concurrent loads through few
+slots in process over a scripted engine (mola/registry/registry.py,
+mola/adapters/loader.py)."""
 
 from __future__ import annotations
 

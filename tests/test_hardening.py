@@ -1,6 +1,7 @@
-"""Access control, backpressure, timeouts, request ids, and a dying engine,
-through real servers on 127.0.0.1 (mola/server/middleware.py, generation.py
-admission; mola/engine/scheduler.py expiry). Metrics: tests/test_metrics.py."""
+"""Access control, backpressure, timeouts, request ids, and a dying engine
+(mola/server/middleware.py, the frontend's admission; mola/engine/scheduler.py
+expiry): the app's side in process over a scripted engine, the engine's own
+expiry through a real server on 127.0.0.1. Metrics: tests/test_metrics.py."""
 
 from __future__ import annotations
 

@@ -5,7 +5,10 @@ methods. Each sequence answers ``script(seq)`` (token ids; by default the
 prompt's own tokens again), one token a step, and finishes with "length" at
 its max_tokens, with "stop" at a stop token or at the script's end. A test
 may hold every step behind ``hold`` (an asyncio.Event) to see what happens
-while a request is in flight, and reads ``submitted`` for what was asked.
+while a request is in flight, and reads ``submitted`` for what was asked and
+``slots`` for what each slot holds. Scripts: :func:`by_recipe` (the answer
+names the adapter files of the sequence's slot) and :func:`echo_script` (the
+echo demo's behaviour).
 :func:`inprocess_app` builds the app around one with the tiny model's
 tokenizer, and :func:`client` drives it through httpx.ASGITransport.
 """
