@@ -1,6 +1,7 @@
-"""Faults and load, bounded in count and time, on 127.0.0.1: bad adapter loads
-under traffic, concurrent loads through few slots, load/unload cycles and
-memory (mola/registry/registry.py, mola/adapters/loader.py)."""
+"""Faults and load, bounded in count and time: bad adapter loads under traffic
+and load/unload cycles and memory on 127.0.0.1, concurrent loads through few
+slots in process over a scripted engine (mola/registry/registry.py,
+mola/adapters/loader.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import pytest
 from mola.server.metrics import rss_bytes
 from mola.testing.adapter import make_random_adapter
 
+from helpers.scripted import ScriptedEngine, by_recipe, tokenizer_model
+from helpers.scripted import client as inprocess_client
 from helpers.servers import start_server
 
 MSG = [{"role": "user", "content": "Tell me something."}]
@@ -65,27 +68,30 @@ def test_fifty_bad_loads_while_twenty_good_requests_run(server, broken_adapters)
 
 
 def test_ten_adapters_loaded_at_once_through_two_slots(tiny_model, tmp_path):
+    """The registry's two slots under ten concurrent loads and uses, in process
+    over a scripted engine whose answer names the files its slot holds."""
     paths = [make_random_adapter(tmp_path / f"ad{i}", tiny_model, rank=4, seed=200 + i) for i in range(10)]
-    handle = start_server(model=str(tiny_model), max_loras=2, max_lora_rank=8, allow_any_adapter_path=True)
-    try:
-        async def go():
-            async with httpx.AsyncClient(base_url=handle.url, timeout=120) as c:
-                loads = await asyncio.gather(*(c.post("/v1/adapters", json={"name": f"ad{i}", "path": str(p)})
-                                               for i, p in enumerate(paths)))
-                uses = await asyncio.gather(*(c.post("/v1/chat/completions", json={
-                    "model": f"ad{i}", "messages": MSG, "max_tokens": 12, "ignore_eos": True}) for i in range(10)))
-                return loads, uses
+    model = tokenizer_model(tiny_model)
+    engine = ScriptedEngine()
+    named = by_recipe(engine, model.tokenizer)
+    engine.script = lambda seq: named(seq) * 12
 
-        loads, uses = asyncio.run(asyncio.wait_for(go(), timeout=300))
-        assert [r.status_code for r in loads] == [200] * 10
-        assert [r.status_code for r in uses] == [200] * 10
-        assert all(r.json()["usage"]["completion_tokens"] == 12 for r in uses)
-        texts = {r.json()["choices"][0]["message"]["content"] for r in uses}
-        assert len(texts) >= 8  # each answered with its own weights
-        assert handle.state.registry.num_resident <= 2
-        assert handle.state.registry.stats.evictions >= 8
-    finally:
-        handle.stop()
+    async def go():
+        async with inprocess_client(model, engine, max_loras=2, max_lora_rank=8, allow_any_adapter_path=True) as c:
+            loads = await asyncio.gather(*(c.post("/v1/adapters", json={"name": f"ad{i}", "path": str(p)})
+                                           for i, p in enumerate(paths)))
+            uses = await asyncio.gather(*(c.post("/v1/chat/completions", json={
+                "model": f"ad{i}", "messages": MSG, "max_tokens": 12, "ignore_eos": True}) for i in range(10)))
+            return loads, uses, c.state.registry
+
+    loads, uses, registry = asyncio.run(asyncio.wait_for(go(), timeout=300))
+    assert [r.status_code for r in loads] == [200] * 10
+    assert [r.status_code for r in uses] == [200] * 10
+    assert all(r.json()["usage"]["completion_tokens"] == 12 for r in uses)
+    texts = {r.json()["choices"][0]["message"]["content"] for r in uses}
+    assert len(texts) == 10  # each answered from a slot holding its own files
+    assert registry.num_resident <= 2
+    assert registry.stats.evictions >= 8
 
 
 def test_hundred_load_unload_cycles_keep_memory_flat(tiny_model, adapters):

@@ -1,6 +1,7 @@
-"""Access control, backpressure, timeouts, request ids, and a dying engine,
-through real servers on 127.0.0.1 (mola/server/middleware.py, generation.py
-admission; mola/engine/scheduler.py expiry). Metrics: tests/test_metrics.py."""
+"""Access control, backpressure, timeouts, request ids, and a dying engine
+(mola/server/middleware.py, the frontend's admission; mola/engine/scheduler.py
+expiry): the app's side in process over a scripted engine, the engine's own
+expiry through a real server on 127.0.0.1. Metrics: tests/test_metrics.py."""
 
 from __future__ import annotations
 
@@ -133,21 +134,28 @@ def test_request_timeout_cuts_a_running_request(tiny_model):
         handle.stop()
 
 
+class DyingEngine(ScriptedEngine):
+    """A scripted engine whose thread dies after its answer's first tokens."""
+
+    def _step(self, seq, answer, i):
+        if i == 2:
+            self.is_alive, self.fail_with = False, "injected engine failure"
+        return ScriptedEngine._step(seq, answer, i)
+
+
 def test_dying_engine_turns_503_not_a_hang(tiny_model):
-    handle = start_server(model=str(tiny_model))
+    """The app's side of a dying engine, in process: a stream under way ends
+    with an error event and [DONE], /health turns 503, a new request is a 503."""
+    loaded = tokenizer_model(tiny_model)
+    word = loaded.tokenizer.encode(" sea", add_special_tokens=False)
+    handle = InProcessServer(loaded, DyingEngine(lambda seq: word * 1500))
     try:
-        with httpx.Client(base_url=handle.url, timeout=30) as c:
-            with c.stream("POST", "/v1/chat/completions",
-                          json=chat(max_tokens=1500, ignore_eos=True, stream=True)) as r:
-                lines = (line for line in r.iter_lines() if line.startswith("data: "))
-                next(lines), next(lines)
-
-                def boom():
-                    raise RuntimeError("injected engine failure")
-
-                handle.engine._commands.put(boom)  # a fault outside any step: the thread dies
-                rest = list(lines)
-            assert rest[-1] == "data: [DONE]" and '"error"' in rest[-2]
+        with handle.client(timeout=30) as c:
+            assert c.get("/health").status_code == 200
+            r = c.post("/v1/chat/completions", json=chat(max_tokens=1500, ignore_eos=True, stream=True))
+            lines = [line for line in r.text.splitlines() if line.startswith("data: ")]
+            assert len(lines) >= 4  # the role and the first tokens came before the failure
+            assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2]
             assert c.get("/health").status_code == 503
             r = c.post("/v1/chat/completions", json=chat())
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
@@ -156,20 +164,22 @@ def test_dying_engine_turns_503_not_a_hang(tiny_model):
 
 
 def test_waiting_for_an_adapter_slot_counts_against_the_timeout(tiny_model, adapters):
-    handle = start_server(model=str(tiny_model), max_loras=1, max_lora_rank=16, request_timeout=0.3,
-                          adapters=(AdapterSpec("a", str(adapters["a"])), AdapterSpec("b", str(adapters["b"]))))
-    loop = handle.state.engine._loop
+    """The registry's wait for a slot, in process: with the only slot held, a
+    request for another adapter ends by its timeout, a 503."""
+    handle = InProcessServer(tokenizer_model(tiny_model), max_loras=1, max_lora_rank=16, request_timeout=0.3,
+                             adapters=(AdapterSpec("a", str(adapters["a"])), AdapterSpec("b", str(adapters["b"]))))
     try:
-        # Hold a lease on "a", pinning the only slot, as a long request would.
-        lease = asyncio.run_coroutine_threadsafe(handle.state.registry.acquire("a"), loop).result(10)
-        t0 = time.monotonic()
-        r = httpx.post(handle.url + "/v1/chat/completions", json=chat("b"), timeout=30)
-        waited = time.monotonic() - t0
-        # The slot is still held, so only the timeout can have ended the wait: no upper bound on a clock.
-        assert r.status_code == 503 and "adapter slot" in r.json()["error"]["message"]
-        assert waited > 0.25
-        loop.call_soon_threadsafe(lease.release)
-        assert httpx.post(handle.url + "/v1/chat/completions", json=chat("b"), timeout=30).status_code == 200
-        assert handle.state.registry.get("b").waiting == 0
+        with handle.client(timeout=30) as c:
+            # Hold a lease on "a", pinning the only slot, as a long request would.
+            lease = handle.run(handle.state.registry.acquire("a"))
+            t0 = time.monotonic()
+            r = c.post("/v1/chat/completions", json=chat("b"))
+            waited = time.monotonic() - t0
+            # The slot is still held, so only the timeout can have ended the wait: no upper bound on a clock.
+            assert r.status_code == 503 and "adapter slot" in r.json()["error"]["message"]
+            assert waited > 0.25
+            handle.loop.call_soon_threadsafe(lease.release)
+            assert c.post("/v1/chat/completions", json=chat("b")).status_code == 200
+            assert handle.state.registry.get("b").waiting == 0
     finally:
         handle.stop()

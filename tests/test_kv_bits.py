@@ -179,14 +179,14 @@ def test_a_row_alone_and_in_a_batch_of_16(wide_heads):
 
 
 def test_models_states_whether_a_quantized_cache_is_batch_invariant(wide_heads):
-    import httpx
-
-    from helpers.servers import start_server
+    """The model card's words, in process: the card reads the config, no model runs."""
+    from helpers.scripted import InProcessServer, tokenizer_model
     from mola import blas
 
-    handle = start_server(model=str(wide_heads), served_model_name="wide", kv_bits=8)
+    handle = InProcessServer(tokenizer_model(wide_heads), served_model_name="wide", kv_bits=8)
     try:
-        card = httpx.get(handle.url + "/v1/models/wide", timeout=60).json()
+        with handle.client(timeout=60) as c:
+            card = c.get("/v1/models/wide").json()
     finally:
         handle.stop()
     assert card["kv_cache"] == {"bits": 8, "group_size": GROUP,

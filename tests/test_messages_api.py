@@ -31,6 +31,7 @@ from mola.server.dialects.messages import _complete, _stream
 from mola.demo import echo_data
 
 from helpers.schemas import typed_events
+from helpers.scripted import InProcessServer, ScriptedEngine, echo_script, tokenizer_model
 from helpers.servers import start_server
 
 API = "sk-mola-test-key"
@@ -353,15 +354,41 @@ THOUGHT = "<think>I ponder the sky</think>It is blue"  # the echo writes it; the
 
 @pytest.fixture(scope="module")
 def thinking_server(echo_demo):
+    """The echo base with Qwen3's reasoning parser, in process over the scripted
+    echo (helpers/scripted.py): the blocks are the subject, not the model."""
     model_dir, _ = echo_demo
-    handle = start_server(model=str(model_dir), served_model_name="mola-demo", reasoning_parser="qwen3")
+    model = tokenizer_model(model_dir)
+    engine = ScriptedEngine()
+    engine.script = echo_script(engine, model.tokenizer, {})
+    handle = InProcessServer(model, engine, served_model_name="mola-demo", reasoning_parser="qwen3")
     yield handle
     handle.stop()
 
 
+class Httpx2Onto:
+    """The anthropic SDK's transport (it speaks httpx2) onto an httpx client of the app."""
+
+    def __init__(self, http):
+        import httpx2
+
+        self.http, self.httpx2 = http, httpx2
+
+    def sdk(self) -> anthropic.Anthropic:
+        onto = self
+
+        class Transport(self.httpx2.BaseTransport):
+            def handle_request(self, request):
+                r = onto.http.request(request.method, str(request.url), headers=request.headers.raw,
+                                      content=request.read())
+                return onto.httpx2.Response(r.status_code, headers=r.headers.raw, content=r.content)
+        return anthropic.Anthropic(base_url="http://mola", api_key="unused", max_retries=0, timeout=60,
+                                   http_client=self.httpx2.Client(transport=Transport()))
+
+
 def test_thinking_blocks_hold_what_chat_calls_reasoning_content(thinking_server):
-    client = anthropic.Anthropic(base_url=thinking_server.url, api_key="unused", max_retries=0, timeout=60)
-    r = httpx.post(thinking_server.url + "/v1/chat/completions", timeout=60, json={
+    http = thinking_server.client(timeout=60)
+    client = Httpx2Onto(http).sdk()
+    r = http.post("/v1/chat/completions", json={
         "model": "mola-demo", "messages": user(THOUGHT), "temperature": 0, "max_tokens": 200})
     expected = r.json()
     m = client.messages.create(model="mola-demo", max_tokens=200, messages=user(THOUGHT), extra_body=T0)
@@ -372,7 +399,7 @@ def test_thinking_blocks_hold_what_chat_calls_reasoning_content(thinking_server)
     assert m.model_dump()["usage"]["output_tokens_details"]["thinking_tokens"] == \
         expected["usage"]["completion_tokens_details"]["reasoning_tokens"]
 
-    r = httpx.post(thinking_server.url + "/v1/messages", timeout=60, json={
+    r = http.post("/v1/messages", json={
         "model": "mola-demo", "max_tokens": 200, "temperature": 0, "stream": True, "messages": user(THOUGHT)})
     events = typed_events(r.text)
     for e in events:
@@ -390,7 +417,7 @@ def test_thinking_blocks_hold_what_chat_calls_reasoning_content(thinking_server)
     count = client.messages.count_tokens(model="mola-demo", messages=messages).input_tokens
     chat_messages = [*user(THOUGHT), {"role": "assistant", "content": "It is blue",
                                       "reasoning_content": "I ponder the sky"}, *user("and the sea?")]
-    r = httpx.post(thinking_server.url + "/v1/chat/completions", timeout=60, json={
+    r = http.post("/v1/chat/completions", json={
         "model": "mola-demo", "messages": chat_messages, "temperature": 0, "max_tokens": 1})
     assert count == r.json()["usage"]["prompt_tokens"]
 

@@ -1,6 +1,7 @@
 """Prompts checked against the context length without tokenizing much more
 than it holds, on two tokenizer lanes (mola/server/prompts.py): against the
-tokenizer run on the whole text, and through real servers on 127.0.0.1."""
+tokenizer run on the whole text, and through the app in process over a
+scripted engine (the tokenizer lanes are real; no model runs)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import random
 import threading
 import time
 
-import httpx
 import pytest
 from mlx_lm import load
 
@@ -18,7 +18,7 @@ from mola.server.metrics import rss_bytes
 from mola.frontend.prompts import LONG_PROMPT_CHARS, PROBE_CHARS_PER_TOKEN, encode_within, max_token_chars
 from mola.demo.tokenizer import CORPUS
 
-from helpers.servers import start_server
+from helpers.scripted import InProcessServer, tokenizer_model
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +129,8 @@ def test_lane_choice_by_size(server_with_lanes):
 def server_with_lanes(tiny_model):
     # A context of 200k tokens, so that a prompt of a million characters is tokenized whole
     # (then refused for its length) rather than refused on a prefix.
-    handle = start_server(model=str(tiny_model), served_model_name="tiny", max_model_len=200_000,
-                          max_request_bytes=16 << 20)
+    handle = InProcessServer(tokenizer_model(tiny_model), served_model_name="tiny", max_model_len=200_000,
+                             max_request_bytes=16 << 20)
     yield handle
     handle.stop()
 
@@ -148,12 +148,11 @@ def test_a_blocked_long_lane_does_not_hold_up_short_prompts(server_with_lanes):
     release = threading.Event()
     state.prompts.long[1].submit(release.wait, 30)  # the long lane is busy until released
     result = {}
-    big = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
-        server_with_lanes.url + "/v1/completions", timeout=60,
-        json={"model": "tiny", "prompt": "hello " * LONG_PROMPT_CHARS, "max_tokens": 1_000_000})))
+    big = threading.Thread(target=lambda: result.setdefault("r", server_with_lanes.client(timeout=60).post(
+        "/v1/completions", json={"model": "tiny", "prompt": "hello " * LONG_PROMPT_CHARS, "max_tokens": 1_000_000})))
     big.start()
     try:
-        with httpx.Client(base_url=server_with_lanes.url, timeout=20) as c:
+        with server_with_lanes.client(timeout=20) as c:
             for _ in range(3):
                 small_chat(c)
         assert big.is_alive()  # still waiting for the long lane
@@ -186,14 +185,14 @@ def tokenizing(prompts):
 def test_small_requests_while_large_prompts_are_tokenized(server_with_lanes):
     """Two prompts of a million characters each keep the long lane busy for
     a second or more; small requests meanwhile take about what they take alone."""
-    url = server_with_lanes.url
     big_prompt = "".join(random.Random(1).choices("abcdefghijklmnopqrstuvwxyz0123456789", k=1_000_000))
-    with httpx.Client(base_url=url, timeout=60) as c:
+    with server_with_lanes.client(timeout=60) as c:
         alone = sorted(small_chat(c) for _ in range(5))[2]
         done = []
 
         def big():
-            r = httpx.post(url + "/v1/completions", timeout=120, json={"model": "tiny", "prompt": big_prompt})
+            with server_with_lanes.client(timeout=120) as own:
+                r = own.post("/v1/completions", json={"model": "tiny", "prompt": big_prompt})
             assert r.status_code == 400 and "maximum context length" in r.text  # tokenized whole, then refused
             done.append(time.perf_counter())
 
@@ -214,7 +213,7 @@ def test_small_requests_while_large_prompts_are_tokenized(server_with_lanes):
 
 
 def test_a_huge_prompt_is_refused_fast_without_growing_memory(tiny_model):
-    handle = start_server(model=str(tiny_model), served_model_name="tiny", max_request_bytes=16 << 20)
+    handle = InProcessServer(tokenizer_model(tiny_model), served_model_name="tiny", max_request_bytes=16 << 20)
     rng = random.Random(2)
     texts = {"letters": "".join(rng.choice("abcdefghij klmnopqrstuvwxyz") for _ in range(6_000_000)),
              "whitespace": " \n" * 3_000_000}
@@ -227,7 +226,7 @@ def test_a_huge_prompt_is_refused_fast_without_growing_memory(tiny_model):
             stop.wait(0.005)
 
     try:
-        with httpx.Client(base_url=handle.url, timeout=120) as c:
+        with handle.client(timeout=120) as c:
             small_chat(c)
             for kind, text in texts.items():
                 body = {"model": "tiny", "messages": [{"role": "user", "content": text}]}

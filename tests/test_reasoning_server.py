@@ -23,6 +23,7 @@ import pytest
 from mola.frontend.reasoning import reasoning_format
 
 from helpers.schemas import sse_events, typed_events, validate_schema, validate_stream_event
+from helpers.scripted import InProcessServer, ScriptedEngine, echo_script, tokenizer_model
 from helpers.servers import start_server
 from helpers.tokenizers import with_added_tokens, with_chat_template
 
@@ -48,10 +49,21 @@ def server(echo_demo, tmp_path_factory):
     base, _ = echo_demo
     model = with_chat_template(base, tmp_path_factory.mktemp("echo") / "qwen3",
                                (TEMPLATES / "Qwen-Qwen3-0.6B.jinja").read_text())
-    handle = start_server(model=str(model), served_model_name="echo")
+    # In process over a scripted echo (helpers/scripted.py): the split is the subject, and the echo's answer
+    # is the message byte for byte whichever engine writes it.
+    loaded = tokenizer_model(model)
+    engine = ScriptedEngine()
+    engine.script = echo_script(engine, loaded.tokenizer, {})
+    handle = InProcessServer(loaded, engine, served_model_name="echo")
     assert handle.state.reasoning.name == "qwen3"  # auto, from the template
     yield handle
     handle.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with server.client(timeout=120) as c:
+        yield c
 
 
 def chat(client, content=MESSAGE, **extra):

@@ -1,4 +1,5 @@
-"""POST /v1/responses (server/routes/responses.py) on real servers: every
+"""POST /v1/responses (server/routes/responses.py) on conftest's real server
+and, for the echo's cases, in process over a scripted echo: every
 response and every stream event against OpenAI's schemas; the output equals
 the same conversation sent to /v1/chat/completions; previous_response_id
 equals sending the items; a tool call round trip on the demo's echo base,
@@ -8,16 +9,18 @@ which turns a message into the call it spells; the OpenAI SDK; the store;
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 import mola.demo.echo as demo
+from mola.demo import echo_data
 from mola.config import AdapterSpec
 
 from helpers.schemas import typed_events, validate_schema, validate_stream_event
-from helpers.servers import start_server
+from helpers.scripted import InProcessServer, ScriptedEngine, echo_script, tokenizer_model
 
 TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TOOLS = [{"type": "function", "name": "get_weather", "description": "Get the weather in a city",
@@ -28,11 +31,17 @@ STORE_SIZE = 4
 
 @pytest.fixture(scope="module")
 def echo(tmp_path_factory):
-    """The demo: the echo base (which answers a message with itself) and its
-    adapters, with a small response store."""
+    """The demo's echo base (it answers a message with itself) and its adapters,
+    with a small response store: in process, over a scripted engine that
+    answers as the echo does (the protocol is the subject; test_demo_echo.py
+    serves the real one)."""
     model_dir, adapters = demo.ensure_demo(tmp_path_factory.mktemp("mola-cache"))
-    handle = start_server(
-        model=str(model_dir), served_model_name="mola-demo", max_loras=4, max_lora_rank=16,
+    model = tokenizer_model(model_dir)
+    engine = ScriptedEngine()
+    engine.script = echo_script(engine, model.tokenizer, {
+        str(Path(path).resolve()): echo_data.TASKS[demo.RECIPES[name].task] for name, path in adapters.items()})
+    handle = InProcessServer(
+        model, engine, served_model_name="mola-demo", max_loras=4, max_lora_rank=16,
         adapters=tuple(AdapterSpec(name, str(path)) for name, path in adapters.items()),
         max_stored_responses=STORE_SIZE,
     )
@@ -42,7 +51,7 @@ def echo(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def echo_client(echo):
-    with httpx.Client(base_url=echo.url, timeout=60) as c:
+    with echo.client(timeout=60) as c:
         yield c
 
 
@@ -218,8 +227,8 @@ def test_model_names_the_base_or_an_adapter(echo_client):
 
 
 def test_the_openai_sdk(echo):
-    sdk = openai.OpenAI(base_url=echo.url + "/v1", api_key="x", max_retries=0,
-                        _strict_response_validation=True)
+    sdk = openai.OpenAI(base_url="http://mola/v1", api_key="x", max_retries=0,
+                        _strict_response_validation=True, http_client=echo.client())
     r = sdk.responses.create(model="upper", input="mola on MLX", temperature=0)
     assert r.output_text == "MOLA ON MLX" and r.status == "completed" and r.usage.output_tokens > 0
     kinds = [e.type for e in sdk.responses.create(model="title", input="mola on mlx", stream=True)]

@@ -8,8 +8,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+from pathlib import Path
 
-import httpx
 import pytest
 
 from mola.cli import build_parser, config_from_args
@@ -17,7 +17,7 @@ from mola.cli.config_file import load_config_file
 from mola.errors import AdapterPathNotAllowed, AdapterPathNotFound
 from mola.registry.sources import AdapterSources
 
-from helpers.servers import start_server
+from helpers.scripted import InProcessServer, ScriptedEngine, by_recipe, tokenizer_model
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def test_unusable_paths_are_not_found_errors(given):
     assert AdapterSources(adapter_dirs=["/tmp"]).discover(given.replace("/", "")) is None
 
 
-# ---- every way, through real servers ------------------------------------------------
+# ---- every way, through the app in process ------------------------------------------------
 
 
 def chat(model):
@@ -126,15 +126,20 @@ def answer(c, model):
     return r.status_code, (r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.json())
 
 
-def serve(**config):
-    return start_server(served_model_name="tiny", max_loras=2, max_lora_rank=16, **config)
+def serve(model, **config):
+    """The app in process over a scripted engine whose answer names the adapter
+    files its slot holds (the policy is the subject, not the model's output)."""
+    loaded = tokenizer_model(Path(model))
+    engine = ScriptedEngine()
+    engine.script = by_recipe(engine, loaded.tokenizer)
+    return InProcessServer(loaded, engine, served_model_name="tiny", max_loras=2, max_lora_rank=16, **config)
 
 
 def test_rest_vllm_and_names_under_the_default_policy(tiny_model, tree):
     allowed, outside = tree["allowed"], tree["outside"]
     handle = serve(model=str(tiny_model), adapter_dirs=(str(allowed),))
     try:
-        c = httpx.Client(base_url=handle.url, timeout=60)
+        c = handle.client(timeout=60)
         # REST and vLLM: the escaping symlink is a 403, the inside one loads.
         r = c.post("/v1/adapters", json={"name": "x", "path": str(allowed / "evil")})
         assert r.status_code == 403 and r.json()["error"]["code"] == "adapter_path_not_allowed"
@@ -168,7 +173,7 @@ def test_config_file(tiny_model, tree):
                       '[[adapters]]\nname = "cfg-evil"\npath = "allowed/evil"\n')
     handle = serve(**load_config_file(config))
     try:
-        c = httpx.Client(base_url=handle.url, timeout=60)
+        c = handle.client(timeout=60)
         # Named in the file: trusted as the operator wrote them, symlink or not.
         assert answer(c, "cfg-in")[0] == 200 and answer(c, "cfg-in") == answer(c, "inner")
         assert answer(c, "cfg-evil")[0] == 200
@@ -182,7 +187,7 @@ def test_config_file(tiny_model, tree):
     config.write_text(f'model = "{tiny_model}"\nadapter_dirs = ["allowed"]\nallow_adapter_symlinks = true\n')
     handle = serve(**load_config_file(config))
     try:
-        c = httpx.Client(base_url=handle.url, timeout=60)
+        c = handle.client(timeout=60)
         assert answer(c, "evil")[0] == 200 and answer(c, "evil-other")[0] == 200
     finally:
         handle.stop()
@@ -197,7 +202,7 @@ def test_adapter_flags(tiny_model, tree):
     handle = serve(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
                       if f.name not in ("log_level", "served_model_name", "engine", "images", "http", "bases")})
     try:
-        c = httpx.Client(base_url=handle.url, timeout=60)
+        c = handle.client(timeout=60)
         assert answer(c, "cli-in")[0] == 200 and answer(c, "cli-in") == answer(c, "inner")
         assert answer(c, "cli-evil")[0] == 200 and answer(c, "cli-evil") == answer(c, "evil")
         r = c.post("/v1/adapters", json={"name": "x", "path": str(allowed / "evil" / ".." / "other")})

@@ -28,7 +28,7 @@ from mola.testing.peft import save_peft_adapter
 from mola.validate import describe, model_shape, validate
 
 from conftest import ADAPTER_SPECS
-from helpers.servers import start_server
+from helpers.scripted import InProcessServer
 
 
 def mola_validate(*args):
@@ -186,9 +186,12 @@ def test_adapters_against_a_gguf_file(tiny_gguf, twins, other_model, tmp_path):
         assert validate(str(path), str(tiny_gguf)).ok, kind
     wrong = make_random_adapter(tmp_path / "wrong", other_model, rank=4, seed=5)
     error = validate(str(wrong), str(tiny_gguf)).error
-    server = start_server(model=str(tiny_gguf), max_loras=1, max_lora_rank=64, allow_any_adapter_path=True)
+    # The live server's answer: the app in process over the GGUF file as mola serve loads it.
+    server = InProcessServer(load_base_model(str(tiny_gguf)), max_loras=1, max_lora_rank=64,
+                             allow_any_adapter_path=True)
     try:
-        r = httpx.post(server.url + "/v1/adapters", json={"name": "wrong", "path": str(wrong)}, timeout=60)
+        with server.client(timeout=60) as c:
+            r = c.post("/v1/adapters", json={"name": "wrong", "path": str(wrong)})
         assert r.status_code == 400 and r.json()["error"]["message"] == error
     finally:
         server.stop()

@@ -5,7 +5,10 @@ methods. Each sequence answers ``script(seq)`` (token ids; by default the
 prompt's own tokens again), one token a step, and finishes with "length" at
 its max_tokens, with "stop" at a stop token or at the script's end. A test
 may hold every step behind ``hold`` (an asyncio.Event) to see what happens
-while a request is in flight, and reads ``submitted`` for what was asked.
+while a request is in flight, and reads ``submitted`` for what was asked and
+``slots`` for what each slot holds. Scripts: :func:`by_recipe` (the answer
+names the adapter files of the sequence's slot) and :func:`echo_script` (the
+echo demo's behaviour).
 :func:`inprocess_app` builds the app around one with the tiny model's
 tokenizer, and :func:`client` drives it through httpx.ASGITransport.
 """
@@ -18,12 +21,15 @@ import threading
 import json
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import httpx
 from mlx_lm.utils import load
 
+from mola.adapters.recipe import SlotRecipe
 from mola.config import ServeConfig
+from mola.errors import EngineUnavailable
 from mola.engine.outputs import EngineSnapshot, SeqOutput
 from mola.engine.sequence import FinishReason, Sequence
 from mola.lora.pack import PackStats, SlotGeometry, geometry_of
@@ -46,9 +52,14 @@ class ScriptedEngine:
         self.snapshot = EngineSnapshot()
         self.pack_stats = PackStats()  # no packs: nothing is written to a device
         self.geometry: SlotGeometry | None = None  # the model's, set by inprocess_app: adapters load for real
+        self.slots: dict[int, SlotRecipe] = {}  # what each written slot holds
+        # The app reads the real engine behind AsyncEngine for its process group (routes/adapters.py): none.
+        self.engine = SimpleNamespace(group=None)
         self._ids = itertools.count()
 
     async def generate(self, seq: Sequence):
+        if not self.is_alive:  # as Engine.add refuses a sequence once its thread is down
+            raise EngineUnavailable("The engine is not running (scripted).")
         seq.seq_id = next(self._ids)
         self.submitted.append(seq)
         answer = self.script(seq)
@@ -87,15 +98,53 @@ class ScriptedEngine:
         return fn()
 
     def write_slot(self, slot, rows, recipe) -> asyncio.Future:
+        self.slots[slot] = recipe
         future = asyncio.get_running_loop().create_future()
         future.set_result(None)
         return future
 
     async def clear_slot(self, slot: int) -> None:
-        return None
+        self.slots.pop(slot, None)
 
     async def forget_prompts(self, adapter_keys) -> int:
         return 0
+
+
+def by_recipe(engine: ScriptedEngine, tokenizer) -> Callable[[Sequence], list[int]]:
+    """A script whose answer names what the sequence's slot holds (" answer 0"
+    for the first recipe seen, and so on; the base is a recipe too): the same
+    adapter files answer the same, whichever name reached them."""
+    seen: list = []
+
+    def script(seq: Sequence) -> list[int]:
+        recipe = engine.slots.get(seq.slot) if seq.slot else None
+        if recipe not in seen:
+            seen.append(recipe)
+        return tokenizer.encode(f" answer {seen.index(recipe)}", add_special_tokens=False)
+    return script
+
+
+def echo_script(engine: ScriptedEngine, tokenizer, tasks: dict[str, Callable[[str], str]]):
+    """The echo demo's behaviour (mola.demo.echo), scripted: the last user
+    message byte for byte, then <|im_end|> (where the prompt already opens the
+    answer with bytes of the message, as a closed <think></think> does, the
+    copy goes on after them); an adapter's task (``tasks``: its
+    resolved path -> what it does to the message) applied where its slot holds
+    it at a non-zero scale."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def script(seq: Sequence) -> list[int]:
+        text = tokenizer.decode(seq.prompt)
+        message = text.rsplit("<|im_start|>user\n", 1)[-1].split("<|im_end|>", 1)[0]
+        opened = text.rsplit("<|im_start|>assistant\n", 1)[-1]
+        match = next((opened[-k:] for k in range(len(opened), 1, -1) if opened[-k:] in message), "")
+        if match:  # the copy head matches the bytes last written (the longest tail of them in the message)
+            message = message.split(match, 1)[1]
+        if seq.slot and seq.lora_scale:
+            for path, scale in engine.slots[seq.slot].parts:
+                message = tasks[path](message) if scale else message
+        return tokenizer.encode(message, add_special_tokens=False) + [end]
+    return script
 
 
 def tokenizer_model(path: Path) -> LoadedModel:
