@@ -21,7 +21,6 @@ import threading
 import json
 from contextlib import asynccontextmanager
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Callable
 
 import httpx
@@ -53,8 +52,7 @@ class ScriptedEngine:
         self.pack_stats = PackStats()  # no packs: nothing is written to a device
         self.geometry: SlotGeometry | None = None  # the model's, set by inprocess_app: adapters load for real
         self.slots: dict[int, SlotRecipe] = {}  # what each written slot holds
-        # The app reads the real engine behind AsyncEngine for its process group (routes/adapters.py): none.
-        self.engine = SimpleNamespace(group=None)
+        self.is_group = False  # no tensor-parallel group
         self._ids = itertools.count()
 
     async def generate(self, seq: Sequence):

@@ -69,6 +69,11 @@ class AsyncEngine:
         return self.engine.snapshot
 
     @property
+    def is_group(self) -> bool:
+        """Whether the engine leads a tensor-parallel group (engine/distributed.py)."""
+        return self.engine.group is not None
+
+    @property
     def pack_stats(self) -> PackStats:
         """The slot packs' sizes as of their last resize (immutable)."""
         return self.engine.pack_stats

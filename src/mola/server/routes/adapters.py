@@ -94,7 +94,7 @@ async def push_adapter(name: str, request: Request, scale: float = 1.0, base: st
                              "named by one segment (no '/') that does not start with '.'; push it under such a "
                              "name, or without persist.", param="name")
     state: ServerState = await state_for(request, _base_name(request, base))
-    if state.engine.engine.group is not None:
+    if state.engine.is_group:
         raise InvalidRequest("A tensor-parallel group reads adapters from files on every rank; it does not "
                              "take pushed weights (POST /v1/adapters a path instead).")
     if persist and not state.config.adapter_dirs:
