@@ -42,16 +42,7 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
             idle.cancel()
             if image_service is not None:
                 await asyncio.to_thread(image_service.stop)
-            bases.draining = True
-            for s in bases.loaded_states():
-                s.draining = True
-                s.registry.close()
-                s.loader.close()
-                s.prompts.close()
-            # Engines the app started (not the one it was handed: its starter stops that).
-            for base in bases:
-                if base.state is not None and base.state is not bases.handed:
-                    await asyncio.to_thread(base.state.engine.engine.stop)
+            await bases.close()  # every base's one teardown (a handed state's engine: its starter's)
 
     app = FastAPI(title="mola", version="0.1.0", lifespan=lifespan)
     app.state.bases = bases

@@ -27,27 +27,21 @@ import gc
 import logging
 import math
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 from ..adapters.pushed import drop as forget_pushed
 from ..config import ServeConfig
 from ..errors import InvalidRequest, ShuttingDown
 from .base_record import Base, BaseStatus, BaseUnavailable, default_name
-from .host_memory import trim_heap, weight_bytes
+from .host_memory import trim_heap
 from .responses_api.store import ResponseStore
 from ..frontend.state import ServerState
 
 log = logging.getLogger("mola.bases")
 S = BaseStatus
-
-
-def make_engine(config: ServeConfig):
-    from ..engine.engine import Engine
-    from ..models.loader import base_loader
-
-    spec = config.engine.speculative
-    return Engine(base_loader(config.model, config.dtype, spec.draft_model if spec is not None else None),
-                  config.engine)
+# How a base is started: (its config, the shared metrics, adapters loaded over REST before it last unloaded)
+# -> its state, serving (server/startup.py's start_base).
+Start = Callable[[ServeConfig, object, tuple], Awaitable[ServerState]]
 
 
 class BaseLease:
@@ -77,7 +71,7 @@ class Bases:
 
     def __init__(self, bases: list[Base], metrics, max_loaded: int | None = None,
                  max_bytes: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 engine_factory: Callable = make_engine, retry_failed_after: float = 30.0):
+                 start: Start | None = None, retry_failed_after: float = 30.0):
         self.by_name = {b.name: b for b in bases}
         self.default = bases[0]
         self.metrics = metrics  # shared by every base's state
@@ -86,10 +80,11 @@ class Bases:
         self.responses = ResponseStore(self.default.config.max_stored_responses)
         self.max_loaded, self.max_bytes = max_loaded, max_bytes
         self.clock = clock
-        self.engine_factory = engine_factory
+        self.start = start  # how a base is started (server/startup.py's start_base): the one start path
         self.retry_failed_after = retry_failed_after  # seconds before a failed base is tried again
         self.draining = False
         self.handed: ServerState | None = None  # a state whose engine its starter stops, not this
+        self.closed = False
         self._lock = asyncio.Lock()  # one load or unload decision at a time
 
     @classmethod
@@ -106,9 +101,9 @@ class Bases:
         return bases
 
     @classmethod
-    def declared(cls, config: ServeConfig, metrics, **kwargs) -> Bases:
+    def declared(cls, config: ServeConfig, metrics, start: Start, **kwargs) -> Bases:
         """Every base ``config`` declares, none loaded: the default first (its
-        --model, or the first of its models)."""
+        --model, or the first of its models); ``start`` starts each of them."""
         specs = list(config.bases.models)
         if config.model is not None:
             name = config.served_model_name or default_name(config.model)
@@ -121,7 +116,7 @@ class Bases:
                          spec.pin)
         others = [Base(m.name, config.for_base(m), m.keep_alive or config.bases.keep_alive, m.pin) for m in specs]
         return cls([first, *others], metrics, config.bases.max_loaded_models, config.bases.models_memory_bytes,
-                   **kwargs)
+                   start=start, **kwargs)
 
     async def preload(self) -> None:
         """Load the default base and the pinned ones (at start)."""
@@ -222,18 +217,12 @@ class Bases:
     # ---- loading and unloading ---------------------------------------------
 
     async def _load(self, base: Base) -> None:
-        from .startup import build_state
-
         base.move(S.LOADING)
         t0 = time.perf_counter()
         log.info("loading base %s from %s", base.name, base.config.model)
-        engine = self.engine_factory(base.config)
         try:
-            loaded = await asyncio.to_thread(engine.start)
-            state = await build_state(base.config, engine, loaded, metrics=self.metrics,
-                                      registered=base.rest_adapters)
-        except Exception as e:
-            await asyncio.to_thread(engine.stop)
+            state = await self.start(base.config, self.metrics, base.rest_adapters)
+        except Exception as e:  # its engine is stopped again
             base.error = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
             base.failed_at = self.clock()
             base.move(S.FAILED)
@@ -302,18 +291,22 @@ class Bases:
         return sum(s.active_sequences for s in self.loaded_states())
 
     async def close(self) -> None:
-        """Stop every base's engine (at shutdown)."""
+        """Stop serving every loaded base (at shutdown; once): each one's
+        engine too, but for a handed state's, which its starter stops."""
         self.draining = True
-        for b in self:
-            if b.state is not None:
-                await close_state(b.state)
+        if self.closed:
+            return
+        self.closed = True
+        for state in self.loaded_states():
+            await close_state(state, stop_engine=state is not self.handed)
 
 
-async def close_state(state: ServerState) -> None:
-    """Stop serving ``state``: its registry, loader, prompt lanes and engine thread."""
+async def close_state(state: ServerState, stop_engine: bool = True) -> None:
+    """Stop serving ``state``: its registry, loader, prompt lanes and engine
+    thread. The one teardown of a base, as start_base is its one start."""
     state.draining = True
     state.registry.close()
     state.loader.close()
     state.prompts.close()
-    await asyncio.to_thread(state.engine.engine.stop)
-
+    if stop_engine:
+        await asyncio.to_thread(state.engine.engine.stop)
