@@ -50,7 +50,7 @@ class Tracer:
 async def trace(model: Path, dialect: str) -> collections.Counter:
     from mola.config import ServeConfig
     from mola.server.app import create_app
-    from mola.server.bases import close_state
+    from mola.bases.control import close_state
     from mola.server.metrics import Metrics
     from mola.server.startup import start_base
 

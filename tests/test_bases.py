@@ -1,4 +1,4 @@
-"""Several base models in one server (mola/server/bases.py): routing by model
+"""Several base models in one server (mola/bases/control.py): routing by model
 id, loading on demand, --max-loaded-models, keep_alive (with an explicit
 ``now``), a base that fails to load, adapters checked against their own
 base, and memory over load/unload cycles. Two tiny random bases of
@@ -21,7 +21,7 @@ import uvicorn
 from helpers.servers import free_port, start_server, wait_until
 from mola.config import AdapterSpec, ServeConfig
 from mola.server.app import create_app
-from mola.server.bases import Bases, BaseStatus
+from mola.bases.control import Bases, BaseStatus
 from mola.server.startup import make_engine, start_base
 from mola.server.metrics import Metrics, rss_bytes
 from mola.testing.adapter import make_random_adapter
@@ -323,7 +323,7 @@ def test_adapters_loaded_over_rest_outlive_an_unload(two_bases, reference):
 def test_memory_budget_holds_at_a_first_load(two_bases):
     """--models-memory-bytes before a base's size is known: its weight files
     stand for it, and once loaded its measured size is what counts."""
-    from mola.server.host_memory import file_bytes
+    from mola.bases.host_memory import file_bytes
 
     h = serve_bases(two_bases)
     a_bytes = h.bases.by_name["A"].nbytes
@@ -451,7 +451,7 @@ def test_a_gguf_base_is_sized_by_its_plan_before_its_first_load(two_bases, tmp_p
     """A Q8_0 file served dequantized (float32 on a CPU) takes about four
     times its file: --models-memory-bytes is checked against the plan
     (models/fit.py) before the first load, and the plan is what it takes."""
-    from mola.server.host_memory import file_bytes, planned_bytes
+    from mola.bases.host_memory import file_bytes, planned_bytes
 
     q8 = save_gguf_model(tmp_path / "b.Q8_0.gguf", two_bases["b"], codec="Q8_0")
     planned = planned_bytes(str(q8), "auto")

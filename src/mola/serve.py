@@ -132,8 +132,8 @@ async def _serve(config: ServeConfig, group) -> int:
     """Every base the same way (server/startup.py's start_base): the default
     (and the pinned ones) now, the others on their first request."""
     from .server.app import create_app
-    from .server.bases import Bases, BaseUnavailable
-    from .server.host_memory import limit_malloc_arenas
+    from .bases.control import Bases, BaseUnavailable
+    from .bases.host_memory import limit_malloc_arenas
     from .server.metrics import Metrics
     from .server.startup import start_base
 

@@ -17,7 +17,7 @@ import uvicorn
 from mola.config import ServeConfig
 from mola.engine.engine import Engine
 from mola.server.app import create_app
-from mola.server.bases import Bases
+from mola.bases.control import Bases
 from mola.server.metrics import Metrics
 from mola.server.startup import start_base
 

@@ -14,8 +14,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ..blas import blas_in_use
 from ..images.service import ImageService
 from .base_leases import BaseLeases
-from .bases import Bases
+from ..bases.control import Bases
 from .anthropic.errors import AnthropicErrorsMiddleware
+from .responses_api.store import ResponseStore
 from .errors import error_response, install_error_handlers
 from .middleware import AuthMiddleware, BodyLimitMiddleware, HTTPMetricsMiddleware, RequestIdMiddleware
 from .routes import adapters, chat, completions, images, messages, models, responses, tokenize, ui, vllm
@@ -46,6 +47,9 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
 
     app = FastAPI(title="mola", version="0.1.0", lifespan=lifespan)
     app.state.bases = bases
+    # Stored Responses belong to the server, not to a base: they outlive a
+    # base's unload, and a follow-up may name another model.
+    app.state.responses = ResponseStore(state.config.max_stored_responses)
     app.state.images = image_service
     install_error_handlers(app)
     app.include_router(chat.router)

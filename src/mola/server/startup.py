@@ -2,8 +2,8 @@
 builds its :class:`ServerState` on the running event loop (the adapter
 registry wired to the engine, the adapters named at start loaded). It is the
 one start path: `mola serve` starts the first base and every further one with
-it (through :class:`mola.server.bases.Bases`), and so do the tests' servers.
-Its teardown is :func:`mola.server.bases.close_state`."""
+it (through :class:`mola.bases.control.Bases`), and so do the tests' servers.
+Its teardown is :func:`mola.bases.control.close_state`."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from ..registry.registry import AdapterRegistry
 from ..registry.resolvers import make_resolvers
 from ..registry.sources import AdapterSources
 from ..structured import StructuredOutputs
-from .host_memory import weight_bytes
+from ..bases.host_memory import weight_bytes
 from .metrics import Metrics
 from ..frontend.reasoning import reasoning_format
 from ..frontend.state import ServerState

@@ -1,12 +1,15 @@
-"""Several base models in one server: each declared base, its lifecycle, and
-which of them are resident.
+"""The control plane of base models: every declared base, its lifecycle, and
+which of them are resident. No HTTP here: it imports neither FastAPI nor the
+server, and a request holds a :class:`BaseLease` from :meth:`Bases.enter`.
 
 Each loaded base is one :class:`ServerState` (its own engine thread and
 stream, scheduler, slot packs, registry, loader, tokenizer, prompt lanes and
-prompt cache) served exactly as a server of one base serves it. A request's
-``model`` names a base or one of its adapters; :meth:`Bases.enter` finds the
-base, loads it if it is not (the request waits), and counts the request in
-flight on it until its response ends (a BaseLease, which the server releases when the response ends: base_leases.py). Reaching
+prompt cache), started by the ``start`` it is given (the server's
+start_base: one start path for every base) and stopped by
+:func:`close_state`. A request's ``model`` names a base or one of its
+adapters; :meth:`Bases.enter` finds the base, loads it if it is not (the
+request waits), and counts the request in flight on it until the lease is
+released (the server does so when the response ends). Reaching
 --max-loaded-models or --models-memory-bytes unloads the least recently used
 idle base; a base with requests in flight is never unloaded, and when none
 can be, the request gets a 503 with Retry-After. ``keep_alive`` unloads a
@@ -15,8 +18,8 @@ failed to load is tried again by the first request after
 ``retry_failed_after`` seconds, or at once by POST /v1/models/{id}/load
 (:meth:`Bases.load`). What a base serves outlives its unloads: the
 adapters loaded onto it over REST are known again when it loads again, and
-those unloaded over REST stay unloaded, and the stored Responses
-(:attr:`Bases.responses`, one store for every base) outlive it too.
+those unloaded over REST stay unloaded. (The stored Responses outlive every
+base: the app holds them.)
 """
 
 from __future__ import annotations
@@ -32,37 +35,16 @@ from typing import Awaitable, Callable
 from ..adapters.pushed import drop as forget_pushed
 from ..config import ServeConfig
 from ..errors import InvalidRequest, ShuttingDown
-from .base_record import Base, BaseStatus, BaseUnavailable, default_name
-from .host_memory import trim_heap
-from .responses_api.store import ResponseStore
 from ..frontend.state import ServerState
+from .host_memory import trim_heap
+from .lease import BaseLease
+from .record import Base, BaseStatus, BaseUnavailable, default_name
 
 log = logging.getLogger("mola.bases")
 S = BaseStatus
 # How a base is started: (its config, the shared metrics, adapters loaded over REST before it last unloaded)
 # -> its state, serving (server/startup.py's start_base).
 Start = Callable[[ServeConfig, object, tuple], Awaitable[ServerState]]
-
-
-class BaseLease:
-    """A request's hold on the base serving it (from :meth:`Bases.enter`):
-    while held, the base counts the request in flight and is never unloaded.
-    Not a slot's :class:`mola.registry.registry.Lease`, which the pipeline
-    takes on an adapter slot of that base."""
-
-    def __init__(self, bases: Bases, base: Base):
-        self.bases, self.base = bases, base
-        self.released = False
-
-    @property
-    def state(self) -> ServerState:
-        return self.base.state
-
-    def release(self) -> None:
-        """Idempotent."""
-        if not self.released:
-            self.released = True
-            self.bases.leave(self.base)
 
 
 class Bases:
@@ -75,9 +57,6 @@ class Bases:
         self.by_name = {b.name: b for b in bases}
         self.default = bases[0]
         self.metrics = metrics  # shared by every base's state
-        # Stored Responses belong to the server, not to a base: they outlive a
-        # base's unload, and a follow-up may name another model.
-        self.responses = ResponseStore(self.default.config.max_stored_responses)
         self.max_loaded, self.max_bytes = max_loaded, max_bytes
         self.clock = clock
         self.start = start  # how a base is started (server/startup.py's start_base): the one start path
@@ -154,7 +133,7 @@ class Bases:
             raise ShuttingDown("The server is shutting down.")
         base.in_flight += 1
         base.last_used = self.clock()
-        lease = BaseLease(self, base)
+        lease = BaseLease(base, self.leave)
         if base.status is not S.LOADED:
             try:
                 await asyncio.shield(self._admit(base))  # a request that leaves lets the load finish
