@@ -49,17 +49,15 @@ class Tracer:
 
 async def trace(model: Path, dialect: str) -> collections.Counter:
     from mola.config import ServeConfig
-    from mola.engine.engine import Engine
-    from mola.models.loader import load_base_model
     from mola.server.app import create_app
-    from mola.server.startup import build_state
+    from mola.bases.control import close_state
+    from mola.server.metrics import Metrics
+    from mola.server.startup import start_base
 
     config = ServeConfig.from_settings(model=str(model), log_level="warning")
-    engine = Engine(lambda: load_base_model(config.model, dtype=config.dtype), config.engine)
-    loaded = engine.start()
+    state = await start_base(config, Metrics())
     tracer = Tracer()
     try:
-        state = await build_state(config, engine, loaded)
         app = create_app(state)
         path, body = BODIES[dialect]
         body = {"model": state.base_id, **body}
@@ -77,7 +75,7 @@ async def trace(model: Path, dialect: str) -> collections.Counter:
         for lane in lanes:
             await asyncio.get_running_loop().run_in_executor(lane, sys.setprofile, None)
     finally:
-        engine.stop()
+        await close_state(state)
     return tracer.entered
 
 

@@ -1,4 +1,4 @@
-"""Several base models in one server (mola/server/bases.py): routing by model
+"""Several base models in one server (mola/bases/control.py): routing by model
 id, loading on demand, --max-loaded-models, keep_alive (with an explicit
 ``now``), a base that fails to load, adapters checked against their own
 base, and memory over load/unload cycles. Two tiny random bases of
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import shutil
 import threading
 
@@ -20,7 +21,8 @@ import uvicorn
 from helpers.servers import free_port, start_server, wait_until
 from mola.config import AdapterSpec, ServeConfig
 from mola.server.app import create_app
-from mola.server.bases import Bases, BaseStatus, make_engine
+from mola.bases.control import Bases, BaseStatus
+from mola.server.startup import make_engine, start_base
 from mola.server.metrics import Metrics, rss_bytes
 from mola.testing.adapter import make_random_adapter
 from mola.testing.gguf_model import save_gguf_model
@@ -64,11 +66,11 @@ def serve_bases(paths, clock=None, engine_factory=None, **settings) -> Handle:
         host="127.0.0.1", port=free_port(), log_level="warning", model=paths["a"], served_model_name="A",
         adapters=[AdapterSpec("a1", paths["a1"])], models=models, max_lora_rank=8, max_loras=2, **settings)
     box, started = {}, threading.Event()
-    given = {"clock": clock, "engine_factory": engine_factory}
-    given = {k: v for k, v in given.items() if v is not None}
+    given = {"clock": clock} if clock is not None else {}
+    start = functools.partial(start_base, engine_factory=engine_factory) if engine_factory else start_base
 
     async def main():
-        bases = Bases.declared(config, Metrics(), **given)
+        bases = Bases.declared(config, Metrics(), start, **given)
         await bases.preload()
         server = uvicorn.Server(uvicorn.Config(create_app(bases.default.state, bases), host="127.0.0.1",
                                                port=config.http.port, log_level="warning"))
@@ -136,8 +138,8 @@ def test_models_shows_a_base_while_it_loads(two_bases, reference):
     """The request that loads B waits, streaming nothing, while /v1/models says B is loading."""
     gate = threading.Event()
 
-    def factory(config):
-        engine = make_engine(config)
+    def factory(config, group=None):
+        engine = make_engine(config, group)
         if config.served_model_name == "B":
             start = engine.start
             engine.start = lambda: gate.wait(60) and start()
@@ -321,7 +323,7 @@ def test_adapters_loaded_over_rest_outlive_an_unload(two_bases, reference):
 def test_memory_budget_holds_at_a_first_load(two_bases):
     """--models-memory-bytes before a base's size is known: its weight files
     stand for it, and once loaded its measured size is what counts."""
-    from mola.server.host_memory import file_bytes
+    from mola.bases.host_memory import file_bytes
 
     h = serve_bases(two_bases)
     a_bytes = h.bases.by_name["A"].nbytes
@@ -449,7 +451,7 @@ def test_a_gguf_base_is_sized_by_its_plan_before_its_first_load(two_bases, tmp_p
     """A Q8_0 file served dequantized (float32 on a CPU) takes about four
     times its file: --models-memory-bytes is checked against the plan
     (models/fit.py) before the first load, and the plan is what it takes."""
-    from mola.server.host_memory import file_bytes, planned_bytes
+    from mola.bases.host_memory import file_bytes, planned_bytes
 
     q8 = save_gguf_model(tmp_path / "b.Q8_0.gguf", two_bases["b"], codec="Q8_0")
     planned = planned_bytes(str(q8), "auto")

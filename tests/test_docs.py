@@ -31,7 +31,7 @@ import pytest
 from mola.config import AdapterSpec
 from mola.engine import sequence
 from mola.registry import records
-from mola.server import base_record
+from mola.bases import record as base_record
 
 from helpers.servers import start_server
 
@@ -217,7 +217,7 @@ def test_every_relative_link_leads_somewhere():
 LIFECYCLES = {  # where architecture.md's table names its source -> the code's table
     "engine/sequence.py": sequence.TRANSITIONS,
     "registry/records.py": records.TRANSITIONS,
-    "server/base_record.py": base_record.TRANSITIONS,
+    "bases/record.py": base_record.TRANSITIONS,
 }
 
 

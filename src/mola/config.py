@@ -83,7 +83,7 @@ class AdapterSpec:
 class ModelSpec:
     """A base model declared by name (--model NAME=PATH, a [[models]] entry of
     the config file), served beside the default one with adapters of its own;
-    loaded on its first request (mola/server/bases.py). Unset settings are the
+    loaded on its first request (mola/bases/control.py). Unset settings are the
     server's."""
 
     name: str  # the id clients use for it

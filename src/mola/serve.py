@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import ipaddress
 import logging
 import os
@@ -79,21 +80,13 @@ def join_group():
 def follow(config: ServeConfig, group) -> int:
     """A rank other than 0: hold a shard, replay rank 0's steps, no HTTP."""
     from .engine.distributed import run_follower
+    from .server.startup import model_loader
     from .structured import StructuredOutputs
 
     def grammars(loaded):  # each rank compiles its own matchers from rank 0's grammar text
         return StructuredOutputs(loaded.tokenizer, loaded.vocab_size).rebuild
 
     return run_follower(model_loader(config, group.group), config.engine, group, grammars)
-
-
-def model_loader(config: ServeConfig, group=None):
-    """What the engine (or a follower) loads: --model (this rank's shard of it
-    in a group) and the whole --draft-model, if any."""
-    from .models.loader import base_loader
-
-    spec = config.engine.speculative
-    return base_loader(config.model, config.dtype, spec.draft_model if spec is not None else None, group)
 
 
 def exposure_warning(config: ServeConfig) -> str | None:
@@ -112,23 +105,13 @@ def exposure_warning(config: ServeConfig) -> str | None:
 
 
 def serve(config: ServeConfig) -> int:
-    from .engine.engine import Engine
-    from .errors import MolaError
-
     setup_logging(config.log_level)
     config = with_demo(config)
-    warning = exposure_warning(config)
-    if config.bases.models or config.bases.keep_alive is not None:  # bases loaded and unloaded here
-        if warning:  # printed whatever --log-level says
-            print(f"[mola] warning: {warning}", file=sys.stderr, flush=True)
-        if config.distributed:
-            print("[mola] error: --distributed serves one base, loaded for good; it cannot go with "
-                  "--model NAME=PATH, [[models]] or --keep-alive", file=sys.stderr)
-            return 1
-        try:
-            return asyncio.run(_serve_bases(config))
-        except KeyboardInterrupt:
-            return 0
+    several = bool(config.bases.models) or config.bases.keep_alive is not None  # bases loaded and unloaded here
+    if config.distributed and several:
+        print("[mola] error: --distributed serves one base, loaded for good; it cannot go with "
+              "--model NAME=PATH, [[models]] or --keep-alive", file=sys.stderr)
+        return 1
     group = None
     if config.distributed:
         group = join_group()
@@ -136,65 +119,51 @@ def serve(config: ServeConfig) -> int:
             return 1
         if not group.is_leader:
             return follow(config, group)
+    warning = exposure_warning(config)
     if warning:  # printed whatever --log-level says, by rank 0 alone (it alone listens)
         print(f"[mola] warning: {warning}", file=sys.stderr, flush=True)
-    print(f"[mola] loading {config.model} ...", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    engine = Engine(model_loader(config, group and group.group), config.engine, group=group)
     try:
-        loaded = engine.start()
-    except MolaError as e:
-        print(f"[mola] error: {e.message}", file=sys.stderr)
-        return 1
-    g = engine.geometry
-    experts = (f", {g.expert_slots} of them also on the {g.num_experts} experts at rank <= {g.max_expert_rank} "
-               f"({g.expert_slot_bytes / 2**20:.1f} MiB each at most)" if g.expert_slots else "")
-    print(
-        f"[mola] model loaded in {time.perf_counter() - t0:.1f} s; "
-        f"{config.engine.max_loras} adapter slots of rank <= {config.engine.max_lora_rank}{experts}; "
-        f"slot packs sized to the adapters loaded (up to {g.max_pack_bytes / 2**20:.1f} MiB at these ceilings)",
-        file=sys.stderr, flush=True,
-    )
-    try:
-        return asyncio.run(_serve(config, engine, loaded))
+        return asyncio.run(_serve(config, group))
     except KeyboardInterrupt:
         return 0
-    finally:
-        engine.stop()
 
 
-async def _serve(config: ServeConfig, engine, loaded) -> int:
-    from .errors import MolaError
+async def _serve(config: ServeConfig, group) -> int:
+    """Every base the same way (server/startup.py's start_base): the default
+    (and the pinned ones) now, the others on their first request."""
     from .server.app import create_app
-    from .server.startup import build_state
-
-    try:
-        state = await build_state(config, engine, loaded)
-    except MolaError as e:
-        print(f"[mola] error: {e.message}", file=sys.stderr, flush=True)
-        return 1
-    return await _run(config, create_app(state))
-
-
-async def _serve_bases(config: ServeConfig) -> int:
-    """Several bases: the default (and the pinned ones) loaded now, the others on their first request."""
-    from .server.app import create_app
-    from .server.bases import Bases, BaseUnavailable
-    from .server.host_memory import limit_malloc_arenas
+    from .bases.control import Bases, BaseUnavailable
+    from .bases.host_memory import limit_malloc_arenas
     from .server.metrics import Metrics
+    from .server.startup import start_base
 
     limit_malloc_arenas()  # engines come and go: keep what they free reusable
-
-    bases = Bases.declared(config, Metrics())
-    names = ", ".join(b.name for b in bases)
-    print(f"[mola] bases: {names}; loading {bases.default.name} ...", file=sys.stderr, flush=True)
+    bases = Bases.declared(config, Metrics(), functools.partial(start_base, group=group))
+    others = [b.name for b in bases if b is not bases.default]
+    print(f"[mola] loading {bases.default.config.model} ..." + (f" (and, when asked for, {', '.join(others)})"
+                                                              if others else ""), file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
     try:
-        await bases.preload()
-    except BaseUnavailable as e:
-        print(f"[mola] error: {e.message}", file=sys.stderr, flush=True)
-        await bases.close()
-        return 1
-    return await _run(config, create_app(bases.default.state, bases))
+        try:
+            await bases.preload()
+        except BaseUnavailable as e:
+            failed = next((b for b in bases if b.error is not None), None)
+            print(f"[mola] error: {failed.error if failed else e.message}", file=sys.stderr, flush=True)
+            return 1
+        print(f"[mola] model loaded in {time.perf_counter() - t0:.1f} s; {capacity(config, bases.default.state)}",
+              file=sys.stderr, flush=True)
+        return await _run(config, create_app(bases.default.state, bases))
+    finally:
+        await bases.close()  # after the app's own close, nothing is left to do
+
+
+def capacity(config: ServeConfig, state) -> str:
+    """What a loaded base holds adapters in: its slots and their ceilings."""
+    g = state.engine.geometry
+    experts = (f", {g.expert_slots} of them also on the {g.num_experts} experts at rank <= {g.max_expert_rank} "
+               f"({g.expert_slot_bytes / 2**20:.1f} MiB each at most)" if g.expert_slots else "")
+    return (f"{config.engine.max_loras} adapter slots of rank <= {config.engine.max_lora_rank}{experts}; "
+            f"slot packs sized to the adapters loaded (up to {g.max_pack_bytes / 2**20:.1f} MiB at these ceilings)")
 
 
 async def _run(config: ServeConfig, app) -> int:

@@ -16,9 +16,10 @@ import httpx
 import uvicorn
 from mola.config import ServeConfig
 from mola.engine.engine import Engine
-from mola.models.loader import load_base_model
 from mola.server.app import create_app
-from mola.server.startup import build_state
+from mola.bases.control import Bases
+from mola.server.metrics import Metrics
+from mola.server.startup import start_base
 
 
 def free_port() -> int:
@@ -30,7 +31,6 @@ def free_port() -> int:
 @dataclass
 class ServerHandle:
     url: str
-    engine: Engine
     server: uvicorn.Server
     thread: threading.Thread
     config: ServeConfig
@@ -43,10 +43,15 @@ class ServerHandle:
     def state(self):
         return self.app.state.bases.default.state
 
+    @property
+    def engine(self) -> Engine:
+        """The default base's engine (its thread, its published snapshot)."""
+        return self.state.engine.engine
+
     def stop(self) -> None:
+        """Stop uvicorn: the app's close stops every base (Bases.close)."""
         self.server.should_exit = True
         self.thread.join(timeout=30)
-        self.engine.stop()
 
 
 class _Server(uvicorn.Server):
@@ -64,19 +69,23 @@ class _Server(uvicorn.Server):
 
 
 def start_server(**kwargs) -> ServerHandle:
-    """Start engine + uvicorn (127.0.0.1, a free port) in this process; the
-    event loop runs on a thread of its own."""
+    """`mola serve`'s start path (its bases, each started by start_base) and
+    uvicorn on 127.0.0.1 at a free port, in this process; the event loop runs
+    on a thread of its own."""
     config = ServeConfig.from_settings(host="127.0.0.1", port=free_port(), log_level="warning", **kwargs)
-    engine = Engine(lambda: load_base_model(config.model, dtype=config.dtype), config.engine)
-    loaded = engine.start()
     box: dict = {}
     ready = threading.Event()  # uvicorn listens, or the loop ended before it could
 
     async def main():
-        app = create_app(await build_state(config, engine, loaded))
-        box["server"] = server = _Server(uvicorn.Config(app, host=config.http.host, port=config.http.port,
-                                                        log_level="warning"), ready)
-        await server.serve()
+        bases = Bases.declared(config, Metrics(), start_base)
+        try:
+            await bases.preload()
+            app = create_app(bases.default.state, bases)
+            box["server"] = server = _Server(uvicorn.Config(app, host=config.http.host, port=config.http.port,
+                                                            log_level="warning"), ready)
+            await server.serve()
+        finally:
+            await bases.close()
 
     def run():
         try:
@@ -88,11 +97,10 @@ def start_server(**kwargs) -> ServerHandle:
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    ready.wait(timeout=30)
+    ready.wait(timeout=600)  # the model loads first
     if not ("server" in box and box["server"].started):
-        engine.stop()
         raise RuntimeError(f"the test server did not start: {box.get('error')}")
-    return ServerHandle(f"http://127.0.0.1:{config.http.port}", engine, box["server"], thread, config)
+    return ServerHandle(f"http://127.0.0.1:{config.http.port}", box["server"], thread, config)
 
 
 def start_mola_serve(args, env=None, timeout=120):

@@ -14,8 +14,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ..blas import blas_in_use
 from ..images.service import ImageService
 from .base_leases import BaseLeases
-from .bases import Bases
+from ..bases.control import Bases
 from .anthropic.errors import AnthropicErrorsMiddleware
+from .responses_api.store import ResponseStore
 from .errors import error_response, install_error_handlers
 from .middleware import AuthMiddleware, BodyLimitMiddleware, HTTPMetricsMiddleware, RequestIdMiddleware
 from .routes import adapters, chat, completions, images, messages, models, responses, tokenize, ui, vllm
@@ -42,19 +43,13 @@ def create_app(state: ServerState, bases: Bases | None = None) -> FastAPI:
             idle.cancel()
             if image_service is not None:
                 await asyncio.to_thread(image_service.stop)
-            bases.draining = True
-            for s in bases.loaded_states():
-                s.draining = True
-                s.registry.close()
-                s.loader.close()
-                s.prompts.close()
-            # Engines the app started (not the one it was handed: its starter stops that).
-            for base in bases:
-                if base.state is not None and base.state is not bases.handed:
-                    await asyncio.to_thread(base.state.engine.engine.stop)
+            await bases.close()  # every base's one teardown (a handed state's engine: its starter's)
 
     app = FastAPI(title="mola", version="0.1.0", lifespan=lifespan)
     app.state.bases = bases
+    # Stored Responses belong to the server, not to a base: they outlive a
+    # base's unload, and a follow-up may name another model.
+    app.state.responses = ResponseStore(state.config.max_stored_responses)
     app.state.images = image_service
     install_error_handlers(app)
     app.include_router(chat.router)

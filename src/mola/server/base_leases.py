@@ -5,7 +5,7 @@ too) has been sent."""
 from __future__ import annotations
 
 from ..frontend.state import ServerState
-from .bases import Bases
+from ..bases.control import Bases
 
 LEASES = "mola.base_leases"  # the ASGI scope key listing a request's BaseLeases
 

@@ -1,11 +1,16 @@
-"""A base's :class:`ServerState`, built on the running event loop from an
-engine client whose engine has loaded its model: the adapter registry wired to the engine,
-and the adapters named at start loaded."""
+"""Starting a base: :func:`start_base` builds its engine, loads its model and
+builds its :class:`ServerState` on the running event loop (the adapter
+registry wired to the engine, the adapters named at start loaded). It is the
+one start path: `mola serve` starts the first base and every further one with
+it (through :class:`mola.bases.control.Bases`), and so do the tests' servers.
+Its teardown is :func:`mola.bases.control.close_state`."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
+from typing import Callable
 
 from ..adapters.loader import AdapterLoader
 from ..config import AdapterSpec, ServeConfig
@@ -17,12 +22,40 @@ from ..registry.registry import AdapterRegistry
 from ..registry.resolvers import make_resolvers
 from ..registry.sources import AdapterSources
 from ..structured import StructuredOutputs
-from .host_memory import weight_bytes
+from ..bases.host_memory import weight_bytes
 from .metrics import Metrics
 from ..frontend.reasoning import reasoning_format
 from ..frontend.state import ServerState
 
 log = logging.getLogger("mola.server")
+
+
+def model_loader(config: ServeConfig, group=None):
+    """What an engine (or a follower rank) loads: --model (this rank's shard
+    of it in a group: an mx.distributed group) and the whole --draft-model, if any."""
+    from ..models.loader import base_loader
+
+    spec = config.engine.speculative
+    return base_loader(config.model, config.dtype, spec.draft_model if spec is not None else None, group)
+
+
+def make_engine(config: ServeConfig, group=None) -> Engine:
+    """A base's engine, not started (``group``: rank 0's place in a tensor-parallel group)."""
+    return Engine(model_loader(config, group and group.group), config.engine, group=group)
+
+
+async def start_base(config: ServeConfig, metrics: Metrics, registered: tuple[AdapterSpec, ...] = (), *,
+                     group=None, engine_factory: Callable = make_engine) -> ServerState:
+    """A base served: its engine started (its model loaded on the engine
+    thread) and its state built over it. Raises what the load or an adapter
+    named at start raised, with the engine stopped again."""
+    engine = engine_factory(config, group)
+    try:
+        loaded = await asyncio.to_thread(engine.start)
+        return await build_state(config, engine, loaded, metrics=metrics, registered=registered)
+    except BaseException:
+        await asyncio.to_thread(engine.stop)
+        raise
 
 
 def base_model_id(config: ServeConfig, loaded: LoadedModel) -> str:

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from ...blas import blas_in_use
 from ...errors import BaseBusy, ModelNotFound
 from .. import completion_bodies as p
-from ..base_record import Base
+from ...bases.record import Base
 
 router = APIRouter()
 

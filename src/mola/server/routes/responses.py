@@ -18,11 +18,11 @@ router = APIRouter()
 async def create_response(body: ResponsesRequest, request: Request):
     state = await state_for(request, body.model)
     # The server's store: any model may continue a response, and it outlives a base's unload.
-    spec, conversation = responses.to_spec(body, request.app.state.bases.responses)
+    spec, conversation = responses.to_spec(body, request.app.state.responses)
     gens = await start(state, spec)
     return await responses.respond(gens, conversation, request)
 
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(response_id: str, request: Request):
-    return JSONResponse(request.app.state.bases.responses.get(response_id, param=None).response)
+    return JSONResponse(request.app.state.responses.get(response_id, param=None).response)

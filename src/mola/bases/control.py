@@ -1,12 +1,15 @@
-"""Several base models in one server: each declared base, its lifecycle, and
-which of them are resident.
+"""The control plane of base models: every declared base, its lifecycle, and
+which of them are resident. No HTTP here: it imports neither FastAPI nor the
+server, and a request holds a :class:`BaseLease` from :meth:`Bases.enter`.
 
 Each loaded base is one :class:`ServerState` (its own engine thread and
 stream, scheduler, slot packs, registry, loader, tokenizer, prompt lanes and
-prompt cache) served exactly as a server of one base serves it. A request's
-``model`` names a base or one of its adapters; :meth:`Bases.enter` finds the
-base, loads it if it is not (the request waits), and counts the request in
-flight on it until its response ends (a BaseLease, which the server releases when the response ends: base_leases.py). Reaching
+prompt cache), started by the ``start`` it is given (the server's
+start_base: one start path for every base) and stopped by
+:func:`close_state`. A request's ``model`` names a base or one of its
+adapters; :meth:`Bases.enter` finds the base, loads it if it is not (the
+request waits), and counts the request in flight on it until the lease is
+released (the server does so when the response ends). Reaching
 --max-loaded-models or --models-memory-bytes unloads the least recently used
 idle base; a base with requests in flight is never unloaded, and when none
 can be, the request gets a 503 with Retry-After. ``keep_alive`` unloads a
@@ -15,8 +18,8 @@ failed to load is tried again by the first request after
 ``retry_failed_after`` seconds, or at once by POST /v1/models/{id}/load
 (:meth:`Bases.load`). What a base serves outlives its unloads: the
 adapters loaded onto it over REST are known again when it loads again, and
-those unloaded over REST stay unloaded, and the stored Responses
-(:attr:`Bases.responses`, one store for every base) outlive it too.
+those unloaded over REST stay unloaded. (The stored Responses outlive every
+base: the app holds them.)
 """
 
 from __future__ import annotations
@@ -27,48 +30,21 @@ import gc
 import logging
 import math
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 from ..adapters.pushed import drop as forget_pushed
 from ..config import ServeConfig
 from ..errors import InvalidRequest, ShuttingDown
-from .base_record import Base, BaseStatus, BaseUnavailable, default_name
-from .host_memory import trim_heap, weight_bytes
-from .responses_api.store import ResponseStore
 from ..frontend.state import ServerState
+from .host_memory import trim_heap
+from .lease import BaseLease
+from .record import Base, BaseStatus, BaseUnavailable, default_name
 
 log = logging.getLogger("mola.bases")
 S = BaseStatus
-
-
-def make_engine(config: ServeConfig):
-    from ..engine.engine import Engine
-    from ..models.loader import base_loader
-
-    spec = config.engine.speculative
-    return Engine(base_loader(config.model, config.dtype, spec.draft_model if spec is not None else None),
-                  config.engine)
-
-
-class BaseLease:
-    """A request's hold on the base serving it (from :meth:`Bases.enter`):
-    while held, the base counts the request in flight and is never unloaded.
-    Not a slot's :class:`mola.registry.registry.Lease`, which the pipeline
-    takes on an adapter slot of that base."""
-
-    def __init__(self, bases: Bases, base: Base):
-        self.bases, self.base = bases, base
-        self.released = False
-
-    @property
-    def state(self) -> ServerState:
-        return self.base.state
-
-    def release(self) -> None:
-        """Idempotent."""
-        if not self.released:
-            self.released = True
-            self.bases.leave(self.base)
+# How a base is started: (its config, the shared metrics, adapters loaded over REST before it last unloaded)
+# -> its state, serving (server/startup.py's start_base).
+Start = Callable[[ServeConfig, object, tuple], Awaitable[ServerState]]
 
 
 class Bases:
@@ -77,19 +53,17 @@ class Bases:
 
     def __init__(self, bases: list[Base], metrics, max_loaded: int | None = None,
                  max_bytes: int | None = None, clock: Callable[[], float] = time.monotonic,
-                 engine_factory: Callable = make_engine, retry_failed_after: float = 30.0):
+                 start: Start | None = None, retry_failed_after: float = 30.0):
         self.by_name = {b.name: b for b in bases}
         self.default = bases[0]
         self.metrics = metrics  # shared by every base's state
-        # Stored Responses belong to the server, not to a base: they outlive a
-        # base's unload, and a follow-up may name another model.
-        self.responses = ResponseStore(self.default.config.max_stored_responses)
         self.max_loaded, self.max_bytes = max_loaded, max_bytes
         self.clock = clock
-        self.engine_factory = engine_factory
+        self.start = start  # how a base is started (server/startup.py's start_base): the one start path
         self.retry_failed_after = retry_failed_after  # seconds before a failed base is tried again
         self.draining = False
         self.handed: ServerState | None = None  # a state whose engine its starter stops, not this
+        self.closed = False
         self._lock = asyncio.Lock()  # one load or unload decision at a time
 
     @classmethod
@@ -106,9 +80,9 @@ class Bases:
         return bases
 
     @classmethod
-    def declared(cls, config: ServeConfig, metrics, **kwargs) -> Bases:
+    def declared(cls, config: ServeConfig, metrics, start: Start, **kwargs) -> Bases:
         """Every base ``config`` declares, none loaded: the default first (its
-        --model, or the first of its models)."""
+        --model, or the first of its models); ``start`` starts each of them."""
         specs = list(config.bases.models)
         if config.model is not None:
             name = config.served_model_name or default_name(config.model)
@@ -121,7 +95,7 @@ class Bases:
                          spec.pin)
         others = [Base(m.name, config.for_base(m), m.keep_alive or config.bases.keep_alive, m.pin) for m in specs]
         return cls([first, *others], metrics, config.bases.max_loaded_models, config.bases.models_memory_bytes,
-                   **kwargs)
+                   start=start, **kwargs)
 
     async def preload(self) -> None:
         """Load the default base and the pinned ones (at start)."""
@@ -159,7 +133,7 @@ class Bases:
             raise ShuttingDown("The server is shutting down.")
         base.in_flight += 1
         base.last_used = self.clock()
-        lease = BaseLease(self, base)
+        lease = BaseLease(base, self.leave)
         if base.status is not S.LOADED:
             try:
                 await asyncio.shield(self._admit(base))  # a request that leaves lets the load finish
@@ -222,18 +196,12 @@ class Bases:
     # ---- loading and unloading ---------------------------------------------
 
     async def _load(self, base: Base) -> None:
-        from .startup import build_state
-
         base.move(S.LOADING)
         t0 = time.perf_counter()
         log.info("loading base %s from %s", base.name, base.config.model)
-        engine = self.engine_factory(base.config)
         try:
-            loaded = await asyncio.to_thread(engine.start)
-            state = await build_state(base.config, engine, loaded, metrics=self.metrics,
-                                      registered=base.rest_adapters)
-        except Exception as e:
-            await asyncio.to_thread(engine.stop)
+            state = await self.start(base.config, self.metrics, base.rest_adapters)
+        except Exception as e:  # its engine is stopped again
             base.error = getattr(e, "message", None) or f"{type(e).__name__}: {e}"
             base.failed_at = self.clock()
             base.move(S.FAILED)
@@ -302,18 +270,22 @@ class Bases:
         return sum(s.active_sequences for s in self.loaded_states())
 
     async def close(self) -> None:
-        """Stop every base's engine (at shutdown)."""
+        """Stop serving every loaded base (at shutdown; once): each one's
+        engine too, but for a handed state's, which its starter stops."""
         self.draining = True
-        for b in self:
-            if b.state is not None:
-                await close_state(b.state)
+        if self.closed:
+            return
+        self.closed = True
+        for state in self.loaded_states():
+            await close_state(state, stop_engine=state is not self.handed)
 
 
-async def close_state(state: ServerState) -> None:
-    """Stop serving ``state``: its registry, loader, prompt lanes and engine thread."""
+async def close_state(state: ServerState, stop_engine: bool = True) -> None:
+    """Stop serving ``state``: its registry, loader, prompt lanes and engine
+    thread. The one teardown of a base, as start_base is its one start."""
     state.draining = True
     state.registry.close()
     state.loader.close()
     state.prompts.close()
-    await asyncio.to_thread(state.engine.engine.stop)
-
+    if stop_engine:
+        await asyncio.to_thread(state.engine.engine.stop)

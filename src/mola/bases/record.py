@@ -11,8 +11,8 @@ from pathlib import Path
 from ..config import AdapterSpec, ServeConfig
 from ..errors import EngineUnavailable
 from ..registry.sources import AdapterSources
-from .host_memory import planned_bytes
 from ..frontend.state import ServerState
+from .host_memory import planned_bytes
 
 
 class BaseStatus(enum.Enum):
