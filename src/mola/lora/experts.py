@@ -37,7 +37,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
-from .geometry import TargetGeometry, bucket, compute_dtype, resized
+from .geometry import SizedPacks, TargetGeometry, bucket, compute_dtype, resized
 
 EXPERT_BASES = (SwitchLinear, QuantizedSwitchLinear)
 SORT_PAIRS = 64  # mlx-lm's SwitchGLU sorts (token, expert) pairs from this many on
@@ -57,7 +57,7 @@ class ExpertRoute:
     row_scale: mx.array | None  # per pair: its row's row_scale, 0 off the expert slots; None: all 1
 
 
-class MultiLoRASwitchLinear(nn.Module):
+class MultiLoRASwitchLinear(SizedPacks, nn.Module):
     """One SwitchLinear (plain or quantized) plus (expert, slot)-indexed LoRA packs."""
 
     def __init__(self, base: nn.Module, num_slots: int, max_rank: int, dtype: mx.Dtype):
@@ -77,20 +77,6 @@ class MultiLoRASwitchLinear(nn.Module):
     def num_slots(self) -> int:
         return self._num_slots
 
-    @property
-    def rank_needed(self) -> int:
-        """The rank the written slots need, in the packs' steps (0: none written)."""
-        return bucket(self._rank, self.max_rank)
-
-    @property
-    def rank_capacity(self) -> int:
-        """The packs' rank now (0: no pack)."""
-        return self.lora_a.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.lora_a.nbytes + self.lora_b.nbytes
-
     def resize(self, rank: int) -> None:
         """Reallocate the packs at ``rank``, keeping every written slot (which must fit)."""
         if rank == self.rank_capacity:
@@ -100,20 +86,7 @@ class MultiLoRASwitchLinear(nn.Module):
         self.lora_a = resized(self.lora_a, self.lora_a.shape[0], rank)
         self.lora_b = resized(self.lora_b, self.lora_b.shape[0], rank)
 
-    def shrink(self, lazy: bool) -> None:
-        """As MultiLoRALinear.shrink: all of it when nothing is written, else
-        to the need's power of two (``lazy``: once it fell to a quarter)."""
-        need, cap = self.rank_needed, self.rank_capacity
-        if need < cap and (need == 0 or not lazy or 4 * need <= cap):
-            self.resize(need)
-
-    @property
-    def dtype(self) -> mx.Dtype:
-        return self.lora_a.dtype
-
-    @property
-    def active_slots(self) -> frozenset[int]:
-        return frozenset(self._ranks)
+    _resize_rank = resize  # (SizedPacks.shrink)
 
     @property
     def geometry(self) -> TargetGeometry:

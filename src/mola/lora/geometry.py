@@ -144,6 +144,48 @@ def resized(pack: mx.array, rows: int, rank: int) -> mx.array:
     return out
 
 
+
+class SizedPacks:
+    """What a layer with slot packs sized to what is loaded (MultiLoRALinear,
+    MultiLoRASwitchLinear) says of them, and its one rule for giving rank
+    back. The layer has ``lora_a``/``lora_b`` [N, R, D], ``max_rank``,
+    ``_ranks`` (slot -> rank written) and ``_rank`` (their max), and
+    reallocates through ``_resize_rank``."""
+
+    @property
+    def rank_needed(self) -> int:
+        """The rank the written slots need, in the packs' steps (0: none written)."""
+        return bucket(self._rank, self.max_rank)
+
+    @property
+    def rank_capacity(self) -> int:
+        """The packs' rank now: a power of two (or max_rank) >= every written rank; 0: no pack."""
+        return self.lora_a.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.lora_a.nbytes + self.lora_b.nbytes
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.lora_a.dtype
+
+    @property
+    def active_slots(self) -> frozenset[int]:
+        return frozenset(self._ranks)
+
+    def shrink(self, lazy: bool) -> None:
+        """Give back rank no written slot uses: all of it when none does;
+        otherwise, when ``lazy``, only once the need fell to a quarter of the
+        capacity (so that loads and unloads around one size do not copy the
+        packs back and forth), else down to the need's power of two."""
+        need, cap = self.rank_needed, self.rank_capacity
+        if need < cap and (need == 0 or not lazy or 4 * need <= cap):
+            self._resize_rank(need)
+
+    def _resize_rank(self, rank: int) -> None:
+        raise NotImplementedError
+
 def compute_dtype(linear: nn.Module) -> mx.Dtype:
     """The dtype the base layer computes in (scales' dtype when quantized)."""
     if hasattr(linear, "scales"):

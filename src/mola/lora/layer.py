@@ -33,12 +33,12 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .geometry import (WRAPPABLE, ModuleRows, Sharding, TargetGeometry, bucket, compute_dtype, full_dims,
-                       linear_dims, module_rows, resized, sharding_of)
+from .geometry import (WRAPPABLE, ModuleRows, Sharding, SizedPacks, TargetGeometry, bucket, compute_dtype,
+                       full_dims, linear_dims, module_rows, resized, sharding_of)
 from .routing import LoRARouting
 
 
-class MultiLoRALinear(nn.Module):
+class MultiLoRALinear(SizedPacks, nn.Module):
     """A base linear plus slot-indexed LoRA packs, routed per row."""
 
     @staticmethod
@@ -93,28 +93,6 @@ class MultiLoRALinear(nn.Module):
         return self.lora_a.shape[0]
 
     @property
-    def rank_needed(self) -> int:
-        """The rank the written slots need, in the packs' steps (0: none written)."""
-        return bucket(self._rank, self.max_rank)
-
-    @property
-    def rank_capacity(self) -> int:
-        """The packs' rank now: a power of two (or max_rank) >= every written rank; 0: no pack."""
-        return self.lora_a.shape[1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.lora_a.nbytes + self.lora_b.nbytes
-
-    @property
-    def dtype(self) -> mx.Dtype:
-        return self.lora_a.dtype
-
-    @property
-    def active_slots(self) -> frozenset[int]:
-        return frozenset(self._ranks)
-
-    @property
     def folded_scale(self) -> dict[int, float]:
         """Slot -> the scale folded into its B (written slots only)."""
         return dict(self._scales)
@@ -135,14 +113,8 @@ class MultiLoRALinear(nn.Module):
         self.lora_a = resized(self.lora_a, num_slots, rank)
         self.lora_b = resized(self.lora_b, num_slots, rank)
 
-    def shrink(self, lazy: bool) -> None:
-        """Give back rank no written slot uses: all of it when none does;
-        otherwise, when ``lazy``, only once the need fell to a quarter of the
-        capacity (so that loads and unloads around one size do not copy the
-        packs back and forth), else down to the need's power of two."""
-        need, cap = self.rank_needed, self.rank_capacity
-        if need < cap and (need == 0 or not lazy or 4 * need <= cap):
-            self.resize(self.slot_capacity, need)
+    def _resize_rank(self, rank: int) -> None:  # (SizedPacks.shrink)
+        self.resize(self.slot_capacity, rank)
 
     def factors(self, slot: int) -> tuple[mx.array, mx.array]:
         """The (A [in, r], scale * B [r, out]) stored in ``slot``."""
