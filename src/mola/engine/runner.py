@@ -66,9 +66,10 @@ class ModelRunner:
         caches = self._new_cache()
         self.can_rewind = all(type(c) in (KVCache, RotatingKVCache) for c in caches.target) \
             and all(type(c) is KVCache for c in caches.draft)
+        self.has_windows = any(type(c) is RotatingKVCache for c in caches.target)  # (verify.order_windows)
         # The prompt cache's KV state, and what it takes (None: no prompt cache, or caches it cannot snapshot).
         self.kv = KVStore()
-        measured = measured_caches(model, self.routing, draft, kv_quant)  # one forward pass, read twice
+        measured = measured_caches(model, self.routing, draft, kv_quant)  # one pass, never evaluated
         self.kv_cost = kv_cost(measured) if prompt_cache else None
         self.kv_position_bytes = kv_bytes_per_token(measured) or 1  # (budget)
         # Decode rows, aligned with the scheduler's running list:
@@ -261,7 +262,8 @@ class ModelRunner:
             logits = self._feed(x, self.cache)
         else:
             x = mx.concatenate([self.inputs[:, None], drafts], axis=1)  # [B, P]
-            verify.order_windows(self.cache.target)
+            if self.has_windows:
+                verify.order_windows(self.cache.target)
             logits = self.model(x, cache=self.cache.target)
         forward = Forward(rows, logits.reshape(-1, logits.shape[-1]), None, x.shape[1])  # logits [B * P, V]
         flat = forward.flat_rows
