@@ -481,7 +481,6 @@ def test_pushed_factors_go_with_their_base(two_bases):
     from mlx_lm.tuner.utils import load_adapters
     from mlx_lm.utils import load
 
-    from mola.adapters import pushed
     from mola.client import push_adapter
 
     trained = load_adapters(load(two_bases["b"])[0], two_bases["b1"])
@@ -489,10 +488,11 @@ def test_pushed_factors_go_with_their_base(two_bases):
     try:
         assert push_adapter(h.url, "p1", trained, base="B")["version"] == 1
         assert text(chat(h.url, "p1")) == text(chat(h.url, "b1"))
-        source = h.bases.by_name["B"].state.registry.get("p1").path
-        assert pushed.is_held(source)
+        state = h.bases.by_name["B"].state
+        source, held = state.registry.get("p1").path, state.loader.pushed
+        assert source in held
         assert h.run(h.bases.unload("B"))
-        assert not pushed.is_held(source)
+        assert source not in held and len(held) == 0
         assert chat(h.url, "p1").status_code == 404
     finally:
         h.stop()

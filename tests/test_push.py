@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -255,3 +256,34 @@ def test_a_bfloat16_training_model_pushes_as_it_is(tiny_model):
     (path, module), = read.weights.modules.items()
     assert path.endswith("self_attn.q_proj") and module.a.dtype == mx.bfloat16 and module.scale == 3.0
     assert read.weights.invocation_tokens == (5, 6)
+
+
+def test_pushed_factors_are_held_per_store_and_read_cast(tiny_model):
+    """Each base's PushedAdapters holds its own factors (no module state): a
+    name's versions get fresh source names, a read casts to the packs' dtype
+    (the factors as sent stay as sent), and a dropped or cleared source, or
+    one read with no store, is an InvalidAdapter naming it."""
+    import mlx.core as mx
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    from mola.adapters import pushed
+    from mola.adapters.recipe import read_checked
+    from mola.errors import InvalidAdapter
+
+    model = load(str(tiny_model))[0]
+    linear_to_lora_layers(model, 1, {"rank": 2, "scale": 3.0, "dropout": 0.0, "keys": ["self_attn.q_proj"]})
+    weights = pushed.parse("p", adapter_body(model)).weights
+    one, two = pushed.PushedAdapters(), pushed.PushedAdapters()
+    first, second = one.keep("p", weights), one.keep("p", weights)
+    assert first != second and first.startswith(pushed.PREFIX) and pushed.is_pushed(second)
+    assert first in one and first not in two and len(one) == 2 and len(two) == 0
+    (sent,), (read,) = weights.modules.values(), one.read(first, mx.float16).modules.values()
+    assert read.a.dtype == mx.float16 and sent.a.dtype == mx.float32
+    assert mx.allclose(read.a.astype(mx.float32), sent.a, atol=1e-3).item()
+    one.drop(first)
+    with pytest.raises(InvalidAdapter, match=re.escape(first)):
+        one.read(first, None)
+    with pytest.raises(InvalidAdapter, match="held by a server"):
+        read_checked(second, None, None)  # no store: the recipe's reader cannot find it
+    one.clear()
+    assert second not in one and len(one) == 0

@@ -18,7 +18,9 @@ from typing import Awaitable, Protocol
 import mlx.core as mx
 
 from ..lora.pack import SlotGeometry, SlotRows, prepare_rows
-from .recipe import SlotRecipe, read_recipe
+from .pushed import PushedAdapters, cast
+from .recipe import SlotRecipe, check_fits, read_recipe
+from .weights import LoRAWeights
 
 
 class SlotPort(Protocol):
@@ -59,10 +61,22 @@ class PreparedAdapter:
         return self.rows.nbytes
 
 
-def prepare(recipe: SlotRecipe, geometry: SlotGeometry, model_config: dict | None) -> PreparedAdapter:
-    """Read, check and prepare ``recipe`` (any thread; the reader thread runs it)."""
-    weights = read_recipe(recipe, geometry, model_config)
-    rows = prepare_rows(weights, geometry, recipe.slot_scale)
+def prepare(recipe: SlotRecipe, geometry: SlotGeometry, model_config: dict | None,
+            pushed: PushedAdapters | None = None) -> PreparedAdapter:
+    """Read, check and prepare ``recipe`` (any thread; the reader thread runs
+    it); pushed adapters are read from ``pushed``."""
+    return _prepared(read_recipe(recipe, geometry, model_config, pushed), geometry, recipe.slot_scale)
+
+
+def prepare_pushed(weights: LoRAWeights, geometry: SlotGeometry, slot_scale: float) -> PreparedAdapter:
+    """Check and prepare the factors of a push, as sent (any thread)."""
+    weights = cast(weights, geometry.dtype)
+    check_fits(weights, geometry)
+    return _prepared(weights, geometry, slot_scale)
+
+
+def _prepared(weights: LoRAWeights, geometry: SlotGeometry, slot_scale: float) -> PreparedAdapter:
+    rows = prepare_rows(weights, geometry, slot_scale)
     return PreparedAdapter(rows, weights.rank, weights.scale, weights.format, weights.nbytes,
                            weights.expert_nbytes, weights.targets, weights.invocation_tokens)
 
@@ -75,6 +89,7 @@ class AdapterLoader:
     def __init__(self, port: SlotPort, model_config: dict | None = None):
         self.port = port  # the engine's slots: their geometry here; the registry writes and clears them
         self.model_config = model_config or {}
+        self.pushed = PushedAdapters()  # this base's pushed factors, read like files (the registry keeps them)
         self._reader = concurrent.futures.ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="mola-adapter-reader", initializer=_reader_init
         )
@@ -100,9 +115,10 @@ class AdapterLoader:
         into one LoRA, see weights.stack_weights) and make its slot rows, on the
         reader thread; raises InvalidAdapter or AdapterPathNotFound with a
         message that names the problem."""
-        return await self._off_thread(prepare, recipe, self.geometry, self.model_config)
+        return await self._off_thread(prepare, recipe, self.geometry, self.model_config, self.pushed)
 
     def close(self) -> None:
+        self.pushed.clear()  # the base's pushed factors go with it
         # MLX wants a thread's streams cleared before the thread ends.
         try:
             self._reader.submit(mx.clear_streams).result(timeout=10)

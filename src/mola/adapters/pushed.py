@@ -13,10 +13,11 @@ entry ``adapter_config``:
   ``target_modules``... checked as a PEFT directory's are).
 
 Either may name an activated LoRA's ``alora_invocation_tokens``. Factors come
-in float32, float16 or bfloat16. They are kept here, in host memory, under a
-source name of their own (``pushed:NAME@N``), which the registry treats as it
-treats an adapter's path: slot writes, evictions and reloads read it from
-here (mola.adapters.recipe.read_checked). Nothing is written to disk, unless
+in float32, float16 or bfloat16. A base's :class:`PushedAdapters` (its
+loader's; the registry keeps and drops them) holds them in host memory under
+a source name of their own (``pushed:NAME@N``), which the registry treats as
+it treats an adapter's path: slot writes, evictions and reloads read it from
+there (mola.adapters.recipe.read_checked). Nothing is written to disk, unless
 the push asks for it (``?persist=true``: :func:`persist` writes the adapter
 directory the body describes).
 """
@@ -50,10 +51,6 @@ FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 # train's default of 20. ?scale= (the slot's own strength) multiplies it, within
 # [-10, 10]; a scale past this bound only overflows the activations.
 MAX_CONFIG_SCALE = 1000.0
-
-_store: dict[str, LoRAWeights] = {}  # source name -> its factors, as sent
-_numbers = itertools.count(1)
-
 
 @dataclasses.dataclass(frozen=True)
 class Pushed:
@@ -155,25 +152,45 @@ def _read_safetensors(body: bytes, where: str) -> tuple[dict, dict[str, mx.array
     return metadata, tensors
 
 
-def keep(name: str, weights: LoRAWeights) -> str:
-    """Hold ``weights`` under a new source name, returned."""
-    source = f"{PREFIX}{name}@{next(_numbers)}"
-    _store[source] = weights
-    return source
+class PushedAdapters:
+    """The factors pushed onto one base, held in host memory under their source
+    names. One per base, made with its loader (which reads from it) and gone
+    with it; the registry keeps and drops entries as it serves and unloads
+    pushed adapters."""
+
+    def __init__(self):
+        self._weights: dict[str, LoRAWeights] = {}  # source name -> its factors, as sent
+        self._numbers = itertools.count(1)
+
+    def keep(self, name: str, weights: LoRAWeights) -> str:
+        """Hold ``weights`` under a new source name, returned."""
+        source = f"{PREFIX}{name}@{next(self._numbers)}"
+        self._weights[source] = weights
+        return source
+
+    def drop(self, source: str) -> None:
+        self._weights.pop(source, None)
+
+    def clear(self) -> None:
+        self._weights.clear()
+
+    def __contains__(self, source: str) -> bool:
+        return source in self._weights
+
+    def __len__(self) -> int:
+        return len(self._weights)
+
+    def read(self, source: str, dtype: mx.Dtype | None) -> LoRAWeights:
+        """The factors held as ``source``, cast to ``dtype``; InvalidAdapter if
+        they are no longer held."""
+        weights = self._weights.get(source)
+        if weights is None:
+            raise InvalidAdapter(f"the pushed adapter {source} is no longer held (it was replaced or unloaded).")
+        return cast(weights, dtype)
 
 
-def drop(source: str) -> None:
-    _store.pop(source, None)
-
-
-def is_held(source: str) -> bool:
-    return source in _store
-
-
-def read_pushed(source: str, dtype: mx.Dtype | None) -> LoRAWeights:
-    weights = _store.get(source)
-    if weights is None:
-        raise InvalidAdapter(f"the pushed adapter {source} is no longer held (it was replaced or unloaded).")
+def cast(weights: LoRAWeights, dtype: mx.Dtype | None) -> LoRAWeights:
+    """Pushed factors in ``dtype`` (the slot packs'; None: as sent)."""
     if dtype is None:
         return weights
     modules = {p: ModuleLoRA(a=m.a.astype(dtype), b=m.b.astype(dtype), scale=m.scale)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidAdapter
 from .formats import read_adapter
-from .pushed import is_pushed, read_pushed
+from .pushed import PushedAdapters, is_pushed
 from ..lora.pack import SlotGeometry
 from .weights import LoRAWeights, stack_weights, validate
 
@@ -36,28 +36,38 @@ class SlotRecipe:
         return len(self.parts) == 1 and self.parts[0][1] == 1.0
 
 
-def read_checked(path: str, geometry: SlotGeometry, model_config: dict | None) -> LoRAWeights:
+def read_checked(path: str, geometry: SlotGeometry, model_config: dict | None,
+                 pushed: PushedAdapters | None = None) -> LoRAWeights:
     """The adapter at ``path`` in whichever format it is, cast to the packs'
     dtype and checked against the base (InvalidAdapter or AdapterPathNotFound
-    naming the problem otherwise)."""
+    naming the problem otherwise). A pushed adapter's source name is read
+    from ``pushed`` (the base's held factors)."""
     config = model_config or {}
     if is_pushed(path):  # PUT /v1/adapters/{name}/weights: held in memory
-        weights = read_pushed(path, geometry.dtype)
+        if pushed is None:
+            raise InvalidAdapter(f"the pushed adapter {path} is held by a server's base, not read from a file.")
+        weights = pushed.read(path, geometry.dtype)
     else:
         weights = read_adapter(path, dtype=geometry.dtype, model_type=config.get("model_type"),
                                model_config=config)
-    validate(weights, geometry.targets, geometry.max_rank, geometry.max_expert_rank,
-             geometry.expert_slots)
+    check_fits(weights, geometry)
     return weights
 
 
-def read_recipe(recipe: SlotRecipe, geometry: SlotGeometry, model_config: dict | None) -> LoRAWeights:
+def check_fits(weights: LoRAWeights, geometry: SlotGeometry) -> None:
+    """InvalidAdapter naming the problem unless ``weights`` fit the packs."""
+    validate(weights, geometry.targets, geometry.max_rank, geometry.max_expert_rank,
+             geometry.expert_slots)
+
+
+def read_recipe(recipe: SlotRecipe, geometry: SlotGeometry, model_config: dict | None,
+                pushed: PushedAdapters | None = None) -> LoRAWeights:
     """The weights a recipe describes (before its ``slot_scale``, which the
     slot rows apply): one adapter read and checked, or several stacked
     into one LoRA of rank r1 + r2 + ..."""
     if recipe.is_single:
-        return read_checked(recipe.parts[0][0], geometry, model_config)
-    parts = [(read_checked(path, geometry, model_config), scale) for path, scale in recipe.parts]
+        return read_checked(recipe.parts[0][0], geometry, model_config, pushed)
+    parts = [(read_checked(path, geometry, model_config, pushed), scale) for path, scale in recipe.parts]
     for weights, _ in parts:
         if weights.invocation_tokens is not None:
             raise InvalidAdapter(f"The adapter at {weights.source} is an activated LoRA, which applies from its "

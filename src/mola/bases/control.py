@@ -32,7 +32,6 @@ import math
 import time
 from typing import Awaitable, Callable
 
-from ..adapters.pushed import drop as forget_pushed
 from ..config import ServeConfig
 from ..errors import InvalidRequest, ShuttingDown
 from ..frontend.state import ServerState
@@ -223,10 +222,7 @@ class Bases:
         t0, before = time.perf_counter(), mx.get_active_memory()
         state, base.state = base.state, None
         base.remember_adapters(state.registry.adapters())
-        for record in state.registry.adapters():  # pushed factors live with their base's registry
-            if record.source == "push":
-                forget_pushed(record.path)
-        await close_state(state)
+        await close_state(state)  # (its loader's pushed factors go with it)
         del state
         gc.collect()
         mx.clear_cache()

@@ -29,7 +29,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from ..adapters.loader import AdapterLoader, PreparedAdapter
-from ..adapters.pushed import drop as forget_pushed
+from ..adapters.weights import LoRAWeights
 from ..adapters.recipe import SlotRecipe
 from ..errors import AdapterNotFound, InvalidRequest, ModelNotFound
 from .catalog import AdapterRef, Catalog
@@ -170,11 +170,23 @@ class AdapterRegistry:
             self.residency.place(record, slot, prepared, t0)
         self.tier.put(record, prepared)
         if old is not None:  # drained and its cached prompts dropped without holding up the push
-            forget_pushed(old.path)  # (the new version's key is new: the old one's KV never serves it)
+            self.loader.pushed.drop(old.path)  # (the new version's key is new: the old one's KV never serves it)
             task = asyncio.get_running_loop().create_task(self._retire_all(old))
             self._retiring.add(task)
             task.add_done_callback(self._retiring.discard)
         return record
+
+    async def push(self, name: str, weights: LoRAWeights, slot_scale: float,
+                   prepared: PreparedAdapter) -> AdapterRecord:
+        """Serve factors pushed from memory (``prepared`` from them already) as
+        a new version of ``name``: held by the loader's PushedAdapters until
+        that version is replaced or unloaded, or the base closes."""
+        source = self.loader.pushed.keep(name, weights)
+        try:
+            return await self.load(name, source, slot_scale, source="push", prepared=prepared)
+        except BaseException:
+            self.loader.pushed.drop(source)
+            raise
 
     async def acquire(
         self,
@@ -271,7 +283,7 @@ class AdapterRegistry:
         record = self.catalog.remove(name)
         self.stats.unloads += 1
         await self._retire_all(record)
-        forget_pushed(record.path)
+        self.loader.pushed.drop(record.path)  # (a pushed adapter's factors; nothing for a file's)
         return record
 
     async def _retire_all(self, record: AdapterRecord) -> None:

@@ -27,8 +27,7 @@ from pathlib import Path
 from fastapi import APIRouter, Request
 
 from ...adapters import pushed
-from ...adapters.loader import prepare
-from ...adapters.recipe import SlotRecipe
+from ...adapters.loader import prepare_pushed
 from ...errors import AdapterExists, InvalidRequest, ModelNotFound
 from ...registry.names import check_adapter_id, is_entry_name
 from .. import protocol as p
@@ -105,23 +104,14 @@ async def push_adapter(name: str, request: Request, scale: float = 1.0, base: st
 
     def read():  # on the reader thread, in one hop: parse, check against the base, make the slot rows
         body = pushed.parse(name, raw, model_config, state.vocab_size)
-        source = pushed.keep(name, body.weights)
-        try:
-            return body, source, prepare(SlotRecipe.single(source, scale), geometry, model_config)
-        except BaseException:
-            pushed.drop(source)
-            raise
+        return body, prepare_pushed(body.weights, geometry, scale)
 
-    body, source, prepared = await loader.on_reader(read)
-    try:
-        persisted = None
-        if persist:  # checked against the base first (above): nothing that cannot be served is written
-            root = Path(state.config.adapter_dirs[0])
-            persisted = await asyncio.to_thread(pushed.persist, name, body, root)
-        record = await state.registry.load(name, source, scale, source="push", prepared=prepared)
-    except BaseException:
-        pushed.drop(source)
-        raise
+    body, prepared = await loader.on_reader(read)
+    persisted = None
+    if persist:  # checked against the base first (above): nothing that cannot be served is written
+        root = Path(state.config.adapter_dirs[0])
+        persisted = await asyncio.to_thread(pushed.persist, name, body, root)
+    record = await state.registry.push(name, body.weights, scale, prepared)
     return {**adapter_object(record), **({"persisted": str(persisted)} if persisted else {})}
 
 
