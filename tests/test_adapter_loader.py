@@ -1,6 +1,6 @@
 """AdapterLoader over the real engine's slot port: read and checked on the
 reader thread, rows prepared there, only the copy on the engine thread
-(mola/adapters/loader.py, the SlotPort of mola/engine/client.py)."""
+(mola/adapters/loader.py, the SlotPort of mola/engine/async_engine.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 from mola.adapters.formats import read_adapter
 from mola.adapters.loader import AdapterLoader
 from mola.adapters.recipe import SlotRecipe
-from mola.engine.client import AsyncEngine
+from mola.engine.async_engine import AsyncEngine
 
 
 def test_place_and_remove_through_the_engine_port(engine, adapters):

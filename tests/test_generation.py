@@ -1,5 +1,5 @@
 """Sampling and control on chat completions: n, logprobs, penalties, logit
-bias, seeds (mola/server/generation.py, mola/engine/runner.py), against a
+bias, seeds (mola/frontend/pipeline.py, mola/engine/runner.py), against a
 naive step-by-step decoder over plain mlx-lm."""
 
 from __future__ import annotations

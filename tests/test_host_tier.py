@@ -16,7 +16,7 @@ import pytest
 
 from mola.adapters.formats import read_adapter
 from mola.adapters.recipe import SlotRecipe
-from mola.engine.client import AsyncEngine
+from mola.engine.async_engine import AsyncEngine
 from mola.engine.sequence import SamplingParams, Sequence
 from mola.errors import InvalidAdapter
 from mola.registry.host_tier import HostTier

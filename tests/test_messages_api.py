@@ -26,7 +26,7 @@ from mola.errors import RequestTimedOut
 from mola.server.anthropic.convert import stop_reason, to_chat_messages
 from mola.server.anthropic.events import MessageBuilder, usage
 from mola.server.anthropic.protocol import CountTokensRequest, MessagesRequest
-from mola.frontend.choice import Delta
+from mola.frontend.generation import Delta
 from mola.server.dialects.messages import _complete, _stream
 from mola.demo import echo_data
 

@@ -27,7 +27,7 @@ def run_registry(engine, scenario, max_loras: int = 1, **registry_args) -> None:
     """Run ``scenario(registry)`` (async, bounded at 60 s) on a fresh registry
     of ``max_loras`` slots whose loader writes into ``engine``."""
     from mola.adapters.loader import AdapterLoader
-    from mola.engine.client import AsyncEngine
+    from mola.engine.async_engine import AsyncEngine
     from mola.registry.registry import AdapterRegistry
 
     async def main():

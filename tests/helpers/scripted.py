@@ -1,6 +1,6 @@
 """The real app over a scripted engine, in process: no model, no port.
 
-:class:`ScriptedEngine` has :class:`mola.engine.client.AsyncEngine`'s
+:class:`ScriptedEngine` has :class:`mola.engine.async_engine.AsyncEngine`'s
 methods. Each sequence answers ``script(seq)`` (token ids; by default the
 prompt's own tokens again), one token a step, and finishes with "length" at
 its max_tokens, with "stop" at a stop token or at the script's end. A test
@@ -39,7 +39,7 @@ from mola.server.startup import serve_state
 
 
 class ScriptedEngine:
-    """An engine client whose answers are scripted (see the module's docstring)."""
+    """An AsyncEngine stand-in whose answers are scripted (see the module's docstring)."""
 
     def __init__(self, script: Callable[[Sequence], list[int]] | None = None):
         self.script = script or (lambda seq: list(seq.prompt))

@@ -25,7 +25,7 @@ from .weights import LoRAWeights
 
 class SlotPort(Protocol):
     """The engine's adapter slots, as the loader (their geometry) and the
-    registry (writes and clears) reach them; mola.engine.client.AsyncEngine
+    registry (writes and clears) reach them; mola.engine.async_engine.AsyncEngine
     provides it."""
 
     @property

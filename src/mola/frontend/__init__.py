@@ -2,4 +2,4 @@
 :class:`~mola.frontend.spec.GenerationSpec`, which is admitted (cheap checks,
 backpressure), prepared in one trip to the tokenizer thread (template,
 tokens, reasoning, grammar) and started on the engine as one
-:class:`~mola.frontend.choice.Generation` per choice (pipeline.py)."""
+:class:`~mola.frontend.generation.Generation` per choice (pipeline.py)."""

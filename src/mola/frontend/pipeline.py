@@ -17,7 +17,7 @@ from ..engine.sequence import Sequence
 from ..errors import RequestTimedOut
 from ..registry.registry import Lease
 from .admit import Admitted, accept, admit, check_constrainable, sampling_params
-from .choice import Generation
+from .generation import Generation
 from .prepare import Prepared, prepare
 from .spec import GenerationSpec
 from .state import ServerState

@@ -1,4 +1,4 @@
-"""What one base serves requests with (its engine client, registry, tokenizer,
+"""What one base serves requests with (its AsyncEngine, registry, tokenizer,
 prompt lanes): built by server/startup.py, handed to the pipeline, no globals."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ServeConfig
-from ..engine.client import AsyncEngine
+from ..engine.async_engine import AsyncEngine
 from ..engine.kv_budget import KVBudget
 from ..adapters.loader import AdapterLoader
 from ..registry.registry import AdapterRegistry

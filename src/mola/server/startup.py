@@ -14,7 +14,7 @@ from typing import Callable
 
 from ..adapters.loader import AdapterLoader
 from ..config import AdapterSpec, ServeConfig
-from ..engine.client import AsyncEngine
+from ..engine.async_engine import AsyncEngine
 from ..engine.engine import Engine, LoadedModel
 from ..errors import MolaError
 from ..registry.host_tier import HostTier

@@ -10,7 +10,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from ...errors import MolaError
-from ...frontend.choice import Generation, merge
+from ...frontend.generation import Generation, merge
 from ...frontend.spec import GenerationSpec, OutputSpec, PromptSpec
 from ...frontend.state import ServerState
 from .. import completion_bodies as r

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from ...errors import MolaError
-from ...frontend.choice import Generation
+from ...frontend.generation import Generation
 from ...frontend.spec import GenerationSpec, OutputSpec, PromptSpec
 from ...frontend.state import ServerState
 from ..anthropic.convert import stop_reason, thinking_text, to_chat_messages

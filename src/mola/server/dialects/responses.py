@@ -13,7 +13,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from ...errors import MolaError
-from ...frontend.choice import Generation
+from ...frontend.generation import Generation
 from ...frontend.spec import GenerationSpec, OutputSpec, PromptSpec
 from ..completion_bodies import with_alora
 from ..responses_api.events import ResponseBuilder
