@@ -191,13 +191,14 @@ def test_the_responses_and_messages_apis_say_whether_it_was_invoked(tiny_model, 
     trained: the templated conversation holds it, so /v1/responses and
     /v1/messages answer with ``alora_invoked`` true (streamed too, on the
     response and the message objects); invoked by tokens it does not hold,
-    false; the base model's objects have no such field."""
+    false; the base model's objects have no such field. (Protocol only: in
+    process, over the scripted engine; the activated rows' numbers are the
+    tests above.)"""
     import json
 
-    import httpx
     from mlx_lm.utils import load_tokenizer
 
-    from helpers.servers import start_server
+    from helpers.scripted import InProcessServer, tokenizer_model
     from mola.adapters.formats import read_adapter
     from mola.adapters.weights import invocation_start
     from mola.config import AdapterSpec
@@ -213,25 +214,28 @@ def test_the_responses_and_messages_apis_say_whether_it_was_invoked(tiny_model, 
         config = json.loads((path / "adapter_config.json").read_text())
         (path / "adapter_config.json").write_text(json.dumps({**config, "alora_invocation_tokens": list(tokens)}))
         paths[name] = path
-    handle = start_server(model=str(tiny_model), adapters=[AdapterSpec(n, str(p)) for n, p in paths.items()],
-                          max_lora_rank=16)
+    handle = InProcessServer(tokenizer_model(tiny_model), adapters=[AdapterSpec(n, str(p)) for n, p in paths.items()],
+                             max_lora_rank=16)
     try:
-        def post(route, model, stream=False):
-            body = {"model": model, "stream": stream, **(
-                {"input": messages[0]["content"], "max_output_tokens": 4} if route == "responses" else
-                {"messages": messages, "max_tokens": 4})}
-            r = httpx.post(f"{handle.url}/v1/{route}", json=body, timeout=60)
-            assert r.status_code == 200, r.text
-            if not stream:
-                return r.json()
-            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
-            return next(e["response"] if route == "responses" else e["message"] for e in events
-                        if e["type"] in ("response.created", "message_start"))
+        with handle.client(timeout=60) as c:
+            def post(route, model, stream=False):
+                body = {"model": model, "stream": stream, **(
+                    {"input": messages[0]["content"], "max_output_tokens": 4} if route == "responses" else
+                    {"messages": messages, "max_tokens": 4})}
+                r = c.post(f"/v1/{route}", json=body)
+                assert r.status_code == 200, r.text
+                if not stream:
+                    return r.json()
+                events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+                return next(e["response"] if route == "responses" else e["message"] for e in events
+                            if e["type"] in ("response.created", "message_start"))
 
-        for route in ("responses", "messages"):
-            for stream in (False, True):
-                assert post(route, "header", stream)["alora_invoked"] is True, (route, stream)
-                assert post(route, "absent", stream)["alora_invoked"] is False, (route, stream)
-            assert "alora_invoked" not in post(route, "tiny")
+            for route in ("responses", "messages"):
+                for stream in (False, True):
+                    assert post(route, "header", stream)["alora_invoked"] is True, (route, stream)
+                    assert post(route, "absent", stream)["alora_invoked"] is False, (route, stream)
+                assert "alora_invoked" not in post(route, "tiny")
+        header_rows = [seq for seq in handle.engine.submitted if seq.adapter_start is not None]
+        assert len(header_rows) == 4 and all(seq.adapter_start == len(seq.prompt) - 3 for seq in header_rows)
     finally:
         handle.stop()

@@ -208,6 +208,21 @@ def thinking_models(tiny_model, tmp_path_factory):
     }
 
 
+@pytest.fixture(scope="module")
+def served(thinking_models):
+    """``served(name)``: a server of that thinking model, started on first use
+    and shared by the module's tests (one per model)."""
+    handles = {}
+
+    def serve(name):
+        if name not in handles:
+            handles[name] = start_server(model=str(thinking_models[name]), served_model_name=name)
+        return handles[name]
+    yield serve
+    for handle in handles.values():
+        handle.stop()
+
+
 def exact_text(choice) -> str:
     """What the model wrote, every token (special ones too), from its log-probabilities' bytes."""
     return bytes(b for t in choice["logprobs"]["content"] for b in t["bytes"]).decode("utf-8", "replace")
@@ -225,80 +240,73 @@ DRIVEN = [
 
 
 @pytest.mark.parametrize("name, end, bias, penalty, extra", DRIVEN)
-def test_thinking_is_free_and_the_answer_is_constrained_on_real_templates(thinking_models, name, end, bias,
-                                                                          penalty, extra):
-    handle = start_server(model=str(thinking_models[name]), served_model_name=name)
-    try:
-        fmt = handle.state.reasoning
-        assert fmt.name == name  # auto
-        tok = handle.state.tokenizer
-        ids = {text: tok.encode(text, add_special_tokens=False)[0] for text in bias}
-        req = {"model": name, "messages": [{"role": "user", "content": "Weather in Rome?"}], "temperature": 0,
-               "max_tokens": 150, "logprobs": True, "frequency_penalty": penalty,
-               "logit_bias": {str(ids[t]): v for t, v in bias.items()}, **extra}
-        with httpx.Client(base_url=handle.url, timeout=120) as c:
-            body = c.post("/v1/chat/completions", json=req).json()
-            validate_schema("CreateChatCompletionResponse", body)
-            choice = body["choices"][0]
-            message = choice["message"]
-            assert message["reasoning_content"]  # some free thinking came first
-            if "tools" in extra:
-                assert choice["finish_reason"] == "tool_calls" and message["content"] is None
-                for call in message["tool_calls"]:
-                    jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMA)
-            else:
-                assert choice["finish_reason"] == "stop"
-                jsonschema.validate(json.loads(message["content"]), SCHEMA)
-            # the split, on the exact text of the tokens
-            text = exact_text(choice)
-            parser = reasoning_format(name, tok).start(tok, tok.apply_chat_template(
-                req["messages"], add_generation_prompt=True, tools=extra.get("tools"))).parser(tools=True)
-            split = parser.feed(text) + parser.finish()
-            assert split.reasoning == message["reasoning_content"]
-            tokens = [t["token"] for t in choice["logprobs"]["content"]]
-            spent = body["usage"]["completion_tokens_details"]["reasoning_tokens"]
-            if end == "</think>":
-                assert spent == tokens.index(end) + 1
-                assert text.split(end, 1)[0].removeprefix("<think>").lstrip() == message["reasoning_content"]
-            else:
-                assert 0 < spent < len(tokens)
-            # streamed, the same
-            stream = sse_events(c.post("/v1/chat/completions", json={**req, "stream": True}).text)
-            deltas = [ch["choices"][0]["delta"] for ch in stream[:-1] if ch["choices"]]
-            for ch in stream[:-1]:
-                validate_schema("CreateChatCompletionStreamResponse", ch)
-            assert "".join(d.get("reasoning_content") or "" for d in deltas) == message["reasoning_content"]
-            assert "".join(d.get("content") or "" for d in deltas) == (message["content"] or "")
-    finally:
-        handle.stop()
+def test_thinking_is_free_and_the_answer_is_constrained_on_real_templates(served, name, end, bias, penalty, extra):
+    handle = served(name)
+    fmt = handle.state.reasoning
+    assert fmt.name == name  # auto
+    tok = handle.state.tokenizer
+    ids = {text: tok.encode(text, add_special_tokens=False)[0] for text in bias}
+    req = {"model": name, "messages": [{"role": "user", "content": "Weather in Rome?"}], "temperature": 0,
+           "max_tokens": 150, "logprobs": True, "frequency_penalty": penalty,
+           "logit_bias": {str(ids[t]): v for t, v in bias.items()}, **extra}
+    with httpx.Client(base_url=handle.url, timeout=120) as c:
+        body = c.post("/v1/chat/completions", json=req).json()
+        validate_schema("CreateChatCompletionResponse", body)
+        choice = body["choices"][0]
+        message = choice["message"]
+        assert message["reasoning_content"]  # some free thinking came first
+        if "tools" in extra:
+            assert choice["finish_reason"] == "tool_calls" and message["content"] is None
+            for call in message["tool_calls"]:
+                jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMA)
+        else:
+            assert choice["finish_reason"] == "stop"
+            jsonschema.validate(json.loads(message["content"]), SCHEMA)
+        # the split, on the exact text of the tokens
+        text = exact_text(choice)
+        parser = reasoning_format(name, tok).start(tok, tok.apply_chat_template(
+            req["messages"], add_generation_prompt=True, tools=extra.get("tools"))).parser(tools=True)
+        split = parser.feed(text) + parser.finish()
+        assert split.reasoning == message["reasoning_content"]
+        tokens = [t["token"] for t in choice["logprobs"]["content"]]
+        spent = body["usage"]["completion_tokens_details"]["reasoning_tokens"]
+        if end == "</think>":
+            assert spent == tokens.index(end) + 1
+            assert text.split(end, 1)[0].removeprefix("<think>").lstrip() == message["reasoning_content"]
+        else:
+            assert 0 < spent < len(tokens)
+        # streamed, the same
+        stream = sse_events(c.post("/v1/chat/completions", json={**req, "stream": True}).text)
+        deltas = [ch["choices"][0]["delta"] for ch in stream[:-1] if ch["choices"]]
+        for ch in stream[:-1]:
+            validate_schema("CreateChatCompletionStreamResponse", ch)
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == message["reasoning_content"]
+        assert "".join(d.get("content") or "" for d in deltas) == (message["content"] or "")
 
 
-def test_gpt_oss_responses_reason_then_call(thinking_models):
+def test_gpt_oss_responses_reason_then_call(served):
     """gpt-oss: reasoning_effort reaches its template; the Responses API
     returns the analysis as a reasoning item before the harmony call."""
-    handle = start_server(model=str(thinking_models["gpt_oss"]), served_model_name="g")
-    try:
-        tok = handle.state.tokenizer
-        bias = {str(tok.convert_tokens_to_ids("<|channel|>")): 4, str(tok.convert_tokens_to_ids("<|end|>")): 3}
-        tools = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
-                  "parameters": SCHEMA}]
-        req = {"model": "g", "input": "Weather in Rome?", "tools": tools, "tool_choice": "required",
-               "temperature": 0, "max_output_tokens": 150, "frequency_penalty": 2.0, "logit_bias": bias}
-        with httpx.Client(base_url=handle.url, timeout=120) as c:
-            high = c.post("/v1/responses", json={**req, "reasoning": {"effort": "high"}, "max_output_tokens": 1})
-            low = c.post("/v1/responses", json={**req, "reasoning": {"effort": "low"}, "max_output_tokens": 1})
-            assert high.status_code == low.status_code == 200, high.text
-            assert high.json()["usage"]["input_tokens"] == low.json()["usage"]["input_tokens"] + 1  # "high" vs "low"
-            body = c.post("/v1/responses", json=req).json()
-            validate_schema("Response", body)
-            assert [i["type"] for i in body["output"]] == ["reasoning", "function_call"]
-            assert body["output"][0]["content"][0]["text"]
-            jsonschema.validate(json.loads(body["output"][1]["arguments"]), SCHEMA)
-            assert body["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
-            events = typed_events(c.post("/v1/responses", json={**req, "stream": True}).text)
-            for event in events:
-                validate_stream_event(event)
-            assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "function_call"]
-            assert events[-1]["response"]["output"][1]["arguments"] == body["output"][1]["arguments"]
-    finally:
-        handle.stop()
+    handle = served("gpt_oss")
+    tok = handle.state.tokenizer
+    bias = {str(tok.convert_tokens_to_ids("<|channel|>")): 4, str(tok.convert_tokens_to_ids("<|end|>")): 3}
+    tools = [{"type": "function", "name": "get_weather", "description": "Weather in a city",
+              "parameters": SCHEMA}]
+    req = {"model": "gpt_oss", "input": "Weather in Rome?", "tools": tools, "tool_choice": "required",
+           "temperature": 0, "max_output_tokens": 150, "frequency_penalty": 2.0, "logit_bias": bias}
+    with httpx.Client(base_url=handle.url, timeout=120) as c:
+        high = c.post("/v1/responses", json={**req, "reasoning": {"effort": "high"}, "max_output_tokens": 1})
+        low = c.post("/v1/responses", json={**req, "reasoning": {"effort": "low"}, "max_output_tokens": 1})
+        assert high.status_code == low.status_code == 200, high.text
+        assert high.json()["usage"]["input_tokens"] == low.json()["usage"]["input_tokens"] + 1  # "high" vs "low"
+        body = c.post("/v1/responses", json=req).json()
+        validate_schema("Response", body)
+        assert [i["type"] for i in body["output"]] == ["reasoning", "function_call"]
+        assert body["output"][0]["content"][0]["text"]
+        jsonschema.validate(json.loads(body["output"][1]["arguments"]), SCHEMA)
+        assert body["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+        events = typed_events(c.post("/v1/responses", json={**req, "stream": True}).text)
+        for event in events:
+            validate_stream_event(event)
+        assert [i["type"] for i in events[-1]["response"]["output"]] == ["reasoning", "function_call"]
+        assert events[-1]["response"]["output"][1]["arguments"] == body["output"][1]["arguments"]
