@@ -38,6 +38,25 @@ def mola_cli(*args, env=None, timeout=300):
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def served_answers(model, adapters: dict, prompts: list, max_tokens: int, **settings) -> dict[str, list[tuple]]:
+    """Greedy /v1/completions answers, (text, tokens), of the base model (as
+    "base") and of each of ``adapters`` (name -> path) to each prompt (text or
+    token ids), from a server of ``model`` started for them."""
+    handle = start_server(model=str(model), served_model_name="base", max_loras=2, max_lora_rank=8,
+                          adapters=tuple(AdapterSpec(n, str(p)) for n, p in adapters.items()), **settings)
+    try:
+        def answer(name, prompt):
+            r = httpx.post(handle.url + "/v1/completions", timeout=60, json={
+                "model": name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "logprobs": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            return choice["text"], choice["logprobs"]["tokens"]
+        return {name: [answer(name, p) for p in prompts] for name in ("base", *adapters)}
+    finally:
+        handle.stop()
+
+
 # ---- data checks ----------------------------------------------------------------
 
 
@@ -174,12 +193,9 @@ def banana_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def live(tiny_model):
-    """A server for the tiny model that may load adapters from any path."""
-    handle = start_server(model=str(tiny_model), served_model_name="tiny", allow_any_adapter_path=True,
-                          max_loras=2, max_lora_rank=16)
-    yield handle
-    handle.stop()
+def live(server):
+    """A server for the tiny model that may load adapters from any path (the module's, conftest's)."""
+    return server
 
 
 def chat(url: str, model: str, content: str, max_tokens: int = 8) -> str:
@@ -275,14 +291,8 @@ def test_train_on_a_quantized_base(quantized_model, banana_data, tmp_path):
     from mlx_lm import load
 
     load(str(quantized_model), adapter_path=str(out))
-    handle = start_server(model=str(quantized_model), served_model_name="q",
-                          adapters=(AdapterSpec("q-lora", str(out)),), max_loras=2, max_lora_rank=8)
-    try:
-        r = httpx.post(handle.url + "/v1/chat/completions", timeout=60, json={
-            "model": "q-lora", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-    finally:
-        handle.stop()
+    (text, tokens), = served_answers(quantized_model, {"q-lora": out}, ["hi"], max_tokens=3)["q-lora"]
+    assert len(tokens) == 3 and text == "".join(tokens)
 
 
 def test_unknown_target_and_too_many_layers(tiny_model, banana_data, tmp_path):
@@ -313,13 +323,5 @@ def test_train_on_a_mixture_of_experts_trains_the_experts(banana_data, tmp_path)
     from helpers.references import detokenize
 
     want = detokenize(tok, greedy_tokens(model, prompt, max_tokens=6), stop_at_eos=False)
-    handle = start_server(model=str(model_dir), served_model_name="moe", adapters=(AdapterSpec("t", str(out)),),
-                          max_loras=2, max_lora_rank=8, max_expert_lora_rank=8)
-    try:
-        r = httpx.post(handle.url + "/v1/chat/completions", timeout=60, json={
-            "model": "t", "messages": [{"role": "user", "content": PROMPTS[0]}], "max_tokens": 6,
-            "temperature": 0, "ignore_eos": True})
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["message"]["content"] == want
-    finally:
-        handle.stop()
+    (text, _), = served_answers(model_dir, {"t": out}, [prompt], max_tokens=6, max_expert_lora_rank=8)["t"]
+    assert text == want

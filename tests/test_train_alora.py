@@ -79,14 +79,12 @@ def invoked(tiny_model, tmp_path_factory):
     return out, r.stderr
 
 
-def test_an_activated_lora_trains_and_serves_from_its_invocation(invoked, tiny_model):
+def test_an_activated_lora_trains_and_serves_from_its_invocation(invoked, tiny_model, server):
     """The adapter learns the data from its invocation on; served, the base
     model's turn leaves its prompt in the cache, and the adapter's turn on
     the same conversation reuses it up to the invocation and answers as
-    trained; the base alone answers otherwise."""
-    from helpers.servers import start_server
-    from mola.config import AdapterSpec
-
+    trained; the base alone answers otherwise. (On the module's server,
+    conftest's, which loads it over REST.)"""
     out, log = invoked
     config = json.loads((out / "adapter_config.json").read_text())
     tokenizer = load(str(tiny_model))[1]
@@ -96,21 +94,19 @@ def test_an_activated_lora_trains_and_serves_from_its_invocation(invoked, tiny_m
     gguf = read_adapter(out.with_suffix(".gguf"), model_config=json.loads((tiny_model / "config.json").read_text()))
     assert gguf.invocation_tokens == tuple(config["alora_invocation_tokens"])
     assert "an activated LoRA" in log
-    handle = start_server(model=str(tiny_model), adapters=[AdapterSpec("yes", str(out))], max_lora_rank=16)
-    try:
-        for prompt in PROMPTS[:3]:
-            assert chat(handle.url, "tiny", prompt, max_tokens=12) != TARGET
-            r = httpx.post(handle.url + "/v1/chat/completions", timeout=60, json={
-                "model": "yes", "messages": [{"role": "user", "content": prompt}], "max_tokens": 12,
-                "temperature": 0})
-            answer = r.json()
-            head = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-            start = len(head) - len(config["alora_invocation_tokens"])
-            assert answer["choices"][0]["message"]["content"] == TARGET
-            assert answer["choices"][0]["alora_invoked"] is True
-            assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == start
-    finally:
-        handle.stop()
+    r = httpx.post(server.url + "/v1/adapters", json={"name": "yes", "path": str(out)}, timeout=60)
+    assert r.status_code == 200, r.text
+    for prompt in PROMPTS[:3]:
+        assert chat(server.url, "tiny", prompt, max_tokens=12) != TARGET
+        r = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "model": "yes", "messages": [{"role": "user", "content": prompt}], "max_tokens": 12,
+            "temperature": 0})
+        answer = r.json()
+        head = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        start = len(head) - len(config["alora_invocation_tokens"])
+        assert answer["choices"][0]["message"]["content"] == TARGET
+        assert answer["choices"][0]["alora_invoked"] is True
+        assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == start
 
 
 def test_data_without_the_invocation_is_refused(tiny_model, tmp_path):

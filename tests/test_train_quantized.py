@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import re
 
-import httpx
 import pytest
 
-from mola.config import AdapterSpec
 from mola.adapters.formats import read_adapter
 from mola.adapters.formats.gguf_writer import OUTTYPES
 from mola.models.metadata import read_model_config
@@ -19,8 +17,7 @@ from mola.testing.adapter import linear_shapes
 from mola.testing.model import TinyModelSpec, make_tiny_model
 from mola.train import GGUF_OUTTYPES, OutputPathError, TrainConfig, TrainError, train_adapter
 
-from helpers.servers import start_server
-from test_train import PROMPTS, TARGET, mola_cli, write
+from test_train import PROMPTS, TARGET, mola_cli, served_answers, write
 
 CHATS = [{"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": TARGET}]} for p in PROMPTS]
 
@@ -85,23 +82,9 @@ def test_both_outputs_hold_the_same_weights(trained, quantized_model):
 
 def test_the_gguf_adapter_serves_the_same_greedy_outputs(trained, quantized_model):
     out, gguf, _ = trained
-    handle = start_server(model=str(quantized_model), served_model_name="q", max_loras=2, max_lora_rank=8,
-                          adapters=(AdapterSpec("dir", str(out)), AdapterSpec("gguf", str(gguf))))
-    try:
-        answers = {}
-        for model in ("q", "dir", "gguf"):
-            answers[model] = [_greedy(handle.url, model, p) for p in PROMPTS[:4]]
-        assert answers["gguf"] == answers["dir"]
-        assert answers["dir"] != answers["q"]  # the adapter does something
-    finally:
-        handle.stop()
-
-
-def _greedy(url, model, prompt) -> list[int]:
-    r = httpx.post(url + "/v1/completions", timeout=60, json={
-        "model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0, "ignore_eos": True})
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["logprobs"]["tokens"]
+    answers = served_answers(quantized_model, {"dir": out, "gguf": gguf}, PROMPTS[:4], max_tokens=8)
+    assert answers["gguf"] == answers["dir"]
+    assert answers["dir"] != answers["base"]  # the adapter does something
 
 
 def test_gguf_outputs_are_checked_before_training(tmp_path, data, quantized_model):
@@ -158,10 +141,5 @@ def test_train_on_a_gguf_base_as_it_is(tiny_q4_gguf, data, tmp_path):
     for adapter in (out, gguf):
         report = validate(str(adapter), str(tiny_q4_gguf), max_rank=8)
         assert report.ok, report.error
-    handle = start_server(model=str(tiny_q4_gguf), served_model_name="q", max_loras=2, max_lora_rank=8,
-                          adapters=(AdapterSpec("dir", str(out)), AdapterSpec("gguf", str(gguf))))
-    try:
-        answers = {model: [_greedy(handle.url, model, p) for p in PROMPTS[:4]] for model in ("q", "dir", "gguf")}
-        assert answers["gguf"] == answers["dir"] != answers["q"]
-    finally:
-        handle.stop()
+    answers = served_answers(tiny_q4_gguf, {"dir": out, "gguf": gguf}, PROMPTS[:4], max_tokens=8)
+    assert answers["gguf"] == answers["dir"] != answers["base"]
