@@ -18,7 +18,6 @@ from mola.testing.adapter import make_random_adapter
 
 from helpers.scripted import ScriptedEngine, by_recipe, tokenizer_model
 from helpers.scripted import client as inprocess_client
-from helpers.servers import start_server
 
 MSG = [{"role": "user", "content": "Tell me something."}]
 
@@ -94,26 +93,28 @@ def test_ten_adapters_loaded_at_once_through_two_slots(tiny_model, tmp_path):
     assert registry.stats.evictions >= 8
 
 
-def test_hundred_load_unload_cycles_keep_memory_flat(tiny_model, adapters):
-    handle = start_server(model=str(tiny_model), max_loras=2, max_lora_rank=16, allow_any_adapter_path=True)
-    try:
-        with httpx.Client(base_url=handle.url, timeout=60) as c:
-            def cycle(i):
-                assert c.post("/v1/adapters", json={"name": f"cy{i}", "path": str(adapters["c"])}).status_code == 200
-                assert c.post("/v1/chat/completions", json={"model": f"cy{i}", "messages": MSG,
-                                                            "max_tokens": 2}).status_code == 200
-                assert c.delete(f"/v1/adapters/cy{i}").status_code == 200
+def test_hundred_load_unload_cycles_keep_memory_flat(server, adapters):
+    """On the module's server (conftest's: adapters a, b and c resident, one
+    slot free), a hundred cycles of load, answer, unload leave memory and the
+    slots as they were."""
+    registry = server.state.registry
+    resident = registry.num_resident
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        def cycle(i):
+            assert c.post("/v1/adapters", json={"name": f"cy{i}", "path": str(adapters["c"])}).status_code == 200
+            assert c.post("/v1/chat/completions", json={"model": f"cy{i}", "messages": MSG,
+                                                        "max_tokens": 2}).status_code == 200
+            assert c.delete(f"/v1/adapters/cy{i}").status_code == 200
 
-            for i in range(10):  # warm-up: allocator pools and caches settle
-                cycle(i)
-            gc.collect()
-            rss0, active0 = rss_bytes(), mx.get_active_memory()
-            for i in range(10, 110):
-                cycle(i)
-            gc.collect()
-            rss1, active1 = rss_bytes(), mx.get_active_memory()
-        assert active1 <= active0 * 1.05, (active0, active1)
-        assert rss1 <= rss0 * 1.05, (rss0, rss1)
-        assert handle.state.registry.num_resident == 0
-    finally:
-        handle.stop()
+        for i in range(10):  # warm-up: allocator pools and caches settle
+            cycle(i)
+        gc.collect()
+        rss0, active0 = rss_bytes(), mx.get_active_memory()
+        for i in range(10, 110):
+            cycle(i)
+        gc.collect()
+        rss1, active1 = rss_bytes(), mx.get_active_memory()
+    assert active1 <= active0 * 1.05, (active0, active1)
+    assert rss1 <= rss0 * 1.05, (rss0, rss1)
+    assert registry.num_resident == resident
+    assert not [r.name for r in registry.adapters() if r.name.startswith("cy")]
