@@ -17,6 +17,10 @@ if "MOLA_GGUF_CACHE" not in os.environ:  # GGUF conversions cached per session, 
 else:
     SESSION_GGUF_CACHE = None
 
+from helpers.blas import preload_openblas  # noqa: E402 (before MLX loads)
+
+preload_openblas()
+
 import httpx
 import mlx.core as mx
 import pytest

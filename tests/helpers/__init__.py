@@ -5,5 +5,6 @@
     schemas.py      OpenAI's schemas: responses and stream events validated against the official spec (tests/data/openai_schemas.json).
     engines.py      An engine without the server: EngineRunner, the registry on an engine, and the gate that makes a batch.
     tokenizers.py   Tokenizers of other model families: chat templates and added tokens on the tiny model's.
+    blas.py         OpenBLAS for the test process (loaded before MLX, as mola serve runs; MOLA_OPENBLAS=0: the reference BLAS).
     startups.py     MOLA_COUNT_STARTS=1: the engines and subprocesses each test file starts (a pytest plugin).
 """
