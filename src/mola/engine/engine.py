@@ -109,8 +109,8 @@ class Engine:
 
     @property
     def stalled(self) -> bool:
-        """A tensor-parallel group has not answered rank 0 in time."""
-        return self._leader.stalled
+        """A tensor-parallel group has not answered rank 0 in time (a lone engine never is)."""
+        return self.group is not None and self._leader.stalled
 
     # ---- commands (any thread) --------------------------------------------
 

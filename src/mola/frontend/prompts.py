@@ -148,10 +148,11 @@ def render_messages(tokenizer, messages: list[dict], tools: list[dict] | None, u
         kwargs["tools"] = tools
     if continue_final_message:
         kwargs["continue_final_message"] = True
+    if any(m.get("tool_calls") for m in messages):  # the assistant's calls, as templates expect them
+        messages = messages_for_template(messages, tokenizer.chat_template)
     try:
         text = tokenizer.apply_chat_template(
-            messages_for_template(messages, tokenizer.chat_template), add_generation_prompt=add_generation_prompt,
-            tokenize=False, **kwargs
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
         )
     except Exception as e:  # jinja2 errors raised by templates (role order, ...)
         raise InvalidRequest(f"The chat template rejected the messages: {e}", param=param)
