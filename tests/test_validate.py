@@ -5,17 +5,17 @@ adapter, and the base's weights are never read."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
-import os
 import shutil
-import subprocess
-import sys
 import threading
 
 import httpx
 import mlx.core as mx
 import pytest
 
+from mola.cli import main
 from mola.models.gguf_load import WRITER_THREAD
 from mola.models.loader import load_base_model
 from mola.adapters.formats import read_adapter
@@ -32,9 +32,15 @@ from helpers.scripted import InProcessServer
 
 
 def mola_validate(*args):
-    r = subprocess.run([sys.executable, "-m", "mola", "validate", *map(str, args)], capture_output=True,
-                       text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    return r.returncode, r.stdout, r.stderr
+    """`mola validate ARGS` through the command line's own entry point
+    (mola.cli.main) in this process, offline: (exit status, stdout, stderr)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(["validate", *map(str, args)])
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
 
 
 @pytest.fixture(scope="module")
