@@ -71,18 +71,24 @@ def test_serve_without_a_model_offline_serves_the_echo_demo(tmp_path):
     assert [p.name for p in (tmp_path / f"demo-v{DEMO_VERSION}").iterdir()] == ["base"]
 
 
-def test_bad_arguments_fail_clearly(tmp_path):
-    def run(*args):
-        return subprocess.run([sys.executable, "-m", "mola", *args], capture_output=True, text=True, timeout=60)
+def test_bad_arguments_fail_clearly(tmp_path, capsys):
+    from mola.cli import main
 
-    r = run("serve", "--adapter", "no-equals-sign")
-    assert r.returncode == 2 and "NAME=PATH" in r.stderr
-    r = run("serve", "--model", str(tmp_path / "missing"), "--port", str(free_port()))
+    def usage_error(*args) -> str:  # refused while the arguments are read: in this process
+        with pytest.raises(SystemExit) as e:
+            main(list(args))
+        assert e.value.code == 2, args
+        return capsys.readouterr().err
+
+    assert "NAME=PATH" in usage_error("serve", "--adapter", "no-equals-sign")
+    assert "max_loras" in usage_error("serve", "--max-loras", "0")
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0 and "serve" in capsys.readouterr().out
+    r = subprocess.run([sys.executable, "-m", "mola", "serve", "--model", str(tmp_path / "missing"), "--port",
+                        str(free_port())], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "does not exist" in r.stderr
     assert "warning" not in r.stderr  # 127.0.0.1 by default
-    r = run("serve", "--max-loras", "0")
-    assert r.returncode == 2 and "max_loras" in r.stderr
-    assert run("--help").returncode == 0
 
 
 @pytest.mark.parametrize("bad", ["{not json", '{"fine_tune_type": "lora"}'])
