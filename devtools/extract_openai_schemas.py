@@ -73,7 +73,8 @@ def extract(spec: dict, names: list[str]) -> dict:
 def build(spec_path: Path) -> dict:
     import yaml
 
-    spec = yaml.safe_load(spec_path.read_text())
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's, when PyYAML has it: ~10x faster
+    spec = yaml.load(spec_path.read_text(), Loader=loader)
     return {
         "source": "openai/openai-openapi openapi.yaml (components/schemas), nullable rewritten as anyOf-null",
         "roots": SCHEMAS,
