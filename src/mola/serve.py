@@ -130,27 +130,15 @@ def serve(config: ServeConfig) -> int:
 
 async def _serve(config: ServeConfig, group) -> int:
     """Every base the same way (server/startup.py's start_base): the default
-    (and the pinned ones) now, the others on their first request. A GGUF
-    --model starts converting before the server's imports (models/gguf_early.py)."""
-    from .bases.host_memory import limit_malloc_arenas
-    from .models import gguf_early
-
-    limit_malloc_arenas()  # engines come and go: keep what they free reusable
-    early = gguf_early.start(config.model, config.dtype) if group is None else None
-    try:
-        return await _serve_bases(config, group, early)
-    finally:
-        if early is not None:
-            early.close()
-
-
-async def _serve_bases(config: ServeConfig, group, early) -> int:
+    (and the pinned ones) now, the others on their first request."""
     from .server.app import create_app
     from .bases.control import Bases, BaseUnavailable
+    from .bases.host_memory import limit_malloc_arenas
     from .server.metrics import Metrics
     from .server.startup import start_base
 
-    bases = Bases.declared(config, Metrics(), functools.partial(start_base, group=group, early=early))
+    limit_malloc_arenas()  # engines come and go: keep what they free reusable
+    bases = Bases.declared(config, Metrics(), functools.partial(start_base, group=group))
     others = [b.name for b in bases if b is not bases.default]
     print(f"[mola] loading {bases.default.config.model} ..." + (f" (and, when asked for, {', '.join(others)})"
                                                               if others else ""), file=sys.stderr, flush=True)
@@ -162,8 +150,6 @@ async def _serve_bases(config: ServeConfig, group, early) -> int:
             failed = next((b for b in bases if b.error is not None), None)
             print(f"[mola] error: {failed.error if failed else e.message}", file=sys.stderr, flush=True)
             return 1
-        if early is not None:
-            early.close()  # what the load did not take is not held while serving
         print(f"[mola] model loaded in {time.perf_counter() - t0:.1f} s; {capacity(config, bases.default.state)}",
               file=sys.stderr, flush=True)
         return await _run(config, create_app(bases.default.state, bases))

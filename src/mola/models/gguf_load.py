@@ -30,10 +30,9 @@ log = logging.getLogger("mola.loader")
 WRITER_THREAD = "mola-gguf-cache-write"  # the thread that writes a new entry after the load
 
 
-def load_gguf(f: GGUFFile, dtype: str, cache: ConversionCache, early=None) -> tuple[nn.Module, dict, object]:
+def load_gguf(f: GGUFFile, dtype: str, cache: ConversionCache) -> tuple[nn.Module, dict, object]:
     """(model, config, mlx-lm TokenizerWrapper) for the opened file ``f`` at the
-    resolved ``dtype`` ("keep" or a float dtype). ``early``: a gguf_early.EarlyConversion
-    begun with the process, whose tensors are taken instead of converting, if they are these."""
+    resolved ``dtype`` ("keep" or a float dtype)."""
     t0 = time.perf_counter()
     identity = None
     if cache.enabled:
@@ -54,16 +53,11 @@ def load_gguf(f: GGUFFile, dtype: str, cache: ConversionCache, early=None) -> tu
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="mola-gguf-tokenizer") as pool:
             imported = pool.submit(importlib.import_module, "mlx_lm")
             building = pool.submit(_tokenizer, f, tmp, config)
+            progress = conversion_progress(f)
             t1 = time.perf_counter()
-            done = early.take(f, dtype) if early is not None else None
-            if done is not None:  # converted beside the imports: waited for here
-                config, weights, quantization = done.config, done.weights, done.quantization
-                nbytes, t_convert, how = done.nbytes, done.seconds, "converted beside the start's imports, taken in"
-            else:
-                progress = conversion_progress(f)
-                config, weights, quantization = read_weights(f, dtype, progress, config)
-                progress.close(time.monotonic())
-                nbytes, t_convert, how = progress.total_bytes, time.perf_counter() - t1, "converted now in"
+            config, weights, quantization = read_weights(f, dtype, progress, config)
+            progress.close(time.monotonic())
+            t_convert = time.perf_counter() - t1
             stored_config = copy.deepcopy(config)  # as read_weights gave it: assemble adds to config
             t2 = time.perf_counter()
             imported.result()  # two threads importing transformers at once can break its lazy imports
@@ -81,9 +75,9 @@ def load_gguf(f: GGUFFile, dtype: str, cache: ConversionCache, early=None) -> tu
         # Not a daemon: a process that ends right after the load waits for the write at exit.
         threading.Thread(target=_store, args=args, name=WRITER_THREAD).start()
         where = "writing it to the conversion cache in the background"
-    log.info("model %s %.2f s: tensors read and converted %.2f s (%.0f MiB/s), key %.3f s, model "
-             "built %.2f s, tokenizer %.2f s (beside the tensors); %s", how, time.perf_counter() - t0, t_convert,
-             nbytes / 2**20 / max(t_convert, 1e-9), t_key, t_build, t_tok, where)
+    log.info("model converted now in %.2f s: tensors read and converted %.2f s (%.0f MiB/s), key %.3f s, model "
+             "built %.2f s, tokenizer %.2f s (beside the tensors); %s", time.perf_counter() - t0, t_convert,
+             progress.total_bytes / 2**20 / max(t_convert, 1e-9), t_key, t_build, t_tok, where)
     return model, config, tokenizer
 
 

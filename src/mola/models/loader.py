@@ -77,16 +77,14 @@ def resolve_dtype(dtype: str, is_gguf: bool, tensors=None, free: int | None = No
     return "keep"
 
 
-def load_base_model(model: str, revision: str | None = None, group=None, dtype: str = "auto",
-                    early=None) -> LoadedModel:
+def load_base_model(model: str, revision: str | None = None, group=None, dtype: str = "auto") -> LoadedModel:
     """Load model and tokenizer; with a distributed ``group``, this rank's
-    tensor-parallel shard (mlx-lm's own sharding). Call on the engine thread.
-    ``early``: a GGUF file's conversion begun with the process (models/gguf_early.py)."""
+    tensor-parallel shard (mlx-lm's own sharding). Call on the engine thread."""
     path = resolve_model_path(model, revision)
     shard = f" (shard {group.rank() + 1} of {group.size()})" if group else ""
     t0 = time.perf_counter()
     if path.is_file():
-        loaded = _load_gguf(path, dtype, group, shard, early)
+        loaded = _load_gguf(path, dtype, group, shard)
     else:
         dtype = resolve_dtype(dtype, False)
         log.info("loading model from %s (dtype %s)%s", path, dtype, shard)
@@ -119,7 +117,7 @@ def check_gguf(f, dtype: str, free: int | None):
     return dtype, need
 
 
-def _load_gguf(path: Path, dtype: str, group, shard: str = "", early=None) -> LoadedModel:
+def _load_gguf(path: Path, dtype: str, group, shard: str = "") -> LoadedModel:
     from .fit import free_bytes, gib
     from .gguf_cache import ConversionCache
     from .gguf_file import open_gguf
@@ -130,13 +128,12 @@ def _load_gguf(path: Path, dtype: str, group, shard: str = "", early=None) -> Lo
     except ValueError as e:
         raise ModelLoadError(str(e)) from None
     f = open_gguf(path)
-    planned = early.plan(path, dtype) if early is not None else None
-    dtype, need = planned or check_gguf(f, dtype, None if group else free_bytes())
+    dtype, need = check_gguf(f, dtype, None if group else free_bytes())
     log.info("loading model from %s (dtype %s, computing in %s)%s: %s by tensor group", path, dtype,
              need.compute, shard, gib(need.total))
     for line in need.lines():
         log.info("  %s", line)
-    model, config, tokenizer = load_gguf(f, dtype, cache, early)
+    model, config, tokenizer = load_gguf(f, dtype, cache)
     if group is not None:
         _shard(model, group, path)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
@@ -216,13 +213,13 @@ def load_draft_model(model: str, target: LoadedModel, revision: str | None = Non
     return draft
 
 
-def base_loader(model: str, dtype: str = "auto", draft_model: str | None = None, group=None, early=None):
+def base_loader(model: str, dtype: str = "auto", draft_model: str | None = None, group=None):
     """What an engine (or a follower) loads, on its own thread: the base model
-    (this rank's shard of it in a group; ``early``: its conversion begun with the
-    process, models/gguf_early.py), and beside it the whole draft model, if any."""
+    (this rank's shard of it in a group), and beside it the whole draft
+    model, if any."""
 
     def load() -> LoadedModel:
-        loaded = load_base_model(model, group=group, dtype=dtype, early=early)
+        loaded = load_base_model(model, group=group, dtype=dtype)
         if draft_model is not None:
             loaded.draft = load_draft_model(draft_model, loaded, dtype=dtype).model
         return loaded

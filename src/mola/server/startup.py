@@ -30,29 +30,26 @@ from ..frontend.state import ServerState
 log = logging.getLogger("mola.server")
 
 
-def model_loader(config: ServeConfig, group=None, early=None):
+def model_loader(config: ServeConfig, group=None):
     """What an engine (or a follower rank) loads: --model (this rank's shard
-    of it in a group: an mx.distributed group) and the whole --draft-model, if any;
-    ``early``: a GGUF --model's conversion begun with the process (models/gguf_early.py)."""
+    of it in a group: an mx.distributed group) and the whole --draft-model, if any."""
     from ..models.loader import base_loader
 
     spec = config.engine.speculative
-    return base_loader(config.model, config.dtype, spec.draft_model if spec is not None else None, group, early)
+    return base_loader(config.model, config.dtype, spec.draft_model if spec is not None else None, group)
 
 
-def make_engine(config: ServeConfig, group=None, early=None) -> Engine:
+def make_engine(config: ServeConfig, group=None) -> Engine:
     """A base's engine, not started (``group``: rank 0's place in a tensor-parallel group)."""
-    return Engine(model_loader(config, group and group.group, early), config.engine, group=group)
+    return Engine(model_loader(config, group and group.group), config.engine, group=group)
 
 
 async def start_base(config: ServeConfig, metrics: Metrics, registered: tuple[AdapterSpec, ...] = (), *,
-                     group=None, engine_factory: Callable = make_engine, early=None) -> ServerState:
+                     group=None, engine_factory: Callable = make_engine) -> ServerState:
     """A base served: its engine started (its model loaded on the engine
     thread) and its state built over it. Raises what the load or an adapter
-    named at start raised, with the engine stopped again. ``early``: a GGUF
-    file's conversion begun with `mola serve` (models/gguf_early.py), which the
-    load takes if it is this base's file."""
-    engine = engine_factory(config, group) if early is None else engine_factory(config, group, early=early)
+    named at start raised, with the engine stopped again."""
+    engine = engine_factory(config, group)
     try:
         loaded = await asyncio.to_thread(engine.start)
         return await build_state(config, engine, loaded, metrics=metrics, registered=registered)
