@@ -167,6 +167,7 @@ def read_weights(f: GGUFFile, dtype: str, progress: Progress | None = None, conf
                 quantization[names[tensor.name].rpartition(".")[0]] = quantized
             if progress is not None:
                 progress.advance(int(tensor.n_bytes), time.monotonic())
+    mx.clear_cache()  # MLX's cache of freed buffers (float32 forms cast to float16, say): not held after
     return config, weights, quantization
 
 
