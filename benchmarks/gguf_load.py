@@ -15,7 +15,9 @@ loaded the same way, for today-against-before figures under the same load.
 --llama-server: a llama-server binary, timed from its start until /health answers 200
 on the same file, with its VmRSS then (build steps: benchmarks/README.md). --serve: also
 `mola serve --model FILE` (no adapter) from its start to a healthy /health, reading the
-entry the runs before it wrote, with its VmRSS then.
+entry the runs before it wrote, with its VmRSS then. --serve-first N: N interleaved pairs
+of first starts of `mola serve --dtype D` (the conversion cache empty: converted now) of
+--baseline-src's mola and this one, for each --dtypes D, and nothing else.
 Written to benchmarks/results/gguf_load.json.
 """
 
@@ -68,7 +70,9 @@ def free_port() -> int:
 
 def healthy(argv: list[str], port: int, env: dict | None = None) -> dict:
     """Start ``argv`` (a server on ``port``), and time it until /health answers
-    200; its VmRSS then (the whole process: weights, packs, KV, the runtime)."""
+    200; its VmRSS then (the whole process: weights, packs, KV, the runtime), and
+    the CPU time it had used (user and system, every thread): on a machine shared
+    with other work, what the start cost apart from what it waited for."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
@@ -80,7 +84,10 @@ def healthy(argv: list[str], port: int, env: dict | None = None) -> dict:
                     seconds = time.perf_counter() - t0
                     with open(f"/proc/{proc.pid}/status") as f:
                         rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-                    return {"seconds": seconds, "rss_mib": rss / 1024}
+                    with open(f"/proc/{proc.pid}/stat") as f:  # utime, stime: fields 14, 15 after the name
+                        ticks = f.read().rpartition(")")[2].split()[11:13]
+                    cpu = sum(int(t) for t in ticks) / os.sysconf("SC_CLK_TCK")
+                    return {"seconds": seconds, "rss_mib": rss / 1024, "cpu_seconds": cpu}
             except OSError:
                 time.sleep(0.05)
         raise SystemExit(f"{argv[0]} did not become healthy within 600 s")
@@ -102,6 +109,38 @@ def mola_serve(path: Path, dtype: str, src: Path, cache: Path) -> dict:
                     "--host", "127.0.0.1", "--port", str(port)], port, env)
 
 
+def serve_first(a, src: Path) -> int:
+    """N interleaved pairs of first starts (an empty conversion cache each) of mola serve:
+    the baseline's, then this tree's, for each dtype."""
+    if a.file is None or a.baseline_src is None:
+        raise SystemExit("--serve-first needs --file and --baseline-src")
+    runs: dict = {d: {"baseline": [], "first": []} for d in a.dtypes}
+    loads = []
+    with tempfile.TemporaryDirectory(prefix="mola-gguf-first-") as tmp:
+        cache = Path(tmp) / "cache"
+        for r in range(a.serve_first):
+            for d in a.dtypes:
+                for kind, tree in (("baseline", a.baseline_src), ("first", src)):
+                    subprocess.run(["rm", "-rf", str(cache)], check=True)
+                    with open("/proc/loadavg") as f:
+                        loads.append(f.read().split()[0])
+                    x = mola_serve(a.file, d, tree, cache)
+                    runs[d][kind].append(x)
+                    print(f"pair {r + 1}: {d:8s} {kind:8s} healthy in {x['seconds']:6.2f} s (CPU "
+                          f"{x['cpu_seconds']:5.1f} s), RSS "
+                          f"{x['rss_mib']:7.0f} MiB (load average {loads[-1]})", file=sys.stderr)
+    ratios = {d: [b["seconds"] / f["seconds"] for b, f in zip(v["baseline"], v["first"])] for d, v in runs.items()}
+    result = {"file": str(a.file), "file_bytes": a.file.stat().st_size, "baseline_src": str(a.baseline_src),
+              "machine": platform.machine(), "cpus": os.cpu_count(), "loadavg_before_each": loads,
+              "mola_serve_first": runs, "baseline_over_first": ratios}
+    for d, xs in ratios.items():
+        print(f"  {d}: baseline / first start, pair by pair: {', '.join(f'{x:.2f}' for x in xs)}")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"written to {a.out}", file=sys.stderr)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--file", type=Path)
@@ -110,9 +149,13 @@ def main() -> int:
     p.add_argument("--baseline-src", type=Path)
     p.add_argument("--llama-server")
     p.add_argument("--serve", action="store_true", help="also time `mola serve` to a healthy /health, cached")
+    p.add_argument("--serve-first", type=int, default=0, metavar="N",
+                   help="only N interleaved first starts of mola serve, --baseline-src's and this one's")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "gguf_load.json"))
     a = p.parse_args()
     src = Path(__file__).resolve().parent.parent / "src"
+    if a.serve_first:
+        return serve_first(a, src)
     with tempfile.TemporaryDirectory(prefix="mola-gguf-load-") as tmp:
         path = a.file
         if path is None:

@@ -145,23 +145,29 @@ def nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
 
-_LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
-_COMPACT = ((4, np.uint64(0x00FF00FF00FF00FF)), (8, np.uint64(0x0000FFFF0000FFFF)),
-            (16, np.uint64(0x00000000FFFFFFFF)))
+def u64_of(byte: int) -> np.uint64:
+    """A byte in every byte of a uint64 (a mask for whole-word operations)."""
+    return np.uint64(int.from_bytes(bytes([byte]) * 8, "little"))
 
 
-def nibble_words(qs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[..., 8k] bytes -> (low, high) uint32 [..., k]: the bytes' low nibbles, and
-    their high ones, each packed 8 to a word in MLX's 4-bit order (nibble j of word
-    i is byte 8i + j's), computed on whole 64-bit words."""
-    words = np.ascontiguousarray(qs).view("<u8")
-    out = []
-    for x in (words & _LOW_NIBBLES, (words >> np.uint64(4)) & _LOW_NIBBLES):
-        for shift, mask in _COMPACT:  # nibble j of byte j -> nibble j of the low 32 bits
-            x |= x >> np.uint64(shift)
-            x &= mask
-        out.append(x.astype("<u4"))
-    return out[0], out[1]
+# (shift, the bits that stay, the bits moved down, the bits moved up) of the three
+# swaps nibble_words makes in each 16-, 32- and 64-bit lane of a uint64
+_SWAPS = tuple((np.uint64(k), np.uint64(keep), np.uint64(down), np.uint64(up)) for k, keep, down, up in (
+    (4, 0xF00FF00FF00FF00F, 0x00F000F000F000F0, 0x0F000F000F000F00),
+    (8, 0xFF0000FFFF0000FF, 0x0000FF000000FF00, 0x00FF000000FF0000),
+    (16, 0xFFFF00000000FFFF, 0x00000000FFFF0000, 0x0000FFFF00000000)))
+
+
+def nibble_words(qs: np.ndarray) -> np.ndarray:
+    """[..., 8k] bytes -> uint32 [..., k, 2]: of each 8 bytes, the word of their low
+    nibbles and the word of their high ones, in MLX's 4-bit order (nibble j of a word
+    is byte j's). On whole 64-bit words: swapping the middle two quarters of each
+    16-bit lane makes its bytes (low nibbles, high nibbles) of its two bytes; of each
+    32-bit lane, then of the 64-bit word, gathers the low ones below the high ones."""
+    x = np.ascontiguousarray(qs).view("<u8")
+    for k, keep, down, up in _SWAPS:
+        x = (x & keep) | ((x >> k) & down) | ((x << k) & up)
+    return x.view("<u4").reshape(*x.shape, 2)
 
 
 def bits_of(field: np.ndarray, count: int) -> np.ndarray:

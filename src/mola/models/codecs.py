@@ -114,13 +114,14 @@ assert set(_REPACK) == set(KEPT_FORMATS)
 CHUNK_BYTES = 1 << 20  # raw bytes repacked at a time: the intermediates stay small (and in the CPU's cache)
 
 
-def _alloc(part, rows: int):
-    """Empty arrays of ``part``'s form (Quantized, QuantizedPair or an array) for ``rows`` rows."""
+def _alloc(part, rows: int, alloc=np.empty):
+    """Empty arrays (``alloc(shape, dtype)``'s) of ``part``'s form (Quantized,
+    QuantizedPair or an array) for ``rows`` rows."""
     if isinstance(part, np.ndarray):
-        return np.empty((rows, *part.shape[1:]), part.dtype)
+        return alloc((rows, *part.shape[1:]), part.dtype)
     if isinstance(part, QuantizedPair):
-        return QuantizedPair(_alloc(part.low, rows), _alloc(part.high, rows))
-    return Quantized(*(np.empty((rows, *a.shape[1:]), a.dtype) for a in (part.weight, part.scales, part.biases)),
+        return QuantizedPair(_alloc(part.low, rows, alloc), _alloc(part.high, rows, alloc))
+    return Quantized(*(alloc((rows, *a.shape[1:]), a.dtype) for a in (part.weight, part.scales, part.biases)),
                      part.bits)
 
 
@@ -136,25 +137,26 @@ def _put(out, part, start: int) -> None:
         dst[start:start + len(src)] = src
 
 
-def by_rows(fn, data: np.ndarray):
+def by_rows(fn, data: np.ndarray, alloc=None):
     """``fn`` (a repack) over ``data`` [rows, row bytes], CHUNK_BYTES of rows at a time
-    (whole-array operations on each), written into arrays allocated once."""
+    (whole-array operations on each), written into arrays allocated once by ``alloc``
+    (shape, dtype) -> array (None: np.empty, and a tensor of one chunk is ``fn``'s own)."""
     step = max(1, CHUNK_BYTES // max(1, data.shape[-1]))
-    if len(data) <= step:
+    if len(data) <= step and alloc is None:
         return fn(data)
     first = fn(data[:step])
-    out = _alloc(first, len(data))
+    out = _alloc(first, len(data), alloc or np.empty)
     _put(out, first, 0)
     for start in range(step, len(data), step):
         _put(out, fn(data[start:start + step]), start)
     return out
 
 
-def repack(data: np.ndarray, codec: str) -> Quantized | None:
+def repack(data: np.ndarray, codec: str, alloc=None) -> Quantized | None:
     """A kept codec's raw blocks [(E,) rows, row bytes] -> its exact MLX affine form, or
     None where a float16 bias overflows (-8d, -16d, -128d, 128d past 65504)."""
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow is caught just below
-        packed = by_rows(_REPACK[codec], data.reshape(-1, data.shape[-1]))
+        packed = by_rows(_REPACK[codec], data.reshape(-1, data.shape[-1]), alloc)
     if not (np.isfinite(packed.scales).all() and np.isfinite(packed.biases).all()):
         return None
     lead = data.shape[:-1]
@@ -162,31 +164,33 @@ def repack(data: np.ndarray, codec: str) -> Quantized | None:
                      packed.bits)
 
 
-def read_tensor(tensor, keep: bool = True):
+def read_tensor(tensor, keep: bool = True, alloc=None, data: np.ndarray | None = None):
     """A gguf-py ReaderTensor -> np.ndarray (float32/float16), BFloat16, Quantized or
     QuantizedPair. ``keep`` False (a float --dtype): a quantized codec straight as
     gguf-py's float32 values, which the kept forms equal dequantized (signed zeros
     aside), and which gguf-py computes faster than MLX dequantizes the 5- and 6-bit
-    forms on a CPU (a Q6_K pair: about 7 times)."""
+    forms on a CPU (a Q6_K pair: about 7 times). ``alloc``: what the repacked or
+    dequantized arrays are allocated by (by_rows); ``data``: the tensor's raw
+    array to read instead of ``tensor.data`` (its rows reordered, say)."""
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
     kind = tensor.tensor_type
     name = codec_name(kind)
-    data = tensor.data
+    data = tensor.data if data is None else data
     if kind in (T.F32, T.F16):
         return np.asarray(data)
     if kind == T.BF16:
         return BFloat16(np.ascontiguousarray(data).view(np.uint16))
     if keep and name in PAIRED_FORMATS and data.ndim == 2:
-        return by_rows(q6_k_pair, np.asarray(data))
+        return by_rows(q6_k_pair, np.asarray(data), alloc)
     if keep and name in _REPACK and data.ndim in (2, 3):  # a matrix, or stacked experts [E, rows, bytes]
-        packed = repack(np.asarray(data), name)
+        packed = repack(np.asarray(data), name, alloc)
         if packed is not None:
             return packed
     try:
         rows = np.asarray(data).reshape(-1, data.shape[-1])  # [(E *) rows, row bytes]
-        return by_rows(lambda part: quants.dequantize(part, kind), rows).reshape(*data.shape[:-1], -1)
+        return by_rows(lambda part: quants.dequantize(part, kind), rows, alloc).reshape(*data.shape[:-1], -1)
     except (NotImplementedError, KeyError, ValueError) as e:
         raise UnsupportedTensor(
             f"tensor '{tensor.name}' is stored as {name}, which mola cannot read: neither "

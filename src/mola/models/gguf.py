@@ -30,6 +30,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..errors import ModelLoadError
 from ..adapters.formats.gguf_names import ARCHITECTURES, block_tensors, hf_row_order
@@ -38,6 +39,7 @@ from .codecs import (F32_SCALES, GROUP_SIZE, KEPT, BFloat16, Quantized, Quantize
 from .gguf_arch import BASE_ARCHITECTURES, BaseArchitecture
 from .gguf_file import GGUFFile, open_gguf
 from .metadata import model_config
+from .mx_buffers import as_mx, empty, reused_heap
 from .progress import Progress
 from .quantized_pair import make_pairs
 
@@ -104,7 +106,7 @@ def _to_mx(value, dtype: mx.Dtype, keep: bool) -> dict[str, mx.array]:
             return {"weight": (low["weight"].astype(mx.float32) + high["weight"].astype(mx.float32)).astype(dtype)}
         return {**low, **{f"{k}_high": v for k, v in high.items()}}
     if isinstance(value, Quantized):
-        w, s, b = mx.array(value.weight), mx.array(value.scales), mx.array(value.biases)
+        w, s, b = as_mx(value.weight), as_mx(value.scales), as_mx(value.biases)
         if keep:
             if dtype == mx.float32 and s.dtype != mx.float32:
                 s, b = s.astype(mx.float32), b.astype(mx.float32)
@@ -114,7 +116,7 @@ def _to_mx(value, dtype: mx.Dtype, keep: bool) -> dict[str, mx.array]:
         return {"weight": full.astype(dtype)}
     if isinstance(value, BFloat16):
         return {"weight": mx.array(value.bits).view(mx.bfloat16).astype(dtype)}
-    return {"weight": mx.array(value).astype(dtype)}
+    return {"weight": as_mx(value).astype(dtype)}
 
 
 def gguf_config(f: GGUFFile) -> dict:
@@ -152,7 +154,7 @@ def read_weights(f: GGUFFile, dtype: str, progress: Progress | None = None, conf
     todo = [t for t in tensors.values() if names[t.name] != _CONSUMED]
     # numpy's repacks and MLX's evaluations release the GIL: up to WORKERS tensors are
     # converted at once, and taken in file order as they come
-    with ThreadPoolExecutor(max_workers=WORKERS) as pool:
+    with reused_heap(), ThreadPoolExecutor(max_workers=WORKERS) as pool:
         convert = partial(_convert_one, f, config=config, heads=heads, target=target, keep=keep)
         pending = deque(pool.submit(convert, t, names[t.name]) for t in todo[:WORKERS])
         for i, tensor in enumerate(todo):
@@ -165,6 +167,7 @@ def read_weights(f: GGUFFile, dtype: str, progress: Progress | None = None, conf
                 quantization[names[tensor.name].rpartition(".")[0]] = quantized
             if progress is not None:
                 progress.advance(int(tensor.n_bytes), time.monotonic())
+    mx.clear_cache()  # MLX's cache of freed buffers (float32 forms cast to float16, say): not held after
     return config, weights, quantization
 
 
@@ -175,16 +178,18 @@ def _convert_one(f: GGUFFile, tensor, name: str, *, config: dict, heads: dict, t
 
 
 def _read_one(f: GGUFFile, tensor, name: str, config: dict, heads: dict, keep: bool):
-    """One tensor read and put in mlx-lm's layout, in its held form (codecs.py)."""
+    """One tensor read and put in mlx-lm's layout, in its held form (codecs.py),
+    repacked or dequantized into new MLX arrays' memory (mx_buffers.py)."""
+    data, proj = None, name.split(".")[-2]
+    if proj in heads:  # llama.cpp's q/k rows (weights and biases) back in Hugging Face's order: every
+        # form is row for row its raw rows' (a row's blocks), so the raw rows are reordered
+        data = hf_row_order(np.asarray(tensor.data), heads[proj])
     try:
-        value = read_tensor(tensor, keep)
+        value = read_tensor(tensor, keep, empty, data)
     except UnsupportedTensor as e:
         raise UnsupportedTensor(f"{f.path}: {e.message}") from None
     if name.endswith(".shared_expert_gate.weight") and len(value.shape) == 1:
         value = _rows(value, lambda v: v.reshape(1, -1))  # llama.cpp's {n_embd}: [1, n_embd]
-    proj = name.split(".")[-2]
-    if proj in heads:  # llama.cpp's q/k rows (weights and biases) back in Hugging Face's order
-        value = _rows(value, lambda rows, n=heads[proj]: hf_row_order(rows, n))
     if f.arch.weights is not None:  # the architecture's per-tensor fixes (gguf_arch/)
         one = {name: value}
         f.arch.weights(one, config)

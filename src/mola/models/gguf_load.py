@@ -9,7 +9,9 @@ from __future__ import annotations
 import copy
 import importlib
 import logging
+import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -82,7 +84,10 @@ def load_gguf(f: GGUFFile, dtype: str, cache: ConversionCache) -> tuple[nn.Modul
 def _store(cache: ConversionCache, identity: dict, dtype: str, config: dict, weights: dict, quantization: dict,
            tokenizer_dir: Path, stops) -> None:
     """Write the entry (on the writer thread: the model is served meanwhile; its
-    arrays are evaluated and never changed, so reading them here is safe)."""
+    arrays are evaluated and never changed, so reading them here is safe). The
+    thread runs at the lowest priority, so that the server's start after the load
+    (its engine, its first requests) is not slowed by the write."""
+    _lowest_priority()
     t0 = time.perf_counter()
     try:
         entry = cache.store(identity, dtype, config, weights, quantization, tokenizer_dir, stops)
@@ -91,6 +96,15 @@ def _store(cache: ConversionCache, identity: dict, dtype: str, config: dict, wei
     if entry is not None:
         log.info("written to the conversion cache in %.2f s: entry %s (%.1f MiB)", time.perf_counter() - t0,
                  entry.path, entry.nbytes / 2**20)
+
+
+def _lowest_priority() -> None:
+    """This thread at nice 19 (Linux: a thread's own priority; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:
+            pass
 
 
 def _tokenizer(f: GGUFFile, out: Path, config: dict):
