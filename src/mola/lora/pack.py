@@ -104,7 +104,8 @@ class AdapterPacks:
         )
 
     def arrays(self) -> list[mx.array]:
-        return [a for l in self.layers.values() for a in (l.lora_a, l.lora_b)]
+        packs = [a for l in self.layers.values() for a in (l.lora_a, l.lora_b)]
+        return packs + [l.dora.g for l in self._dense if l.dora.g is not None]  # DoRA's g [S, out]
 
     @property
     def nbytes(self) -> int:

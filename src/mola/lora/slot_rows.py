@@ -29,7 +29,8 @@ class Factors(Protocol):
 
 
 class Adapter(Protocol):
-    """An adapter as the packs take it, by module path (mola.adapters.weights.LoRAWeights is one)."""
+    """An adapter as the packs take it, by module path (mola.adapters.weights.LoRAWeights is one); a
+    DoRA adapter also has ``magnitudes``, module path -> m [out]."""
 
     @property
     def modules(self) -> Mapping[str, Factors]: ...
@@ -146,7 +147,8 @@ class SlotRows:
 
     @staticmethod
     def of(modules: Mapping[str, ModuleRows]) -> "SlotRows":
-        return SlotRows(modules, sum(r.a.nbytes + r.b.nbytes for r in modules.values()))
+        return SlotRows(modules, sum(r.a.nbytes + r.b.nbytes + (0 if r.magnitude is None else r.magnitude.nbytes)
+                                     for r in modules.values()))
 
 
 def prepare_rows(weights: Adapter, geometry: SlotGeometry, scale: float = 1.0) -> SlotRows:
@@ -154,9 +156,11 @@ def prepare_rows(weights: Adapter, geometry: SlotGeometry, scale: float = 1.0) -
     ``scale``, evaluated. Pure: any thread (the reader thread does it, so that
     the engine thread only copies)."""
     modules = {}
+    magnitudes = getattr(weights, "magnitudes", None) or {}  # a DoRA adapter's m [out] by path
     for path, m in weights.modules.items():
         target = geometry.targets[path]
         max_rank = geometry.max_expert_rank if target.num_experts else geometry.max_rank
-        modules[path] = module_rows(target, max_rank, geometry.dtype, m.a, m.b, m.scale * scale)
-    mx.eval([(r.a, r.b) for r in modules.values()])
+        modules[path] = module_rows(target, max_rank, geometry.dtype, m.a, m.b, m.scale * scale,
+                                    magnitudes.get(path))
+    mx.eval([(r.a, r.b, r.magnitude) for r in modules.values()])
     return SlotRows.of(modules)

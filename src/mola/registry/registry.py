@@ -28,6 +28,7 @@ import math
 import time
 from typing import Any, Awaitable, Callable
 
+from ..adapters.dora import check_row_scale
 from ..adapters.loader import AdapterLoader, PreparedAdapter
 from ..adapters.pushed import drop as forget_pushed
 from ..adapters.recipe import SlotRecipe
@@ -239,6 +240,7 @@ class AdapterRegistry:
                 if not self._is_current(record):
                     raise ModelNotFound(record.name)  # unloaded while we waited
                 if record.state is S.RESIDENT:
+                    check_row_scale(record.kind, row_scale, record.name)  # DoRA: lora_scale 1 only
                     record.in_flight += 1
                     record.touch()
                     if ticket is None:
