@@ -96,3 +96,187 @@ def test_dora_rows_match_mlx_lm_alone_and_beside_lora_alora_and_base_rows(base_d
     plain = load(str(base_dir), adapter_path=str(lora))[0]
     assert float(mx.abs(dora_model(prompt) - base(prompt)).max()) > 0.1
     assert float(mx.abs(dora_model(prompt) - plain(prompt)).max()) > 0.1
+
+
+# ---- PEFT's use_dora, against the formula merged with numpy ------------------------------------
+
+
+def numpy_merged(base_dir, weights):
+    """mlx-lm's base with each DoRA module merged by numpy (float64):
+    W' = m / ||W + s (A B)^T|| (row-wise) * (W + s (A B)^T); biases unchanged."""
+    import numpy as np
+    from mlx_lm import load
+
+    model = load(str(base_dir))[0]
+    modules = dict(model.named_modules())
+    for path, mod in weights.modules.items():
+        lin = modules[path]
+        w = np.array(lin.weight, dtype=np.float64) + mod.scale * (np.array(mod.a, np.float64) @ np.array(mod.b)).T
+        g = np.array(weights.magnitudes[path], np.float64) / np.linalg.norm(w, axis=1)
+        lin.weight = mx.array((g[:, None] * w).astype(np.float32))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="module")
+def peft_dora(tiny_model, tmp_path_factory):
+    """A PEFT use_dora adapter written by the project's PEFT writer: random
+    factors (alpha / r = 1.5) and magnitudes, and the weights it was written from."""
+    import dataclasses
+
+    import numpy as np
+
+    from mola.adapters.weights import LoRAWeights
+    from mola.testing.adapter import random_lora
+    from mola.testing.model import TinyModelSpec
+    from mola.testing.peft import save_peft_adapter
+
+    weights = random_lora(tiny_model, rank=4, scale=1.5, seed=11, num_layers=1)
+    rng = np.random.default_rng(12)
+    spec = TinyModelSpec()
+    magnitudes = {p: mx.array(rng.uniform(2.0, 9.0, m.b.shape[1]).astype(np.float32)) for p, m in weights.modules.items()}
+    assert spec.num_hidden_layers > 1  # the first block has no DoRA: its layers take the base path
+    weights = dataclasses.replace(weights, magnitudes=magnitudes)
+    assert isinstance(weights, LoRAWeights) and weights.kind == "dora"
+    return save_peft_adapter(tmp_path_factory.mktemp("peft") / "dora", weights), weights
+
+
+def test_a_peft_dora_adapter_is_the_formula_merged_into_the_weights(tiny_model, peft_dora):
+    path, weights = peft_dora
+    reference = numpy_merged(tiny_model, weights)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (19, 26)]
+    r = EngineRunner(tiny_model, adapters=[("p", path)], max_tokens=MAX_TOKENS)
+    try:
+        assert r.read(path).kind == "dora" and r.read(path).format == "peft"
+        seqs = together(r, lambda: [r.submit(prompts[0], "p", logprobs=1), r.submit(prompts[1], logprobs=1)])
+        r.wait(seqs)
+    finally:
+        r.stop()
+    check_row(seqs[0].output, r.logprobs[seqs[0].seq_id],
+              reference_logprobs(reference, reference, prompts[0] + seqs[0].output, 0, len(prompts[0])))
+    from mlx_lm import load
+
+    x = mx.array([prompts[0]])
+    assert float(mx.abs(reference(x) - load(str(tiny_model))[0](x)).max()) > 0.1  # the adapter matters
+
+
+# ---- refusals, each naming its problem ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dora_dir(tiny_model, tmp_path_factory):
+    return make_mlx_lm_lora(tmp_path_factory.mktemp("d") / "dora", tiny_model, rank=4, fine_tune_type="dora")
+
+
+def test_a_request_scale_and_a_stack_are_refused_on_a_dora_adapter(engine, dora_dir, adapters):
+    from helpers.engines import run_registry
+    from mola.errors import InvalidAdapter, InvalidRequest
+
+    async def scenario(registry):
+        d = await registry.load("d", str(dora_dir))
+        await registry.load("a", str(adapters["a"]))
+        assert d.kind == d.describe()["kind"] == "dora"
+        with pytest.raises(InvalidRequest, match="lora_scale 0.5 asks to scale 'd', a DoRA adapter"):
+            await registry.acquire("d", 0.5)
+        (await registry.acquire("d", 1.0)).release()  # its own scale is served
+        with pytest.raises(InvalidAdapter, match="is a DoRA adapter: it is not stacked with others"):
+            await registry.acquire("a", stack=[("d", 1.0)])
+        lease = await registry.acquire("a", 0.5)  # a plain LoRA takes any scale
+        assert lease.record.kind == "lora"
+        lease.release()
+    run_registry(engine, scenario, max_loras=3)
+
+
+def _edit(src, dst, config=None, tensors=None):
+    """A copy of the mlx-lm adapter ``src`` at ``dst``, its config and tensors edited."""
+    import json
+    import shutil
+
+    shutil.copytree(src, dst)
+    if config is not None:
+        cfg = json.loads((dst / "adapter_config.json").read_text())
+        (dst / "adapter_config.json").write_text(json.dumps(config(cfg)))
+    if tensors is not None:
+        t = tensors(dict(mx.load(str(dst / "adapters.safetensors"))))
+        mx.save_safetensors(str(dst / "adapters.safetensors"), t)
+    return dst
+
+
+@pytest.mark.parametrize("case, match", [
+    ("as-lora", "not a LoRA factor .*a DoRA magnitude, but the config's fine_tune_type is not 'dora'"),
+    ("no-m", "holds no DoRA magnitudes"),
+    ("one-m-missing", "has LoRA factors and no magnitude vector"),
+    ("short-m", "the DoRA magnitude of .* has shape \\(32,\\); expected \\(64,\\)"),
+    ("nan-m", "the DoRA magnitude of .* contains non-finite values"),
+    ("alora", "DoRA adapter with alora_invocation_tokens"),
+])
+def test_broken_or_unserved_dora_files_are_refused(tmp_path, tiny_model, dora_dir, case, match):
+    from mola.adapters.formats import read_adapter
+    from mola.adapters.weights import validate
+    from mola.errors import InvalidAdapter
+    from mola.lora.pack import geometry_of
+    from mola.models.loader import load_base_model
+
+    q = "model.layers.0.self_attn.q_proj.m"
+    edits = {
+        "as-lora": dict(config=lambda c: {**c, "fine_tune_type": "lora"}),
+        "no-m": dict(tensors=lambda t: {k: v for k, v in t.items() if not k.endswith(".m")}),
+        "one-m-missing": dict(tensors=lambda t: {k: v for k, v in t.items() if k != q}),
+        "short-m": dict(tensors=lambda t: {**t, q: t[q][:32]}),
+        "nan-m": dict(tensors=lambda t: {**t, q: t[q] * mx.array(float("nan"))}),
+        "alora": dict(config=lambda c: {**c, "alora_invocation_tokens": [5, 6]}),
+    }
+    path = _edit(dora_dir, tmp_path / case, **edits[case])
+    geometry = geometry_of(load_base_model(str(tiny_model)).model, max_rank=16, num_slots=3)
+    with pytest.raises(InvalidAdapter, match=match):
+        validate(read_adapter(path), geometry.targets, 16)
+
+
+def test_dora_on_a_tensor_parallel_base_or_on_experts_is_refused(dora_dir, tiny_model):
+    from mola.adapters.formats import read_adapter
+    from mola.adapters.weights import validate
+    from mola.errors import InvalidAdapter
+    from mola.lora.geometry import Sharding, TargetGeometry
+    from mola.lora.pack import geometry_of
+    from mola.models.loader import load_base_model
+
+    weights = read_adapter(dora_dir)
+    targets = dict(geometry_of(load_base_model(str(tiny_model)).model, max_rank=16, num_slots=3).targets)
+    q = "model.layers.0.self_attn.q_proj"
+    split = {**targets, q: TargetGeometry(*targets[q].dims, Sharding("column", 0, 2))}
+    with pytest.raises(InvalidAdapter, match="split across a tensor-parallel group .*column-sharded.*does not serve "
+                                             "DoRA on a tensor-parallel base"):
+        validate(weights, split, 16)
+    # an expert module with a magnitude: as if the base's q_proj held experts
+    m = weights.modules[q]
+    experts = {**targets, q: TargetGeometry(*targets[q].dims, num_experts=2)}
+    import dataclasses
+
+    from mola.adapters.weights import ModuleLoRA
+    from mola.adapters.dora import check_dora
+
+    stacked = ModuleLoRA(a=mx.stack([m.a, m.a]), b=mx.stack([m.b, m.b]), scale=m.scale)
+    on_experts = dataclasses.replace(weights, modules={**weights.modules, q: stacked})
+    with pytest.raises(InvalidAdapter, match="puts DoRA on the experts of a mixture of experts"):
+        check_dora(on_experts, experts)
+
+
+def test_peft_magnitudes_without_use_dora_are_refused(tmp_path, peft_dora):
+    import json
+    import shutil
+
+    from mola.adapters.formats import read_adapter
+    from mola.errors import InvalidAdapter
+
+    path = shutil.copytree(peft_dora[0], tmp_path / "p")
+    config = json.loads((path / "adapter_config.json").read_text())
+    (path / "adapter_config.json").write_text(json.dumps({**config, "use_dora": False}))
+    with pytest.raises(InvalidAdapter, match="DoRA magnitude vector, but the config's use_dora is not true"):
+        read_adapter(path)
+
+
+def test_models_list_each_adapter_kind(client):
+    adapters = [c for c in client.get("/v1/models").json()["data"] if c["parent"] is not None]
+    assert adapters and all("kind" in c for c in adapters)
+    assert {c["kind"] for c in adapters} <= {"lora", "alora", "dora", None}
