@@ -280,3 +280,63 @@ def test_models_list_each_adapter_kind(client):
     adapters = [c for c in client.get("/v1/models").json()["data"] if c["parent"] is not None]
     assert adapters and all("kind" in c for c in adapters)
     assert {c["kind"] for c in adapters} <= {"lora", "alora", "dora", None}
+
+
+# ---- mola train --fine-tune-type dora ----------------------------------------------------------
+
+
+def test_mola_train_writes_a_dora_adapter_that_mola_serves_as_mlx_lm_does(tiny_model, tmp_path):
+    import json
+
+    from mlx_lm import load
+
+    from mola.cli import build_parser, train_config_from_args
+    from mola.train import train_adapter
+
+    data = tmp_path / "data"
+    data.mkdir()
+    lines = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "yes"}]}
+             for q in ("hi", "what now?", "tell me", "go on")]
+    (data / "train.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    out = tmp_path / "dora"
+    args = build_parser().parse_args(["train", "--model", str(tiny_model), "--data", str(data), "--out", str(out),
+                                      "--fine-tune-type", "dora", "--iters", "6", "--batch-size", "2",
+                                      "--learning-rate", "1e-2", "--rank", "4"])
+    config = train_config_from_args(args)
+    assert config.fine_tune_type == "dora"
+    train_adapter(config, log=lambda line: None)
+    assert json.loads((out / "adapter_config.json").read_text())["fine_tune_type"] == "dora"
+    tensors = mx.load(str(out / "adapters.safetensors"))
+    assert any(k.endswith(".m") for k in tensors)
+    base = load(str(tiny_model))[0]
+    reference = load(str(tiny_model), adapter_path=str(out))[0]
+    prompt = [5, 77, 301, 12, 9, 44, 250]
+    r = EngineRunner(tiny_model, adapters=[("t", out)], max_tokens=MAX_TOKENS)
+    try:
+        assert r.read(out).kind == "dora"
+        seq = r.submit(prompt, "t", logprobs=1)
+        r.wait([seq])
+    finally:
+        r.stop()
+    check_row(seq.output, r.logprobs[seq.seq_id], reference_logprobs(base, reference, prompt + seq.output, 0, len(prompt)))
+
+
+def test_train_refuses_dora_with_a_gguf_output_or_an_invocation(tiny_model, tmp_path):
+    from mola.train import TrainConfig
+
+    with pytest.raises(ValueError, match="cannot be written as GGUF .*llama.cpp has no DoRA"):
+        TrainConfig(model=str(tiny_model), data=tmp_path, out=tmp_path / "a.gguf", fine_tune_type="dora")
+    with pytest.raises(ValueError, match="'dora' and alora_invocation do not go together"):
+        TrainConfig(model=str(tiny_model), data=tmp_path, out=tmp_path / "a", fine_tune_type="dora",
+                    alora_invocation="<|im_start|>assistant")
+    with pytest.raises(ValueError, match="fine_tune_type must be 'lora' or 'dora', got 'full'"):
+        TrainConfig(model=str(tiny_model), data=tmp_path, out=tmp_path / "a", fine_tune_type="full")
+
+
+def test_validate_reports_each_adapters_kind(dora_dir, peft_dora, adapters, tiny_model):
+    from mola.validate.command import text, validate
+
+    for path, kind in ((dora_dir, "dora"), (peft_dora[0], "dora"), (adapters["a"], "lora")):
+        report = validate(str(path), str(tiny_model), max_rank=16)
+        assert report.ok and report.info.kind == kind and report.to_json()["info"]["kind"] == kind
+        assert f"kind     {kind}" in text(report)

@@ -209,8 +209,8 @@ def _dora_magnitudes(config: dict, magnitudes: dict, modules: dict, path: Path, 
     (evaluated); each must be on a dense linear whose name mola keeps."""
     magnitudes = {k: m for k, m in magnitudes.items() if targets_module(config, k)}
     if not magnitudes:
-        raise InvalidAdapter(f"Adapter at {path} has use_dora: true but {weights_file} holds no "
-                             "lora_magnitude_vector of a module its config targets.")
+        raise InvalidAdapter(f"Adapter at {path} is a DoRA adapter (use_dora: true), but {weights_file} holds "
+                             "no lora_magnitude_vector of a module its config targets.")
     moved = sorted(k for k in magnitudes if k not in modules)
     if moved:
         raise InvalidAdapter(f"Adapter at {path} puts DoRA on {moved[0]}, which is not a dense linear mola "
