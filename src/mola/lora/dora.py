@@ -23,6 +23,8 @@ is cleared (it is [S, out], a sliver beside [S, r, in + out]).
 
 from __future__ import annotations
 
+import dataclasses
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -40,10 +42,20 @@ def dequantized_weight(base: nn.Module) -> mx.array:
 
 def magnitude_scale(base: nn.Module, a_t: mx.array, b: mx.array, magnitude: mx.array) -> mx.array:
     """g = m / ||W + s B A|| over each output row, float32 [out]. ``a_t`` [r, in]
-    is A^T and ``b`` [r, out] is s * B, as a slot stores them; ``magnitude`` [out]."""
+    is A^T and ``b`` [r, out] is s * B, as a slot stores them; ``magnitude`` [out].
+    (Expanding the squared norm, so as not to make the merged [out, in] weight,
+    was no faster on a CPU: both are bound by reading W.)"""
     w = dequantized_weight(base)  # [out, in]
     adapted = w + b.astype(mx.float32).T @ a_t.astype(mx.float32)  # [out, in]
     return magnitude.astype(mx.float32) / mx.linalg.norm(adapted, axis=1)  # [out]
+
+
+def with_dora_scale(rows, base: nn.Module, dtype: mx.Dtype):
+    """ModuleRows (mola.lora.geometry) of a DoRA module with its g [out] in
+    ``dtype``, from ``base``, the linear it will be written over (any thread:
+    the base's weights never change once loaded)."""
+    g = magnitude_scale(base, rows.a, rows.b, rows.magnitude).astype(dtype)
+    return dataclasses.replace(rows, dora_scale=g)
 
 
 class MagnitudeScales:

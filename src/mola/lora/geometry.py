@@ -86,6 +86,11 @@ class ModuleRows:
     rank: int  # the adapter's own rank in this module, r
     folded_scale: float  # the scale folded into b (kept for reading)
     magnitude: mx.array | None = None  # [out_part] float32: a DoRA adapter's m (mola.lora.dora); None: LoRA
+    dora_scale: mx.array | None = None  # [out_part] its g = m / ||W + s B A||, when computed before the write
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (self.a, self.b, self.magnitude, self.dora_scale) if x is not None)
 
 
 def module_rows(target: TargetGeometry, max_rank: int, dtype: mx.Dtype, a: mx.array, b: mx.array,

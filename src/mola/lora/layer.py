@@ -155,9 +155,11 @@ class MultiLoRALinear(SizedPacks, nn.Module):
         if stale > r:
             self.lora_a[slot, r:stale] = 0.0
             self.lora_b[slot, r:stale] = 0.0
-        if rows.magnitude is not None:  # DoRA: its g from this layer's base weight and the rows
+        if rows.magnitude is not None:  # DoRA: its g, made off this thread when the geometry had the bases
             assert self._sharding.kind == "none", "DoRA on a tensor-parallel base is refused when read"
-            g = magnitude_scale(self.base, rows.a, rows.b, rows.magnitude)  # [out]
+            g = rows.dora_scale
+            if g is None:
+                g = magnitude_scale(self.base, rows.a, rows.b, rows.magnitude)  # [out]
             self.dora.write(slot, g, self.slot_capacity, self.dtype)
         else:
             self.dora.clear(slot)

@@ -101,6 +101,7 @@ class AdapterPacks:
             targets={p: l.geometry for p, l in self.layers.items()},
             max_rank=self.max_rank, num_slots=self.num_slots, dtype=first.dtype,
             expert_slots=self.expert_slots, max_expert_rank=self.max_expert_rank,
+            bases={p: l.base for p, l in self.layers.items() if isinstance(l, MultiLoRALinear)},
         )
 
     def arrays(self) -> list[mx.array]:
