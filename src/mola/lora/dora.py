@@ -5,10 +5,12 @@ DoRA (mlx-lm's DoRALinear, PEFT's DoRA layer) computes
     y = g * (W x + s B A x) + bias,   g = m / ||W + s B A||  (row-wise: one norm per output)
 
 where m [out] is the adapter's trained magnitude. g depends on the base
-weight, the factors and the scale only, never on x: it is computed once, when
-an adapter is written into a slot, from the dequantized base weight of that
-one layer (:func:`magnitude_scale`), and kept in a pack ``g`` [S, out] beside
-the layer's LoRA packs. A mixed batch then multiplies each row by its slot's
+weight, the factors and the scale only, never on x: it is computed once per
+slot, from the dequantized base weight one layer at a time
+(:func:`magnitude_scale`), when the adapter's rows are prepared on the reader
+thread (:func:`with_dora_scale`; the slot write computes it only when the
+rows come without it), and kept in a pack ``g`` [S, out] beside the layer's
+LoRA packs. A mixed batch then multiplies each row by its slot's
 ``g[idx]``: rows of slot 0, plain LoRA and activated LoRA read g = 1.
 
 The bias stays outside the scale: the base layer adds it before the delta, so
