@@ -2,7 +2,7 @@
 mixed decode step, and what its norm computation costs a load.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 OPENBLAS_NUM_THREADS=1 \\
-        python benchmarks/dora.py [ROUNDS] [load|decode|both]
+        python benchmarks/dora.py [ROUNDS] [load|decode|step|both]
 
 decode: serve.py's 88M float32 llama (systems.bench_model()) in the in-process
 Engine (scheduler, runner, layers: the whole step but HTTP), 8 LoRA adapters
@@ -13,6 +13,11 @@ the 8 adapters of one kind; the figure is C over the median gap between two
 steps' outputs while all C rows decode. LoRA and DoRA workloads alternate
 within a round (the order flips each round), and ratios are taken within a
 round, so that a neighbour's load on the machine falls on both alike.
+
+step: the same model, adapters and rows, the decode step alone (the model's
+forward over one KV cache, no scheduler or sampling), LoRA rows and DoRA
+rows alternating step by step (20 x ROUNDS steps each): on a shared machine
+this pairs each DoRA step with a LoRA step taken a few milliseconds away.
 
 load: a Qwen2-0.5B-shaped float32 model (systems.shaped_model("qwen0.5b"),
 random weights, vocabulary 8192), one rank-8 adapter on all 168 linears, as
@@ -155,8 +160,46 @@ def bench_decode() -> None:
         eng.stop()
 
 
+def bench_step() -> None:
+    """The model's decode step alone (no scheduler), LoRA and DoRA rows
+    alternating step by step over one KV cache, so that neighbours on the
+    machine fall on both alike: tok/s = rows / median step."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mola.lora.pack import AdapterPacks
+    from mola.models.loader import load_base_model
+
+    model = load_base_model(str(bench_model())).model
+    packs = AdapterPacks.install(model, max_loras=16, max_rank=16)
+    for slot in range(1, 17):
+        packs.fill_from(slot, random_adapter(packs, 16, slot, slot > 8))
+    mx.eval(packs.arrays())
+    rng = random.Random(2)
+    for c in (8, 32):
+        cache = make_prompt_cache(model)
+        slots = {"lora": [1 + i % 8 for i in range(c)], "dora": [9 + i % 8 for i in range(c)]}
+        packs.routing.set([0] * c)
+        mx.eval(model(mx.array([[rng.randrange(100, 8000) for _ in range(24)] for _ in range(c)]), cache=cache))
+        x = mx.array([[rng.randrange(100, 8000)] for _ in range(c)])
+        times = {"lora": [], "dora": []}
+        for step in range(2 * (ROUNDS * 20 + 4)):
+            kind = ("lora", "dora")[(step + step // 2) % 2]  # LD DL LD ...: neither always goes first
+            packs.routing.set(slots[kind])
+            t0 = time.perf_counter()
+            mx.eval(model(x, cache=cache))
+            if step >= 8:  # warm-up
+                times[kind].append(time.perf_counter() - t0)
+        lora, dora = (statistics.median(times[k]) for k in ("lora", "dora"))
+        paired = statistics.median(l / d for l, d in zip(times["lora"], times["dora"]))  # adjacent steps
+        print(f"decode step c={c}: LoRA mixed8 {c / lora:.1f} tok/s ({lora * 1e3:.1f} ms), DoRA mixed8 "
+              f"{c / dora:.1f} tok/s ({dora * 1e3:.1f} ms), DoRA/LoRA {lora / dora:.3f} (median of "
+              f"{len(times['dora'])} adjacent pairs: {paired:.3f})", flush=True)
+
+
 if __name__ == "__main__":
     if WHAT in ("load", "both"):
         bench_load()
     if WHAT in ("decode", "both"):
         bench_decode()
+    if WHAT in ("step", "both"):
+        bench_step()

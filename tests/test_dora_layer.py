@@ -116,3 +116,23 @@ def test_magnitude_scale_reads_a_quantized_base_dequantized():
     g = magnitude_scale(lin, mx.array(a.T), mx.array(2.0 * b), m)
     want = 1 / np.linalg.norm(weight_of(lin) + 2.0 * (a @ b).T, axis=1)
     np.testing.assert_allclose(np.array(g), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [[2, 2], [0, 2]])
+def test_a_rewritten_slot_is_read_afresh_by_the_same_rows(rows):
+    """The rows' g is kept while the routing stays the same; a write into the
+    slot (a new adapter there) is read by the next pass all the same."""
+    from mola.lora.geometry import module_rows
+
+    layer, routing, m = layer_with("plain")
+    x = mx.array(np.random.default_rng(2).normal(size=(2, 1, IN)).astype(np.float32))
+    routing.set(rows)
+    before = np.array(layer(x))
+    a, b = factors(5)
+    m2 = (0.5 * m).astype(np.float32)
+    layer.set_rows(2, module_rows(layer.geometry, 8, mx.float32, mx.array(a), mx.array(b), 1.5, mx.array(m2)))
+    routing.set(rows)  # the same rows: the routing keeps its arrays
+    after = np.array(layer(x))
+    i = rows.index(2)
+    np.testing.assert_allclose(after[i], dora_reference(layer.base, np.array(x), a, b, 1.5, m2)[i], rtol=1e-4, atol=1e-4)
+    assert not np.allclose(before[i], after[i], atol=1e-3)

@@ -68,6 +68,10 @@ class MagnitudeScales:
         self.output_dims = output_dims
         self.g: mx.array | None = None  # [S, out] in the packs' dtype
         self.slots: set[int] = set()  # slots holding DoRA in this layer
+        # The rows' g of the last pass, and what it was gathered by (the routing's
+        # slot or its idx array, which the runner reuses while the rows stay the
+        # same): a decode step then spends one multiply per layer, no gather.
+        self._rows: tuple[object, mx.array] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -80,7 +84,7 @@ class MagnitudeScales:
         n = min(num_slots, self.g.shape[0])
         g = mx.ones((num_slots, self.output_dims), dtype=self.g.dtype)
         g[:n] = self.g[:n]
-        self.g = g
+        self.g, self._rows = g, None
 
     def write(self, slot: int, g: mx.array, num_slots: int, dtype: mx.Dtype) -> None:
         """Put ``g`` [out] into ``slot``, making the pack [num_slots, out] first if there is none."""
@@ -88,12 +92,14 @@ class MagnitudeScales:
             self.g = mx.ones((num_slots, self.output_dims), dtype=dtype)
         self.g[slot] = g.astype(dtype)
         self.slots.add(slot)
+        self._rows = None
 
     def clear(self, slot: int) -> None:
         """``slot`` back to g = 1; the pack goes with the last DoRA slot."""
         if slot not in self.slots:
             return
         self.slots.discard(slot)
+        self._rows = None
         if self.slots:
             self.g[slot] = 1.0
         else:
@@ -110,11 +116,15 @@ class MagnitudeScales:
     def apply(self, y: mx.array, route: LoRARouting, base: nn.Module) -> mx.array:
         """``y`` [B, L, out] = base(x) + delta, each row scaled by its slot's g
         with the base's bias kept out of the scale."""
-        if route.single_slot is not None:
-            g = self.g[route.single_slot]  # [out]
-        else:
-            g = self.g[route.idx][:, None, :]  # [B, 1, out]
-        g = g.astype(y.dtype)
+        key = route.single_slot if route.single_slot is not None else route.idx
+        if self._rows is None or self._rows[0] is not key:
+            if route.single_slot is not None:
+                g = self.g[route.single_slot]  # [out]
+            else:
+                g = self.g[route.idx][:, None, :]  # [B, 1, out]
+            self._rows = (key, g)
+        g = self._rows[1]
+        g = g if g.dtype == y.dtype else g.astype(y.dtype)
         out = y * g
         if "bias" in base:
             out = out + (1 - g) * base["bias"].astype(y.dtype)
