@@ -340,3 +340,22 @@ def test_validate_reports_each_adapters_kind(dora_dir, peft_dora, adapters, tiny
         report = validate(str(path), str(tiny_model), max_rank=16)
         assert report.ok and report.info.kind == kind and report.to_json()["info"]["kind"] == kind
         assert f"kind     {kind}" in text(report)
+
+
+def test_a_dora_training_model_pushes_as_dora(tiny_model):
+    """mola.client's adapter_body carries DoRALinear's magnitudes (never a DoRA pushed as its LoRA alone)."""
+    from mlx_lm import load
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    from mola.adapters import pushed
+    from mola.client import adapter_body
+
+    model = load(str(tiny_model))[0]
+    model.freeze()
+    linear_to_lora_layers(model, 1, {"rank": 2, "scale": 3.0, "dropout": 0.0, "keys": ["self_attn.q_proj"]},
+                          use_dora=True)
+    read = pushed.parse("d", adapter_body(model))
+    (path, m), = read.weights.magnitudes.items()
+    assert read.weights.kind == "dora" and path.endswith("self_attn.q_proj") and path in read.weights.modules
+    q = dict(model.named_modules())[path]
+    assert mx.array_equal(m, q.m).item()
