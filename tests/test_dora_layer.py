@@ -49,12 +49,13 @@ def dora_reference(lin, x: np.ndarray, a, b, scale: float, m: np.ndarray) -> np.
     return y + np.array(lin.bias) if "bias" in lin else y
 
 
-def layer_with(kind: str, dora_slots=(2,)):
-    """Slot 1: plain LoRA; slot 2: DoRA (or plain LoRA with the same factors when not in ``dora_slots``)."""
+def layer_with(kind: str, dora_slots=(2,), sort_threshold=None):
+    """Slot 1: plain LoRA; slot 2: DoRA (or plain LoRA with the same factors when not in ``dora_slots``);
+    mixed batches sorted by slot from ``sort_threshold`` rows (the GPU's path), None: never."""
     from mola.lora.geometry import module_rows
 
     lin = base_linear(kind)
-    routing = LoRARouting(sort_threshold=None)
+    routing = LoRARouting(sort_threshold=sort_threshold)
     layer = MultiLoRALinear.from_base(lin, routing, num_slots=4, max_rank=8)
     layer.resize(4, 8)
     m = np.linalg.norm(weight_of(lin), axis=1) * np.random.default_rng(3).uniform(0.6, 1.4, OUT)
@@ -65,25 +66,27 @@ def layer_with(kind: str, dora_slots=(2,)):
     return layer, routing, m
 
 
+@pytest.mark.parametrize("sort_threshold", [None, 1])
 @pytest.mark.parametrize("kind", ["plain", "bias", "q4"])
-def test_dora_rows_are_the_formula_merged_with_numpy(kind):
-    layer, routing, m = layer_with(kind)
+def test_dora_rows_are_the_formula_merged_with_numpy(kind, sort_threshold):
+    layer, routing, m = layer_with(kind, sort_threshold=sort_threshold)
     x = np.random.default_rng(0).normal(size=(3, 5, IN)).astype(np.float32)
     a, b = factors(2)
     want = dora_reference(layer.base, x, a, b, 1.5, m)
     routing.set([2, 2, 2])  # one slot: the single-slot path
     np.testing.assert_allclose(np.array(layer(mx.array(x))), want, rtol=1e-4, atol=1e-4)
-    routing.set([0, 2, 1])  # mixed: gathered g
-    np.testing.assert_allclose(np.array(layer(mx.array(x)))[1], want[1], rtol=1e-4, atol=1e-4)
+    routing.set([2, 0, 1])  # mixed: gathered g (sorted by slot from the threshold on)
+    np.testing.assert_allclose(np.array(layer(mx.array(x)))[0], want[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("sort_threshold", [None, 1])
 @pytest.mark.parametrize("kind", ["plain", "bias", "q4"])
 @pytest.mark.parametrize("rows", [[0, 2, 1], [1, 2, 0, 1], [0, 0, 2]])
-def test_other_rows_are_the_same_bits_beside_a_dora_row(kind, rows):
+def test_other_rows_are_the_same_bits_beside_a_dora_row(kind, rows, sort_threshold):
     """The base and LoRA rows of a batch with a DoRA row equal, bit for bit,
     those of the same batch with that slot holding plain LoRA (no g path)."""
-    with_dora, routing, _ = layer_with(kind)
-    plain, plain_routing, _ = layer_with(kind, dora_slots=())
+    with_dora, routing, _ = layer_with(kind, sort_threshold=sort_threshold)
+    plain, plain_routing, _ = layer_with(kind, dora_slots=(), sort_threshold=sort_threshold)
     x = mx.array(np.random.default_rng(1).normal(size=(len(rows), 3, IN)).astype(np.float32))
     routing.set(rows)
     plain_routing.set(rows)

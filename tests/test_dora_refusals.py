@@ -129,10 +129,18 @@ def test_peft_magnitudes_without_use_dora_are_refused(tmp_path, peft_dora):
         read_adapter(path)
 
 
-def test_models_list_each_adapter_kind(client):
-    adapters = [c for c in client.get("/v1/models").json()["data"] if c["parent"] is not None]
-    assert adapters and all("kind" in c for c in adapters)
-    assert {c["kind"] for c in adapters} <= {"lora", "alora", "dora", None}
+def test_over_http_models_list_kinds_and_a_scaled_dora_request_is_a_400(client, dora_dir):
+    r = client.post("/v1/adapters", json={"name": "dora", "path": str(dora_dir)})
+    assert r.status_code == 200, r.text
+    chat = {"model": "dora", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    r = client.post("/v1/chat/completions", json={**chat, "lora_scale": 0.5})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "lora_scale" and "'dora', a DoRA adapter" in error["message"], error
+    cards = {c["id"]: c for c in client.get("/v1/models").json()["data"]}
+    assert cards["dora"]["kind"] == "dora" and cards["a"]["kind"] == "lora" and "kind" not in cards["tiny"]
+    assert client.get("/v1/adapters/dora").json()["kind"] == "dora"
 
 
 def test_train_refuses_dora_with_a_gguf_output_or_an_invocation(tiny_model, tmp_path):
