@@ -181,3 +181,14 @@ def test_a_dora_training_model_pushes_as_dora(tiny_model):
     assert read.weights.kind == "dora" and path.endswith("self_attn.q_proj") and path in read.weights.modules
     q = dict(model.named_modules())[path]
     assert mx.array_equal(m, q.m).item()
+
+
+def test_the_gguf_writer_refuses_a_dora_adapter(dora_dir, tmp_path):
+    """llama.cpp has no DoRA: mola's GGUF writer (mola train's .gguf output,
+    devtools/convert_mlx_lm_to_gguf.py) never writes a DoRA's LoRA alone."""
+    from mola.adapters.formats import read_adapter
+    from mola.adapters.formats.gguf_writer import save_gguf_adapter
+
+    with pytest.raises(ValueError, match="is a DoRA adapter; llama.cpp's GGUF LoRA has no DoRA"):
+        save_gguf_adapter(tmp_path / "d.gguf", read_adapter(dora_dir))
+    assert not (tmp_path / "d.gguf").exists()
