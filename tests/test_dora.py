@@ -81,6 +81,32 @@ def test_dora_rows_match_mlx_lm_alone_and_beside_lora_alora_and_base_rows(base_d
     assert float(mx.abs(dora_model(prompt) - plain(prompt)).max()) > 0.1
 
 
+def test_dora_on_the_attention_of_a_mixture_of_experts_beside_an_expert_lora(tmp_path):
+    """On a MoE base, a DoRA adapter on attention (mlx-lm's DoRALinear does not
+    wrap expert SwitchLinears) shares a batch with an expert LoRA's rows."""
+    from mlx_lm import load
+
+    model = make_tiny_model(tmp_path / "moe", TinyModelSpec(model_type="qwen3_moe"))
+    dora = make_mlx_lm_lora(tmp_path / "dora", model, rank=4, keys=("self_attn.q_proj", "self_attn.v_proj"),
+                            seed=3, fine_tune_type="dora")
+    experts = make_mlx_lm_lora(tmp_path / "experts", model, rank=4, seed=1)  # every linear, experts too
+    rng = random.Random(8)
+    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (26, 19)]
+    r = EngineRunner(model, max_tokens=MAX_TOKENS, max_loras=2, max_lora_rank=8, expert_slots=2, max_expert_rank=8)
+    try:
+        r.add("dora", r.read(dora))
+        r.add("experts", r.read(experts))
+        seqs = together(r, lambda: [r.submit(prompts[0], "dora", logprobs=1), r.submit(prompts[1], "experts", logprobs=1)])
+        r.wait(seqs)
+    finally:
+        r.stop()
+    base = load(str(model))[0]
+    for seq, prompt, adapter in zip(seqs, prompts, (dora, experts)):
+        reference = load(str(model), adapter_path=str(adapter))[0]
+        check_row(seq.output, r.logprobs[seq.seq_id],
+                  reference_logprobs(base, reference, prompt + seq.output, 0, len(prompt)))
+
+
 # ---- PEFT's use_dora, against the formula merged with numpy ------------------------------------
 
 
