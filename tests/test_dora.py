@@ -107,6 +107,37 @@ def test_dora_on_the_attention_of_a_mixture_of_experts_beside_an_expert_lora(tmp
                   reference_logprobs(base, reference, prompt + seq.output, 0, len(prompt)))
 
 
+def test_a_dora_adapter_loaded_at_another_scale_is_mlx_lm_at_that_scale(tiny_model, tmp_path):
+    """POST /v1/adapters' "scale" (the slot's scale, here 0.5) is folded in
+    before g is computed: the rows are mlx-lm's DoRALinear at scale 0.5 x its own."""
+    import json
+    import shutil
+
+    from mlx_lm import load
+
+    from mola.lora.pack import prepare_rows
+
+    dora = make_mlx_lm_lora(tmp_path / "dora", tiny_model, rank=4, scale=3.0, seed=5, fine_tune_type="dora")
+    half = shutil.copytree(dora, tmp_path / "half")
+    config = json.loads((half / "adapter_config.json").read_text())
+    config["lora_parameters"]["scale"] = 1.5
+    (half / "adapter_config.json").write_text(json.dumps(config))
+    prompt = [9, 41, 302, 17, 88, 5]
+    r = EngineRunner(tiny_model, max_tokens=MAX_TOKENS)
+    try:
+        rows = prepare_rows(r.read(dora), r.engine.geometry, 0.5)  # as the loader prepares a slot_scale
+        r.engine.call(lambda: r.engine.packs.fill(1, rows)).result()
+        r.slots["d"], r.versions["d"] = 1, 1
+        seq = r.submit(prompt, "d", logprobs=1)
+        r.wait([seq])
+    finally:
+        r.stop()
+    base = load(str(tiny_model))[0]
+    check_row(seq.output, r.logprobs[seq.seq_id],
+              reference_logprobs(base, load(str(tiny_model), adapter_path=str(half))[0], prompt + seq.output, 0,
+                                 len(prompt)))
+
+
 # ---- PEFT's use_dora, against the formula merged with numpy ------------------------------------
 
 
