@@ -96,7 +96,8 @@ def test_dora_on_the_attention_of_a_mixture_of_experts_beside_an_expert_lora(tmp
     try:
         r.add("dora", r.read(dora))
         r.add("experts", r.read(experts))
-        seqs = together(r, lambda: [r.submit(prompts[0], "dora", logprobs=1), r.submit(prompts[1], "experts", logprobs=1)])
+        seqs = together(r, lambda: [r.submit(prompts[0], "dora", logprobs=1),
+                                    r.submit(prompts[1], "experts", logprobs=1)])
         r.wait(seqs)
     finally:
         r.stop()
@@ -202,4 +203,5 @@ def test_mola_train_writes_a_dora_adapter_that_mola_serves_as_mlx_lm_does(tiny_m
         r.wait([seq])
     finally:
         r.stop()
-    check_row(seq.output, r.logprobs[seq.seq_id], reference_logprobs(base, reference, prompt + seq.output, 0, len(prompt)))
+    check_row(seq.output, r.logprobs[seq.seq_id],
+              reference_logprobs(base, reference, prompt + seq.output, 0, len(prompt)))

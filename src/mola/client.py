@@ -50,7 +50,8 @@ def write_safetensors(tensors: dict, metadata: dict[str, str] | None = None) -> 
 
 def adapter_body(model, alora_invocation_tokens: list[int] | None = None) -> bytes:
     """The safetensors body of ``model``'s LoRA factors (mlx-lm LoRALinear layers,
-    or DoRALinear ones with their magnitudes; one scale), with its adapter_config in the metadata (mola.adapters.pushed);
+    or DoRALinear ones with their magnitudes; one scale), with its
+    adapter_config in the metadata (mola.adapters.pushed);
     ``alora_invocation_tokens``: an activated LoRA's invocation."""
     from mlx.utils import tree_flatten
 

@@ -216,7 +216,8 @@ def add_lora_layers(model, config: TrainConfig, keys: list[str], num_layers: int
     linear_to_lora_layers(model, num_layers, lora_parameters, use_dora=config.fine_tune_type == "dora")
     trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     short = sorted({k.rsplit(".", 1)[-1] for k in keys})
-    log(f"[mola] {'DoRA' if config.fine_tune_type == 'dora' else 'LoRA'} rank {config.rank} on {', '.join(short)} of the last {num_layers} of "
+    kind = "DoRA" if config.fine_tune_type == "dora" else "LoRA"
+    log(f"[mola] {kind} rank {config.rank} on {', '.join(short)} of the last {num_layers} of "
         f"{len(model.layers)} layers: {trainable:,} trainable parameters; {config.iters} iterations "
         f"of batch {config.batch_size}, learning rate {config.learning_rate:g}")
     return lora_parameters, trainable

@@ -19,9 +19,10 @@ expert modules by peft_experts.py.
 
 DoRA (``use_dora: true``) adds ``<module>.lora_magnitude_vector`` [out] per
 module (mola.adapters.dora). Anything else that would make the output differ
-from LoRA or DoRA on the listed linears is refused rather than dropped: biases, ``modules_to_save``,
-LoRA on embeddings or the output head, base-weight-modifying initialisations
-(PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA) and other variants.
+from LoRA or DoRA on the listed linears is refused rather than dropped:
+biases, ``modules_to_save``, LoRA on embeddings or the output head,
+base-weight-modifying initialisations (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA)
+and other variants.
 """
 
 from __future__ import annotations
