@@ -74,7 +74,7 @@ def test_config_not_json(broken):
 
 
 @pytest.mark.parametrize("kind", ["dora", "full"])
-def test_refuses_dora_and_full(broken, kind):
+def test_refuses_full_and_dora_without_magnitudes(broken, kind):
     config = json.loads((broken / "adapter_config.json").read_text())
     config["fine_tune_type"] = kind
     (broken / "adapter_config.json").write_text(json.dumps(config))

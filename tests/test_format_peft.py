@@ -356,7 +356,7 @@ REFUSALS = {
     "modules_to_save": ({"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
     "bias all": ({"bias": "all"}, None, "bias 'all'"),
     "bias lora_only": ({"bias": "lora_only"}, None, "bias 'lora_only'"),
-    "dora": ({"use_dora": True}, None, "DoRA"),
+    "dora without magnitudes": ({"use_dora": True}, None, "DoRA adapter \\(use_dora: true\\).*no lora_magnitude_vector"),
     "lora_bias": ({"lora_bias": True}, None, "lora_bias"),
     "magnitude vector": (None, _add(f"{Q}.lora_magnitude_vector", (64,)), "lora_magnitude_vector.*DoRA"),
     "bias tensor": (None, _add(f"{Q}.lora_B.bias", (64,)), "lora_B.bias"),

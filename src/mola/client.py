@@ -50,16 +50,20 @@ def write_safetensors(tensors: dict, metadata: dict[str, str] | None = None) -> 
 
 def adapter_body(model, alora_invocation_tokens: list[int] | None = None) -> bytes:
     """The safetensors body of ``model``'s LoRA factors (mlx-lm LoRALinear layers,
-    one scale), with its adapter_config in the metadata (mola.adapters.pushed);
+    or DoRALinear ones with their magnitudes; one scale), with its
+    adapter_config in the metadata (mola.adapters.pushed);
     ``alora_invocation_tokens``: an activated LoRA's invocation."""
     from mlx.utils import tree_flatten
 
-    factors = {k: v for k, v in tree_flatten(model.parameters()) if k.endswith((".lora_a", ".lora_b"))}
+    # mlx-lm's DoRALinear layers also hold a magnitude "m" beside their factors (pushed as DoRA)
+    dora = {f"{p}.m" for p, m in model.named_modules() if hasattr(m, "lora_a") and "m" in m}
+    factors = {k: v for k, v in tree_flatten(model.parameters()) if k.endswith((".lora_a", ".lora_b")) or k in dora}
     scales = {float(m.scale) for _, m in model.named_modules() if hasattr(m, "lora_a") and hasattr(m, "scale")}
     if not factors or len(scales) != 1:
         raise ValueError(f"expected LoRA layers of one scale, found {len(factors)} factors and scales {scales}")
     ranks = {v.shape[-1] for k, v in factors.items() if k.endswith(".lora_a")}
-    config = {"fine_tune_type": "lora", "lora_parameters": {"rank": max(ranks), "scale": scales.pop()}}
+    config = {"fine_tune_type": "dora" if dora else "lora",
+              "lora_parameters": {"rank": max(ranks), "scale": scales.pop()}}
     if alora_invocation_tokens is not None:
         config["alora_invocation_tokens"] = [int(t) for t in alora_invocation_tokens]
     return write_safetensors(factors, {"adapter_config": json.dumps(config)})

@@ -55,6 +55,7 @@ class PreparedAdapter:
     expert_nbytes: int = 0  # of those, its expert modules' (mixtures of experts)
     targets: tuple[str, ...] = ()  # the kinds of module it adapts (LoRAWeights.targets)
     invocation_tokens: tuple[int, ...] | None = None  # an activated LoRA's (LoRAWeights.invocation_tokens)
+    kind: str = "lora"  # "lora", "alora" or "dora" (LoRAWeights.kind)
 
     @property
     def host_bytes(self) -> int:
@@ -78,7 +79,7 @@ def prepare_pushed(weights: LoRAWeights, geometry: SlotGeometry, slot_scale: flo
 def _prepared(weights: LoRAWeights, geometry: SlotGeometry, slot_scale: float) -> PreparedAdapter:
     rows = prepare_rows(weights, geometry, slot_scale)
     return PreparedAdapter(rows, weights.rank, weights.scale, weights.format, weights.nbytes,
-                           weights.expert_nbytes, weights.targets, weights.invocation_tokens)
+                           weights.expert_nbytes, weights.targets, weights.invocation_tokens, weights.kind)
 
 
 def _reader_init() -> None:

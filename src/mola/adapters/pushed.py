@@ -38,7 +38,7 @@ import mlx.core as mx
 from ..errors import AdapterDirExists, InvalidAdapter, PersistFailed
 from .formats.common import CONFIG_FILE
 from .host_safetensors import read_safetensors
-from .formats.mlx_lm import WEIGHTS_FILE as MLX_LM_WEIGHTS_FILE, adapter_scale, mlx_lm_weights
+from .formats.mlx_lm import WEIGHTS_FILE as MLX_LM_WEIGHTS_FILE, adapter_scale, is_dora, mlx_lm_weights
 from .formats.peft import WEIGHTS_FILE as PEFT_WEIGHTS_FILE, peft_weights
 from .weights import LoRAWeights, ModuleLoRA, alora_tokens, with_invocation
 
@@ -94,7 +94,8 @@ def _parse(name: str, where: str, body: bytes, model_config: dict | None) -> Pus
                                model_type=model_config.get("model_type"), model_config=model_config)
         return Pushed(dataclasses.replace(weights, source=where), {**files, PEFT_WEIGHTS_FILE: body})
     scale = adapter_scale(config, Path(f"<{name}>"))
-    weights = with_invocation(mlx_lm_weights(tensors, scale, where, where), alora_tokens(config, where))
+    weights = with_invocation(mlx_lm_weights(tensors, scale, where, where, dora=is_dora(config)),
+                              alora_tokens(config, where))
     return Pushed(weights, {**files, MLX_LM_WEIGHTS_FILE: body})
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from ..errors import InvalidAdapter
 from .formats import read_adapter
+from .dora import refuse_in_stack
 from .pushed import PushedAdapters, is_pushed
 from ..lora.pack import SlotGeometry
 from .weights import LoRAWeights, stack_weights, validate
@@ -72,4 +73,5 @@ def read_recipe(recipe: SlotRecipe, geometry: SlotGeometry, model_config: dict |
         if weights.invocation_tokens is not None:
             raise InvalidAdapter(f"The adapter at {weights.source} is an activated LoRA, which applies from its "
                                  "own invocation on: it is not stacked with others.")
+        refuse_in_stack(weights)
     return stack_weights(parts, geometry.max_rank, geometry.max_expert_rank)

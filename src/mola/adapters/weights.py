@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import AdapterRankTooHigh, InvalidAdapter
+from .dora import check_dora
 
 
 
@@ -60,6 +61,15 @@ class LoRAWeights:
     # An activated LoRA's invocation: its delta applies from the last place these
     # tokens start in a prompt on, the base alone before (None: a plain LoRA).
     invocation_tokens: tuple[int, ...] | None = None
+    # A DoRA adapter's magnitudes: module path -> m [out] float32 (mola.adapters.dora; None: no DoRA).
+    magnitudes: dict[str, mx.array] | None = None
+
+    @property
+    def kind(self) -> str:
+        """"dora", "alora" (an activated LoRA) or "lora"."""
+        if self.magnitudes:
+            return "dora"
+        return "lora" if self.invocation_tokens is None else "alora"
 
     @property
     def rank(self) -> int:
@@ -133,6 +143,8 @@ def validate(weights: LoRAWeights, targets: Mapping, max_rank: int, max_expert_r
         m = weights.modules[path]
         if not (all_finite(m.a) and all_finite(m.b)):
             raise InvalidAdapter(f"Adapter at {where}: {path} contains non-finite values (NaN or Inf).")
+    if weights.magnitudes:
+        check_dora(weights, targets)
 
 
 def _check_shapes(where: str, path: str, m: ModuleLoRA, target) -> None:

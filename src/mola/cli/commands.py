@@ -36,6 +36,9 @@ def add_train_parser(commands) -> argparse.ArgumentParser:
                        help="train an activated LoRA: its delta applies from the last place TEXT's tokens start "
                        "in each example (e.g. the assistant's role header), the base model alone before it; "
                        "served so, the base model's cached prompt is reused up to there")
+    train.add_argument("--fine-tune-type", choices=("lora", "dora"), default="lora",
+                       help="lora (default), or dora: mlx-lm's DoRA (a learnt magnitude per output beside the "
+                       "LoRA factors), served unmerged beside LoRA adapters; not with a .gguf output")
     add_recipe_flags(train, iters=t.DEFAULT_ITERS, learning_rate=t.DEFAULT_LEARNING_RATE,
                      dtype_help="keep (default: a quantized base, GGUF Q4_0/Q4_1/Q8_0 included, is trained as it "
                      "is) or a float dtype to dequantize it to")
@@ -66,6 +69,7 @@ def train_config_from_args(args: argparse.Namespace):
         val_batches=args.val_batches, grad_checkpoint=args.grad_checkpoint, force=args.force,
         name=args.name, serve_url=args.serve_url, gguf_outtype=args.gguf_outtype, dtype=args.dtype,
         alora_invocation=getattr(args, "alora_invocation", None),
+        fine_tune_type=getattr(args, "fine_tune_type", "lora"),
         api_key=args.api_key or os.environ.get("MOLA_ADMIN_KEY") or os.environ.get("MOLA_API_KEY") or None,
     )
 

@@ -85,10 +85,16 @@ class ModuleRows:
     b: mx.array  # [r, out_part]: scale * B; experts [E, r, out]
     rank: int  # the adapter's own rank in this module, r
     folded_scale: float  # the scale folded into b (kept for reading)
+    magnitude: mx.array | None = None  # [out_part] float32: a DoRA adapter's m (mola.lora.dora); None: LoRA
+    dora_scale: mx.array | None = None  # [out_part] its g = m / ||W + s B A||, when computed before the write
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.nbytes for x in (self.a, self.b, self.magnitude, self.dora_scale) if x is not None)
 
 
 def module_rows(target: TargetGeometry, max_rank: int, dtype: mx.Dtype, a: mx.array, b: mx.array,
-                scale: float) -> ModuleRows:
+                scale: float, magnitude: mx.array | None = None) -> ModuleRows:
     """The rows a slot stores for factors a [in, r], b [r, out]: A^T and
     scale * B, cut to this rank's part, at rank r (not padded to ``max_rank``,
     so that rows kept in host memory take only what the adapter needs). For
@@ -97,7 +103,8 @@ def module_rows(target: TargetGeometry, max_rank: int, dtype: mx.Dtype, a: mx.ar
 
     Float32 and float16 are computed with numpy and handed back evaluated, so
     that the reader thread queues no MLX task behind the engine's steps;
-    bfloat16, which numpy lacks, with MLX (the same values either way)."""
+    bfloat16, which numpy lacks, with MLX (the same values either way).
+    A DoRA adapter's ``magnitude`` [out] is kept in float32, cut like B's columns."""
     r = a.shape[-1]
     assert r <= max_rank, (r, max_rank)
     if target.num_experts is not None:
@@ -113,13 +120,16 @@ def module_rows(target: TargetGeometry, max_rank: int, dtype: mx.Dtype, a: mx.ar
         a = a[sh.part(a.shape[0])]
     elif sh.kind == "column":  # this rank makes part of the output: its columns of B
         b = b[:, sh.part(b.shape[1])]
+    if magnitude is not None:
+        magnitude = mx.array(magnitude, dtype=mx.float32)
+        magnitude = magnitude[sh.part(magnitude.shape[0])] if sh.kind == "column" else magnitude  # [out_part]
     if isinstance(a, np.ndarray):
         a_row = np.ascontiguousarray(np.swapaxes(a, -1, -2).astype(host))  # [r, in_part] / [E, r, in]
         b_row = (np.float32(scale) * b.astype(np.float32)).astype(host)  # [r, out_part] / [E, r, out]
-        return ModuleRows(mx.array(a_row), mx.array(b_row), r, scale)
+        return ModuleRows(mx.array(a_row), mx.array(b_row), r, scale, magnitude)
     a_row = mx.contiguous(a.swapaxes(-1, -2).astype(dtype))  # [r, in_part] / [E, r, in]
     b_row = (scale * b.astype(mx.float32)).astype(dtype)  # [r, out_part] / [E, r, out]
-    return ModuleRows(a_row, b_row, r, scale)
+    return ModuleRows(a_row, b_row, r, scale, magnitude)
 
 
 def bucket(n: int, ceiling: int) -> int:

@@ -25,7 +25,8 @@ mola.lora.pack.AdapterPacks gives every layer. A resize copies the slots
 into zero-padded packs, which changes no sum (the forward reads ranks up to
 the largest written either way).
 How a base linear is cut across a tensor-parallel group, and the rows a slot
-stores, are mola.lora.geometry.
+stores, are mola.lora.geometry. A slot written with a DoRA adapter also scales
+its rows' outputs by its magnitude scale (mola.lora.dora).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from .dora import MagnitudeScales, magnitude_scale
 from .geometry import (WRAPPABLE, ModuleRows, Sharding, SizedPacks, TargetGeometry, bucket, compute_dtype,
                        full_dims, linear_dims, module_rows, resized, sharding_of)
 from .routing import LoRARouting
@@ -82,6 +84,7 @@ class MultiLoRALinear(SizedPacks, nn.Module):
         # a decode step runs two matmuls per layer and adapter, no slicing ops.
         # Dropped before every write, so that the write can update in place.
         self._views: dict = {}
+        self.dora = MagnitudeScales(output_dims)  # g [S, out] of DoRA slots (none until one is written)
 
     @property
     def num_slots(self) -> int:
@@ -91,6 +94,10 @@ class MultiLoRALinear(SizedPacks, nn.Module):
     def slot_capacity(self) -> int:
         """Slots the packs hold now (every written slot is below it)."""
         return self.lora_a.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.lora_a.nbytes + self.lora_b.nbytes + self.dora.nbytes
 
     @property
     def folded_scale(self) -> dict[int, float]:
@@ -112,6 +119,7 @@ class MultiLoRALinear(SizedPacks, nn.Module):
         self._views.clear()
         self.lora_a = resized(self.lora_a, num_slots, rank)
         self.lora_b = resized(self.lora_b, num_slots, rank)
+        self.dora.resize(num_slots)
 
     def _resize_rank(self, rank: int) -> None:  # (SizedPacks.shrink)
         self.resize(self.slot_capacity, rank)
@@ -147,6 +155,14 @@ class MultiLoRALinear(SizedPacks, nn.Module):
         if stale > r:
             self.lora_a[slot, r:stale] = 0.0
             self.lora_b[slot, r:stale] = 0.0
+        if rows.magnitude is not None:  # DoRA: its g, made off this thread when the geometry had the bases
+            assert self._sharding.kind == "none", "DoRA on a tensor-parallel base is refused when read"
+            g = rows.dora_scale
+            if g is None:
+                g = magnitude_scale(self.base, rows.a, rows.b, rows.magnitude)  # [out]
+            self.dora.write(slot, g, self.slot_capacity, self.dtype)
+        else:
+            self.dora.clear(slot)
         self._scales[slot] = rows.folded_scale
         self._ranks[slot] = rows.rank
         self._rank = max(self._ranks.values())
@@ -159,6 +175,7 @@ class MultiLoRALinear(SizedPacks, nn.Module):
         self._views.clear()
         self.lora_a[slot] = 0.0
         self.lora_b[slot] = 0.0
+        self.dora.clear(slot)
         del self._ranks[slot], self._scales[slot]
         self._rank = max(self._ranks.values(), default=0)
 
@@ -190,7 +207,8 @@ class MultiLoRALinear(SizedPacks, nn.Module):
         else:
             add = lambda y: self._add_mixed(y, x, route)  # noqa: E731
         if self._sharding.kind != "row":
-            return add(self.base(x))  # [B, L, out]
+            y = add(self.base(x))  # [B, L, out]
+            return self.dora.apply(y, route, self.base) if self.dora.is_used(route) else y
         # Row-sharded base: each rank adds its partial delta to its partial
         # product, so that one all-sum carries base and delta together.
         y = mx.distributed.all_sum(add(self._partial_base(x)), group=self.base.group)

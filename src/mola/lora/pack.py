@@ -101,10 +101,12 @@ class AdapterPacks:
             targets={p: l.geometry for p, l in self.layers.items()},
             max_rank=self.max_rank, num_slots=self.num_slots, dtype=first.dtype,
             expert_slots=self.expert_slots, max_expert_rank=self.max_expert_rank,
+            bases={p: l.base for p, l in self.layers.items() if isinstance(l, MultiLoRALinear)},
         )
 
     def arrays(self) -> list[mx.array]:
-        return [a for l in self.layers.values() for a in (l.lora_a, l.lora_b)]
+        packs = [a for l in self.layers.values() for a in (l.lora_a, l.lora_b)]
+        return packs + [l.dora.g for l in self._dense if l.dora.g is not None]  # DoRA's g [S, out]
 
     @property
     def nbytes(self) -> int:

@@ -7,10 +7,11 @@ them or at any set of adapters), an adapter's SlotRows ready to be written
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Protocol, Sequence
+from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import mlx.core as mx
 
+from .dora import with_dora_scale
 from .geometry import ModuleRows, TargetGeometry, bucket, module_rows
 
 
@@ -29,7 +30,8 @@ class Factors(Protocol):
 
 
 class Adapter(Protocol):
-    """An adapter as the packs take it, by module path (mola.adapters.weights.LoRAWeights is one)."""
+    """An adapter as the packs take it, by module path (mola.adapters.weights.LoRAWeights is one); a
+    DoRA adapter also has ``magnitudes``, module path -> m [out]."""
 
     @property
     def modules(self) -> Mapping[str, Factors]: ...
@@ -80,6 +82,10 @@ class SlotGeometry:
     dtype: mx.Dtype
     expert_slots: int = 0  # slots 1..expert_slots also carry expert LoRA (0: none, or no experts)
     max_expert_rank: int = 0  # the largest rank of an expert module
+    # Module path -> the base linear, whose weights never change once loaded: what a
+    # DoRA adapter's g is computed from off the engine thread (None: a geometry made
+    # from shapes alone; the slot write then computes g).
+    bases: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
 
     @property
     def dims(self) -> dict[str, tuple[int, int]]:
@@ -146,7 +152,7 @@ class SlotRows:
 
     @staticmethod
     def of(modules: Mapping[str, ModuleRows]) -> "SlotRows":
-        return SlotRows(modules, sum(r.a.nbytes + r.b.nbytes for r in modules.values()))
+        return SlotRows(modules, sum(r.nbytes for r in modules.values()))
 
 
 def prepare_rows(weights: Adapter, geometry: SlotGeometry, scale: float = 1.0) -> SlotRows:
@@ -154,9 +160,14 @@ def prepare_rows(weights: Adapter, geometry: SlotGeometry, scale: float = 1.0) -
     ``scale``, evaluated. Pure: any thread (the reader thread does it, so that
     the engine thread only copies)."""
     modules = {}
+    magnitudes = getattr(weights, "magnitudes", None) or {}  # a DoRA adapter's m [out] by path
     for path, m in weights.modules.items():
         target = geometry.targets[path]
         max_rank = geometry.max_expert_rank if target.num_experts else geometry.max_rank
-        modules[path] = module_rows(target, max_rank, geometry.dtype, m.a, m.b, m.scale * scale)
-    mx.eval([(r.a, r.b) for r in modules.values()])
+        modules[path] = module_rows(target, max_rank, geometry.dtype, m.a, m.b, m.scale * scale,
+                                    magnitudes.get(path))
+        if path in magnitudes and geometry.bases is not None:  # DoRA: g, one layer at a time
+            modules[path] = with_dora_scale(modules[path], geometry.bases[path], geometry.dtype)
+            mx.eval(modules[path].dora_scale)
+    mx.eval([(r.a, r.b, r.magnitude) for r in modules.values()])
     return SlotRows.of(modules)

@@ -78,6 +78,7 @@ class AdapterRecord:
     expert_nbytes: int | None = None  # of nbytes, LoRA on experts: needs an expert slot when > 0
     targets: tuple[str, ...] | None = None  # the kinds of module it adapts, known once read
     invocation_tokens: tuple[int, ...] | None = None  # an activated LoRA's invocation, known once read
+    kind: str | None = None  # "lora", "alora" or "dora", known once read
     # A stack (several adapters in one slot): (path, scale) of each part, and
     # the part records it was built from.
     parts: tuple[tuple[str, float], ...] | None = None
@@ -128,6 +129,7 @@ class AdapterRecord:
             "path": self.path,
             "source": self.source,
             "format": self.format,
+            "kind": self.kind,
             "state": self.state.value,
             "resident": self.resident,
             "cached": self.cached,

@@ -28,6 +28,7 @@ import math
 import time
 from typing import Any, Awaitable, Callable
 
+from ..adapters.dora import check_row_scale
 from ..adapters.loader import AdapterLoader, PreparedAdapter
 from ..adapters.weights import LoRAWeights
 from ..adapters.recipe import SlotRecipe
@@ -251,6 +252,7 @@ class AdapterRegistry:
                 if not self._is_current(record):
                     raise ModelNotFound(record.name)  # unloaded while we waited
                 if record.state is S.RESIDENT:
+                    check_row_scale(record.kind, row_scale, record.name)  # DoRA: lora_scale 1 only
                     record.in_flight += 1
                     record.touch()
                     if ticket is None:

@@ -160,7 +160,7 @@ class Residency:
         record.rank, record.file_scale = prepared.rank, prepared.file_scale
         record.format, record.nbytes = prepared.format, prepared.nbytes
         record.expert_nbytes, record.targets = prepared.expert_nbytes, prepared.targets
-        record.invocation_tokens = prepared.invocation_tokens
+        record.invocation_tokens, record.kind = prepared.invocation_tokens, prepared.kind
 
     def drop_stack(self, stack: AdapterRecord) -> None:
         if stack.state is S.KNOWN:

@@ -120,14 +120,16 @@ def make_mlx_lm_lora(
     scale: float = 2.0,
     std: float = 0.2,
     seed: int = 0,
+    fine_tune_type: str = "lora",
 ) -> Path:
     """Write an adapter the way mlx-lm's tuner does: its own
     ``linear_to_lora_layers`` wraps the model (``keys`` None: mlx-lm's default
     keys, every linear of a block, the experts' SwitchLinears included), the
     factors are drawn at random (B non-zero) and the trainable parameters are
-    saved as ``mlx_lm.lora`` saves them."""
+    saved as ``mlx_lm.lora`` saves them. ``fine_tune_type`` "dora": mlx-lm's
+    DoRALinear, its magnitudes m drawn around their start (the base's row norms)."""
     return make_mlx_lm_loras([(path, seed)], model_path, rank=rank, keys=keys, num_layers=num_layers,
-                             scale=scale, std=std)[0]
+                             scale=scale, std=std, fine_tune_type=fine_tune_type)[0]
 
 
 def make_mlx_lm_loras(
@@ -139,6 +141,7 @@ def make_mlx_lm_loras(
     num_layers: int | None = None,
     scale: float = 2.0,
     std: float = 0.2,
+    fine_tune_type: str = "lora",
 ) -> list[Path]:
     """make_mlx_lm_lora for several adapters of one model (loaded once), one
     seed each."""
@@ -153,12 +156,14 @@ def make_mlx_lm_loras(
     params = {"rank": rank, "scale": scale, "dropout": 0.0}
     if keys is not None:
         params["keys"] = list(keys)
-    linear_to_lora_layers(model, num_layers, params)
+    linear_to_lora_layers(model, num_layers, params, use_dora=fine_tune_type == "dora")
     out = []
     for path, seed in paths_and_seeds:
         rng = np.random.default_rng(seed)
 
         def draw(p: str, w: mx.array) -> mx.array:
+            if p.endswith(".m"):  # DoRA's magnitude: its start (the row norms), each moved up to 30 %
+                return w * mx.array(rng.uniform(0.7, 1.3, w.shape).astype(np.float32)).astype(w.dtype)
             fan_in = w.shape[-1] if p.endswith("lora_a") else w.shape[-2]
             sd = 1.0 / np.sqrt(fan_in) if p.endswith("lora_a") else std
             return mx.array(rng.normal(0.0, sd, w.shape).astype(np.float32)).astype(w.dtype)
@@ -169,7 +174,7 @@ def make_mlx_lm_loras(
         path.mkdir(parents=True, exist_ok=True)
         mx.save_safetensors(str(path / "adapters.safetensors"), weights)
         modules = sorted({k.split(".", 3)[3].rsplit(".", 1)[0] for k in weights})
-        config = {"fine_tune_type": "lora", "num_layers": num_layers,
+        config = {"fine_tune_type": fine_tune_type, "num_layers": num_layers,
                   "lora_parameters": {**params, "keys": modules}}
         (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
         out.append(path)

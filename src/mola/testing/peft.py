@@ -69,7 +69,7 @@ def _config(target_modules, base_model_name_or_path, use_rslora, layers_to_trans
 
 
 def _write(path: Path, entries: list[_Entry], config: dict, r: int | None, lora_alpha: float | None,
-           dtype: mx.Dtype) -> Path:
+           dtype: mx.Dtype, magnitudes: dict[str, mx.array] | None = None) -> Path:
     """Set r / lora_alpha (the most common rank, and the alpha of the most
     common scale at it) and the rank_pattern / alpha_pattern entries that keep
     every other LoRA exact, and write the directory."""
@@ -91,6 +91,8 @@ def _write(path: Path, entries: list[_Entry], config: dict, r: int | None, lora_
     for e in entries:
         tensors[f"{PREFIX}{e.module}.lora_A.weight"] = mx.contiguous(e.lora_a.astype(dtype))
         tensors[f"{PREFIX}{e.module}.lora_B.weight"] = mx.contiguous(e.lora_b.astype(dtype))
+    for module, m in (magnitudes or {}).items():  # DoRA (use_dora: true)
+        tensors[f"{PREFIX}{module}.lora_magnitude_vector"] = mx.contiguous(m.astype(dtype))
     path.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path / WEIGHTS_FILE), tensors, metadata={"format": "pt"})
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2))
@@ -123,6 +125,7 @@ def save_peft_adapter(
     whatever ``r`` and ``lora_alpha`` are. ``target_modules`` defaults to the
     modules' last names (``["q_proj", "v_proj"]``); a given one (or
     ``layers_to_transform``) must still target every module of ``weights``.
+    A DoRA adapter (``weights.magnitudes``) is written with ``use_dora: true``.
     """
     if not weights.modules:
         raise ValueError("no modules to write")
@@ -133,6 +136,7 @@ def save_peft_adapter(
     if target_modules is None:
         target_modules = sorted({p.rpartition(".")[2] for p in weights.modules})
     config = _config(target_modules, base_model_name_or_path, use_rslora, layers_to_transform)
+    config["use_dora"] = bool(weights.magnitudes)
     for module in sorted(weights.modules):
         if not targets_module(config, module):
             raise ValueError(
@@ -140,7 +144,7 @@ def save_peft_adapter(
                 f"{layers_to_transform!r} do not target {module}"
             )
     entries = [_linear(p, p, m) for p, m in weights.modules.items()]
-    return _write(Path(path), entries, config, r, lora_alpha, dtype)
+    return _write(Path(path), entries, config, r, lora_alpha, dtype, weights.magnitudes)
 
 
 # ---- mixtures of experts ------------------------------------------------------------------

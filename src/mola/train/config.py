@@ -68,6 +68,8 @@ class TrainConfig:
     # An activated LoRA: its delta applies from the last place this text's
     # tokens start in each example (None: a plain LoRA).
     alora_invocation: str | None = None
+    # "lora", or "dora": mlx-lm's DoRALinear (a magnitude per output beside the factors; mola.adapters.dora)
+    fine_tune_type: str = "lora"
     outputs: tuple[Path, ...] = field(init=False)
 
     def __post_init__(self):
@@ -127,6 +129,7 @@ class TrainConfig:
         if self.alora_invocation is not None and (not isinstance(self.alora_invocation, str)
                                                   or not self.alora_invocation):
             raise ValueError("alora_invocation must be a non-empty text (the invocation, e.g. a role header)")
+        self._check_dora()
         if self.serve_url is not None and not re.match(r"^https?://[^\s/]+", self.serve_url):
             raise ValueError(f"serve_url must be an http:// or https:// URL, got {self.serve_url!r}")
         if self.name is not None or self.serve_url is not None:
@@ -134,6 +137,16 @@ class TrainConfig:
                 check_adapter_id(self.adapter_name)
             except InvalidAdapterName as e:
                 raise ValueError(f"{e.message} (set --name)" if self.name is None else e.message) from None
+
+    def _check_dora(self) -> None:
+        if self.fine_tune_type not in ("lora", "dora"):
+            raise ValueError(f"fine_tune_type must be 'lora' or 'dora', got {self.fine_tune_type!r}")
+        if self.fine_tune_type == "dora" and self.gguf_out is not None:
+            raise ValueError(f"fine_tune_type 'dora' cannot be written as GGUF ({self.gguf_out}): llama.cpp has no "
+                             "DoRA; write an adapter directory")
+        if self.fine_tune_type == "dora" and self.alora_invocation is not None:
+            raise ValueError("fine_tune_type 'dora' and alora_invocation do not go together: mola serves DoRA as a "
+                             "plain adapter only")
 
     @property
     def adapter_name(self) -> str:

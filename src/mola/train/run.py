@@ -213,10 +213,11 @@ def add_lora_layers(model, config: TrainConfig, keys: list[str], num_layers: int
     lora_parameters = {"rank": config.rank, "scale": float(config.scale), "dropout": float(config.dropout)}
     if config.targets is not None:
         lora_parameters["keys"] = keys
-    linear_to_lora_layers(model, num_layers, lora_parameters)
+    linear_to_lora_layers(model, num_layers, lora_parameters, use_dora=config.fine_tune_type == "dora")
     trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     short = sorted({k.rsplit(".", 1)[-1] for k in keys})
-    log(f"[mola] LoRA rank {config.rank} on {', '.join(short)} of the last {num_layers} of "
+    kind = "DoRA" if config.fine_tune_type == "dora" else "LoRA"
+    log(f"[mola] {kind} rank {config.rank} on {', '.join(short)} of the last {num_layers} of "
         f"{len(model.layers)} layers: {trainable:,} trainable parameters; {config.iters} iterations "
         f"of batch {config.batch_size}, learning rate {config.learning_rate:g}")
     return lora_parameters, trainable
@@ -241,7 +242,7 @@ def learning_rate_schedule(config: TrainConfig):
 def train_adapter_config(config: TrainConfig, num_layers: int, lora_parameters: dict) -> dict:
     """adapter_config.json, as mlx-lm writes it, plus how it was trained."""
     return {
-        "fine_tune_type": "lora",
+        "fine_tune_type": config.fine_tune_type,
         "num_layers": num_layers,
         "lora_parameters": lora_parameters,
         "model": config.model,

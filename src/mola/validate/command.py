@@ -88,7 +88,7 @@ def text(report: Report) -> list[str]:
         scales = ", ".join(f"{s:g}" for s in info.scales)
         alpha = f" (alpha {info.alpha:g})" if info.alpha is not None else ""
         ranks = ", ".join(map(str, info.ranks))
-        lines += [f"adapter  {info.path} ({info.format}{arch})",
+        lines += [f"adapter  {info.path} ({info.format}{arch})", f"kind     {info.kind}",
                   f"rank     {ranks}   scale {scales}{alpha}",
                   f"targets  {', '.join(info.targets)}",
                   f"layers   {_layers(info.layers) or '-'} ({info.modules} module{'s' * (info.modules != 1)})",

@@ -36,6 +36,7 @@ class AdapterInfo:
     expert_modules: int = 0  # expert projections it adapts (of ``modules``)
     expert_targets: list[str] | None = None  # their block-relative names
     num_experts: int | None = None  # experts per projection
+    kind: str = "lora"  # "lora", "alora" (an activated LoRA) or "dora" (LoRAWeights.kind)
 
     @property
     def rank(self) -> int:
@@ -97,8 +98,9 @@ def _info(path: Path, kind: str, weights: LoRAWeights, base, alpha, arch, stored
         alpha=alpha if isinstance(alpha, (int, float)) and not isinstance(alpha, bool) else None,
         targets=sorted(targets), layers=sorted(layers), dtypes=dtypes,
         size_bytes=sum(f.stat().st_size for f in adapter_files(path)),
-        parameters=sum(m.a.size + m.b.size for m in weights.modules.values()),
+        parameters=sum(m.a.size + m.b.size for m in weights.modules.values())
+        + sum(m.size for m in (weights.magnitudes or {}).values()),
         base=base if isinstance(base, str) else None, architecture=arch,
         expert_modules=len(weights.expert_modules), expert_targets=sorted(expert_targets) or None,
-        num_experts=experts[-1] if experts else None,
+        num_experts=experts[-1] if experts else None, kind=weights.kind,
     )

@@ -89,6 +89,9 @@ def save_gguf_adapter(
     written as general.base_model.0.name, as the converter writes the base's.
     """
     path = Path(path)
+    if weights.magnitudes:
+        raise ValueError(f"{weights.source} is a DoRA adapter; llama.cpp's GGUF LoRA has no DoRA, and writing "
+                         "its LoRA alone would drop its magnitudes")
     arch = ARCHITECTURES.get(architecture)
     if arch is None:
         raise ValueError(f"unsupported architecture {architecture!r}; known: {sorted(ARCHITECTURES)}")

@@ -7,6 +7,8 @@
 
 delta(x) = scale * (x @ lora_a) @ lora_b, as mlx-lm's LoRALinear computes it.
 An activated LoRA's config also holds ``alora_invocation_tokens`` (PEFT's name).
+A DoRA adapter (``fine_tune_type: dora``, mlx-lm's DoRALinear) also stores
+``<module>.m`` [out], its magnitude (mola.adapters.dora).
 
 The experts of a mixture of experts (mlx-lm's LoRASwitchLinear) store
 lora_a [E, r, in] and lora_b [E, out, r]; they are read as a [E, in, r] and
@@ -16,6 +18,7 @@ b [E, r, out] (see weights.ModuleLoRA).
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import mlx.core as mx
@@ -23,9 +26,11 @@ import mlx.core as mx
 from ...errors import InvalidAdapter
 from .common import CONFIG_FILE, read_config
 from ..host_safetensors import read_safetensors_file
+from ..dora import take_magnitudes
 from ..weights import LoRAWeights, ModuleLoRA, alora_tokens, with_invocation
 
 WEIGHTS_FILE = "adapters.safetensors"
+MAGNITUDE_KEY = re.compile(r"^(?P<module>.+)\.m$")  # DoRALinear's magnitude
 
 
 def is_mlx_lm_adapter(path: Path) -> bool:
@@ -34,15 +39,10 @@ def is_mlx_lm_adapter(path: Path) -> bool:
 
 def adapter_scale(config: dict, where: Path) -> float:
     fine_tune_type = config.get("fine_tune_type", "lora")
-    if fine_tune_type == "dora":
-        raise InvalidAdapter(
-            f"Adapter at {where} is a DoRA adapter (fine_tune_type 'dora'); mola "
-            "serves LoRA only and will not drop DoRA's magnitude vectors silently."
-        )
-    if fine_tune_type != "lora":
+    if fine_tune_type not in ("lora", "dora"):
         raise InvalidAdapter(
             f"Adapter at {where} has fine_tune_type '{fine_tune_type}'; mola serves "
-            "LoRA adapters only (a 'full' fine-tune is a separate model)."
+            "LoRA and DoRA adapters only (a 'full' fine-tune is a separate model)."
         )
     params = config.get("lora_parameters")
     if not isinstance(params, dict):
@@ -70,22 +70,34 @@ def read_mlx_lm_adapter(path: Path, dtype: mx.Dtype | None = None) -> LoRAWeight
         tensors = mx.load(str(weights_file)) if tensors is None else tensors
     except Exception as e:  # mlx raises RuntimeError/ValueError for bad files
         raise InvalidAdapter(f"{weights_file} is not a readable safetensors file: {e}")
-    weights = mlx_lm_weights(tensors, scale, str(path), str(weights_file), dtype)
+    weights = mlx_lm_weights(tensors, scale, str(path), str(weights_file), dtype, is_dora(config))
     return with_invocation(weights, alora_tokens(config, path / CONFIG_FILE))
 
 
+def is_dora(config: dict) -> bool:
+    return config.get("fine_tune_type") == "dora"
+
+
 def mlx_lm_weights(tensors: dict[str, mx.array], scale: float, source: str, weights_file: str,
-                   dtype: mx.Dtype | None = None) -> LoRAWeights:
+                   dtype: mx.Dtype | None = None, dora: bool = False) -> LoRAWeights:
     """mlx-lm's factors (``module.lora_a`` [in, r] / ``module.lora_b`` [r, out],
-    as its LoRALinear names them) at one ``scale``, as LoRAWeights; InvalidAdapter
+    as its LoRALinear names them) at one ``scale``, as LoRAWeights, with
+    ``dora`` also each module's magnitude ``module.m`` [out]; InvalidAdapter
     naming ``weights_file`` for anything else."""
+    magnitudes = None
+    if dora:
+        tensors, magnitudes = take_magnitudes(tensors, MAGNITUDE_KEY)
+        if not magnitudes:
+            raise InvalidAdapter(f"{weights_file} holds no DoRA magnitudes ('<module>.m'), though its config's "
+                                 "fine_tune_type is 'dora'.")
     pairs: dict[str, dict[str, mx.array]] = {}
     for key, value in tensors.items():
         module, _, leaf = key.rpartition(".")
         if leaf not in ("lora_a", "lora_b") or not module:
+            hint = " (a DoRA magnitude, but the config's fine_tune_type is not 'dora')" if leaf == "m" else ""
             raise InvalidAdapter(
                 f"{weights_file} holds '{key}', which is not a LoRA factor "
-                "(expected keys ending in .lora_a / .lora_b)."
+                f"(expected keys ending in .lora_a / .lora_b){hint}."
             )
         pairs.setdefault(module, {})[leaf] = value
     modules = {}
@@ -100,7 +112,7 @@ def mlx_lm_weights(tensors: dict[str, mx.array], scale: float, source: str, weig
             a, b = a.astype(dtype), b.astype(dtype)
         modules[module] = ModuleLoRA(a=a, b=b, scale=scale)
     try:
-        mx.eval([(m.a, m.b) for m in modules.values()])
+        mx.eval([(m.a, m.b) for m in modules.values()], magnitudes or {})
     except Exception as e:
         raise InvalidAdapter(f"{weights_file} could not be read: {e}") from None
-    return LoRAWeights(source=source, format="mlx-lm", modules=modules)
+    return LoRAWeights(source=source, format="mlx-lm", modules=modules, magnitudes=magnitudes)

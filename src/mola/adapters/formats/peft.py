@@ -17,10 +17,12 @@ LoRA on the experts of a mixture of experts (one linear per expert, or 3-D
 expert parameters through ``target_parameters``) is gathered into mola's
 expert modules by peft_experts.py.
 
-Anything that would make the output differ from plain LoRA on the listed
-linears is refused rather than dropped: DoRA, biases, ``modules_to_save``,
-LoRA on embeddings or the output head, base-weight-modifying initialisations
-(PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA) and other variants.
+DoRA (``use_dora: true``) adds ``<module>.lora_magnitude_vector`` [out] per
+module (mola.adapters.dora). Anything else that would make the output differ
+from LoRA or DoRA on the listed linears is refused rather than dropped:
+biases, ``modules_to_save``, LoRA on embeddings or the output head,
+base-weight-modifying initialisations (PiSSA, OLoRA, CorDA, LoftQ, LoRA-GA)
+and other variants.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ...errors import InvalidAdapter
+from ..dora import PEFT_KEY as MAGNITUDE_KEY, take_magnitudes
 from ..host_safetensors import read_safetensors_file
 from ..weights import LoRAWeights, ModuleLoRA, alora_tokens, with_invocation
 from .common import CONFIG_FILE, read_config
@@ -111,7 +114,7 @@ def _pair_factors(tensors: dict[str, mx.array], weights_file: Path) -> dict[str,
         if match is None:
             hint = ""
             if "lora_magnitude_vector" in key:
-                hint = " It is a DoRA magnitude vector; mola serves LoRA only."
+                hint = " It is a DoRA magnitude vector, but the config's use_dora is not true."
             elif key.endswith(".bias"):
                 hint = " It is a bias, which mola does not apply."
             elif "modules_to_save" in key:
@@ -182,6 +185,9 @@ def peft_weights(config: dict, tensors: dict[str, mx.array], path: Path, weights
     ``config`` as LoRAWeights; ``path`` and ``weights_file`` name where they
     came from in messages (a directory, or a pushed body)."""
     check_config(config, path)
+    magnitudes = None
+    if config.get("use_dora"):
+        tensors, magnitudes = take_magnitudes(tensors, MAGNITUDE_KEY, PREFIX)
     pairs = _pair_factors(tensors, weights_file)
     _check_pairs(pairs, path, weights_file)
     modules = _targeted_modules(config, pairs, path, weights_file, model_type, model_config)
@@ -193,8 +199,26 @@ def peft_weights(config: dict, tensors: dict[str, mx.array], path: Path, weights
         mx.eval([(m.a, m.b) for m in modules.values()])
     except Exception as e:
         raise InvalidAdapter(f"{weights_file} could not be read: {e}") from None
-    return with_invocation(LoRAWeights(source=str(path), format="peft", modules=modules),
+    if magnitudes is not None:
+        magnitudes = _dora_magnitudes(config, magnitudes, modules, path, weights_file)
+    return with_invocation(LoRAWeights(source=str(path), format="peft", modules=modules, magnitudes=magnitudes),
                            alora_tokens(config, f"Adapter at {path}"))
+
+
+def _dora_magnitudes(config: dict, magnitudes: dict, modules: dict, path: Path, weights_file: Path) -> dict:
+    """A use_dora adapter's magnitudes of the modules its config targets
+    (evaluated); each must be on a dense linear whose name mola keeps."""
+    magnitudes = {k: m for k, m in magnitudes.items() if targets_module(config, k)}
+    if not magnitudes:
+        raise InvalidAdapter(f"Adapter at {path} is a DoRA adapter (use_dora: true), but {weights_file} holds "
+                             "no lora_magnitude_vector of a module its config targets.")
+    moved = sorted(k for k in magnitudes if k not in modules)
+    if moved:
+        raise InvalidAdapter(f"Adapter at {path} puts DoRA on {moved[0]}, which is not a dense linear mola "
+                             "serves it on (the experts of a mixture of experts, or no LoRA factors there); "
+                             "mola serves DoRA on dense linear layers only.")
+    mx.eval(magnitudes)
+    return magnitudes
 
 
 def _load_tensors(weights_file: Path) -> dict[str, mx.array]:

@@ -26,7 +26,6 @@ EMBEDDING_NAMES = frozenset({"embed_tokens", "lm_head", "wte", "wpe", "embed_out
 # Config fields that change the forward pass beyond plain LoRA when set
 # (truthy), with the name of the feature for the message.
 UNSUPPORTED_FEATURES = {
-    "use_dora": "DoRA (use_dora: true)",
     "lora_bias": "LoRA biases (lora_bias: true)",
     "layer_replication": "layer replication (layer_replication)",
     "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",

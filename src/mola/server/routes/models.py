@@ -22,17 +22,18 @@ def _base_cards(base: Base, created: int) -> list[dict]:
     state = base.state
     if state is not None:
         card = p.model_card(state.base_id, state.created, state.base_root, None, state.max_model_len)
-        adapters = [(r.name, r.created, r.path) for r in state.registry.adapters()]
+        adapters = [(r.name, r.created, r.path, r.kind) for r in state.registry.adapters()]
         max_len = state.max_model_len
     else:  # not loaded: what its settings declare
         card, max_len = p.model_card(base.name, created, base.config.model, None, None), None
-        adapters = [(n, created, path) for n, path in base.adapter_paths().items()]
+        adapters = [(n, created, path, None) for n, path in base.adapter_paths().items()]
     card["status"] = base.status.value
     if base.error is not None and base.status.value == "failed":
         card["error"] = base.error
     if base.config.engine.kv_bits is not None:
         card["kv_cache"] = _quantized_kv(base.config.engine)
-    return [card, *(p.model_card(n, c, path, card["id"], max_len) for n, c, path in adapters)]
+    # an adapter's "kind": "lora", "alora" or "dora" once read (null before)
+    return [card, *({**p.model_card(n, c, path, card["id"], max_len), "kind": kind} for n, c, path, kind in adapters)]
 
 
 def _quantized_kv(engine) -> dict:
