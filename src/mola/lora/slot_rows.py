@@ -11,6 +11,7 @@ from typing import Iterable, Mapping, Protocol, Sequence
 
 import mlx.core as mx
 
+from .embedding import VocabGeometry
 from .geometry import ModuleRows, TargetGeometry, bucket, module_rows
 
 
@@ -80,6 +81,7 @@ class SlotGeometry:
     dtype: mx.Dtype
     expert_slots: int = 0  # slots 1..expert_slots also carry expert LoRA (0: none, or no experts)
     max_expert_rank: int = 0  # the largest rank of an expert module
+    vocab: "VocabGeometry | None" = None  # the embedding and the head (mola.lora.embedding), where wrapped
 
     @property
     def dims(self) -> dict[str, tuple[int, int]]:
