@@ -16,6 +16,7 @@ from ..errors import InvalidAdapter
 from .formats import read_adapter
 from .pushed import is_pushed, read_pushed
 from ..lora.pack import SlotGeometry
+from .vocab import resolve_vocab
 from .weights import LoRAWeights, stack_weights, validate
 
 
@@ -46,6 +47,7 @@ def read_checked(path: str, geometry: SlotGeometry, model_config: dict | None) -
     else:
         weights = read_adapter(path, dtype=geometry.dtype, model_type=config.get("model_type"),
                                model_config=config)
+    weights = resolve_vocab(weights, geometry)  # trainable tokens and tied heads, against this base
     validate(weights, geometry.targets, geometry.max_rank, geometry.max_expert_rank,
              geometry.expert_slots)
     return weights

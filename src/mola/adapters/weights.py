@@ -7,12 +7,15 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import mlx.core as mx
 import numpy as np
 
 from ..errors import AdapterRankTooHigh, InvalidAdapter
+
+if TYPE_CHECKING:
+    from .vocab import VocabParts
 
 
 
@@ -60,6 +63,9 @@ class LoRAWeights:
     # An activated LoRA's invocation: its delta applies from the last place these
     # tokens start in a prompt on, the base alone before (None: a plain LoRA).
     invocation_tokens: tuple[int, ...] | None = None
+    # What it changes of the embedding and the head beyond plain factors (trainable
+    # tokens, a tied embedding LoRA), resolved against the base by mola.adapters.vocab.
+    vocab: "VocabParts | None" = None
 
     @property
     def rank(self) -> int:

@@ -36,9 +36,10 @@ from ...errors import InvalidAdapter
 from ..host_safetensors import read_safetensors_file
 from ..weights import LoRAWeights, ModuleLoRA, alora_tokens, with_invocation
 from .common import CONFIG_FILE, read_config
-from .peft_config import EMBEDDING_NAMES, check_config, module_scale, targets_module
+from .peft_config import EMBEDDING_NAMES, SERVED_VOCAB_NAMES, check_config, module_scale, targets_module
 from .peft_expert_paths import to_mlx_lm
 from .peft_experts import expert_param_lora, take_param_wrappers
+from .peft_vocab import read_vocab_parts
 
 log = logging.getLogger("mola.adapters")
 
@@ -102,11 +103,6 @@ def _pair_factors(tensors: dict[str, mx.array], weights_file: Path) -> dict[str,
     pairs: dict[str, dict[str, mx.array]] = {}
     adapter_names = set()
     for key in sorted(tensors):
-        if "lora_embedding_A" in key or "lora_embedding_B" in key:
-            raise InvalidAdapter(
-                f"{weights_file} holds '{key}': LoRA on embeddings, which mola does not "
-                "apply (it serves LoRA on the blocks' linear layers only)."
-            )
         match = FACTOR_KEY.match(key)
         if match is None:
             hint = ""
@@ -182,10 +178,11 @@ def peft_weights(config: dict, tensors: dict[str, mx.array], path: Path, weights
     ``config`` as LoRAWeights; ``path`` and ``weights_file`` name where they
     came from in messages (a directory, or a pushed body)."""
     check_config(config, path)
+    tensors, embeddings, vocab = read_vocab_parts(config, tensors, path, weights_file, model_config)
     pairs = _pair_factors(tensors, weights_file)
     _check_pairs(pairs, path, weights_file)
     modules = _targeted_modules(config, pairs, path, weights_file, model_type, model_config)
-    modules = to_mlx_lm(modules, model_type, model_config, path)
+    modules = to_mlx_lm(modules, model_type, model_config, path) | embeddings
     if dtype is not None:
         modules = {p: ModuleLoRA(a=m.a.astype(dtype), b=m.b.astype(dtype), scale=m.scale)
                    for p, m in modules.items()}
@@ -193,7 +190,7 @@ def peft_weights(config: dict, tensors: dict[str, mx.array], path: Path, weights
         mx.eval([(m.a, m.b) for m in modules.values()])
     except Exception as e:
         raise InvalidAdapter(f"{weights_file} could not be read: {e}") from None
-    return with_invocation(LoRAWeights(source=str(path), format="peft", modules=modules),
+    return with_invocation(LoRAWeights(source=str(path), format="peft", modules=modules, vocab=vocab),
                            alora_tokens(config, f"Adapter at {path}"))
 
 
@@ -211,10 +208,10 @@ def _load_tensors(weights_file: Path) -> dict[str, mx.array]:
 def _check_pairs(pairs: dict[str, dict], path: Path, weights_file: Path) -> None:
     """Every module has both factors, and none is an embedding or the head."""
     for key, factors in sorted(pairs.items()):
-        if key.rpartition(".")[2] in EMBEDDING_NAMES:
+        if key.rpartition(".")[2] in EMBEDDING_NAMES - SERVED_VOCAB_NAMES:
             raise InvalidAdapter(
                 f"Adapter at {path} puts LoRA on {key} (embeddings or the output head); "
-                "mola applies LoRA to the blocks' linear layers only."
+                "mola applies LoRA to the blocks' linear layers, embed_tokens and lm_head only."
             )
         missing = {"lora_A", "lora_B"} - set(factors)
         if missing:
