@@ -57,11 +57,12 @@ def merged_vocab_model(model_dir: Path, adapter_dir: Path | None, tied: bool, sc
     when tied), with the adapter merged: linears and the head W += scale *
     (a @ b).T, the embedding E += scale * a @ b, trainable tokens E[i] = v
     (and the tied head's rows too), an embedding LoRA tied by
-    ensure_weight_tying also on the head. ``scale`` multiplies every delta
+    ensure_weight_tying also on the head. A quantized base is dequantized. ``scale`` multiplies every delta
     (a token's row becomes e + scale * (v - e), as mola's lora_scale does)."""
-    from mlx_lm.utils import load_model
+    from mlx_lm.utils import dequantize_model, load_model
 
     model, _ = load_model(Path(model_dir), model_config={"tie_word_embeddings": False}, strict=False)
+    model = dequantize_model(model)  # a quantized base: merged into its float weights
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
     if adapter_dir is None:
