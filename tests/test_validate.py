@@ -74,7 +74,7 @@ def test_the_command_against_the_model(twins, tiny_model):
     code, out, err = mola_validate(twins["gguf"], "--model", tiny_model)
     assert code == 0, err
     assert "(gguf, llama)" in out and "targets  mlp.down_proj, self_attn.q_proj" in out
-    assert "ok       the adapter would load on this model" in out and "llama, 2 layers, 14 linears" in out
+    assert "ok       the adapter would load on this model" in out and "llama, 2 layers, 14 linears + model.embed_tokens and lm_head" in out
     for kind, path in twins.items():
         report = validate(str(path), str(tiny_model))
         assert report.ok and report.info.format == kind and report.model.num_layers == 2, kind
@@ -139,7 +139,7 @@ def test_the_base_weights_are_never_read(tmp_path):
     mx.eval(mx.zeros(1))
     before = mx.get_active_memory()
     shape = model_shape(str(model), max_rank=64)
-    assert len(shape.geometry.targets) == 14 and shape.geometry.dims["model.layers.0.mlp.up_proj"] == (512, 1536)
+    assert len(shape.geometry.targets) == 16 and shape.geometry.dims["model.layers.0.mlp.up_proj"] == (512, 1536)
     assert mx.get_active_memory() - before < 1 << 20
 
 
@@ -210,7 +210,7 @@ def test_against_the_real_model(smollm_gguf, adapters, tmp_path):
     before = mx.get_active_memory()
     shape = model_shape(str(smollm_gguf), max_rank=64)
     assert mx.get_active_memory() - before < 1 << 20
-    assert shape.num_layers == 30 and len(shape.geometry.targets) == 210
+    assert shape.num_layers == 30 and len(shape.geometry.targets) == 212  # 7 a block, the embedding, the head
     assert shape.geometry.dims["model.layers.29.self_attn.k_proj"] == (576, 192)
     modules = {p: ModuleLoRA(a=mx.random.normal((d[0], 4)) * 0.01, b=mx.random.normal((4, d[1])) * 0.01, scale=2.0)
                for p, d in shape.geometry.dims.items() if p.startswith("model.layers.29.")}

@@ -90,6 +90,20 @@ def resolve_vocab(weights: LoRAWeights, geometry: SlotGeometry) -> LoRAWeights:
     return dataclasses.replace(weights, modules=modules, vocab=vocab)
 
 
+def file_parts(weights: LoRAWeights) -> dict | None:
+    """What an adapter's files hold for the embedding and the head, before any
+    base is known (mola validate without --model): None when nothing."""
+    embed = next((m for p, m in weights.modules.items() if p.rpartition(".")[2] == "embed_tokens"), None)
+    parts = weights.vocab or VocabParts()
+    tokens = {t.path: t.count for t in parts.tokens}
+    summary = VocabParts(embedding_rank=_rank(embed), head_rank=_rank(weights.modules.get("lm_head")),
+                         embedding_tokens=sum(n for p, n in tokens.items() if p.endswith("embed_tokens")),
+                         head_tokens=tokens.get("lm_head", 0)).describe()
+    if not any(summary.values()):
+        return None
+    return {**summary, "tied": bool(parts.tie_embedding_lora or any(t.tied for t in parts.tokens))}
+
+
 def _rank(m: ModuleLoRA | None) -> int:
     return 0 if m is None else m.rank
 
