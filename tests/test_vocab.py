@@ -7,6 +7,7 @@ against plain mlx-lm with each adapter merged; and the refusals."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import random
 
 import mlx.core as mx
@@ -180,3 +181,40 @@ def test_validate_refuses_a_head_lora_of_the_wrong_vocabulary(geometry, tmp_path
     path = save_peft_vocab_adapter(tmp_path / "bad", bad)
     with pytest.raises(InvalidAdapter, match=r"lm_head.*\(4, 512\)"):
         read_checked(str(path), geometry, json.loads((tmp_path / "bad" / "adapter_config.json").read_text()))
+
+
+def test_the_server_reports_the_parts_and_serves_them(tied):
+    """/v1/models and /v1/adapters say what each adapter changes of the
+    embedding and the head; a completion on one equals its merged reference;
+    an adapter that extends the vocabulary gets a 400 naming its tokens."""
+    import httpx
+
+    from helpers.servers import start_server
+    from mola.config import AdapterSpec
+    from mola.testing.peft_vocab import save_peft_vocab_adapter
+
+    model_dir, adapters = tied
+    handle = start_server(model=str(model_dir), served_model_name="tiny", max_lora_rank=16, max_loras=len(adapters),
+                          allow_any_adapter_path=True, adapters=[AdapterSpec(n, str(p)) for n, p in adapters.items()])
+    try:
+        prompt = [5, 40, 97, 12, 200]
+        r = httpx.post(handle.url + "/v1/completions", timeout=60, json={
+            "model": "tok", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "logprobs": 1})
+        assert r.status_code == 200, r.text
+        want, lps = reference_decode(merged_vocab_model(model_dir, adapters["tok"], True), prompt, MAX_TOKENS)
+        got = r.json()["choices"][0]["logprobs"]["token_logprobs"]
+        assert all(abs(g - w) < LOGPROB_TOL for g, (w, _) in zip(got, lps)) and len(got) == MAX_TOKENS
+        cards = {c["id"]: c for c in httpx.get(handle.url + "/v1/models").json()["data"]}
+        assert cards["tok"]["vocab"] == {"embedding_lora_rank": 0, "head_lora_rank": 0, "embedding_tokens": 6,
+                                         "head_tokens": 6}  # a tied head: the same rows replaced
+        assert cards["tie"]["vocab"]["embedding_lora_rank"] == cards["tie"]["vocab"]["head_lora_rank"] == 4
+        assert cards["head"]["vocab"]["head_lora_rank"] == 8 and "vocab" not in cards["lin"]
+        listed = {a["name"]: a for a in httpx.get(handle.url + "/v1/adapters").json()["data"]}
+        assert listed["emb"]["vocab"]["embedding_lora_rank"] == 4 and listed["lin"]["vocab"] is None
+        new = save_peft_vocab_adapter(Path(str(adapters["tok"]) + "-new"),
+                                      tokens={"model.embed_tokens": ([1, 600], mx.ones((2, 64)))})
+        r = httpx.post(handle.url + "/v1/adapters", timeout=60, json={"name": "new", "path": str(new)})
+        assert r.status_code == 400 and "tokens [600]" in r.text, r.text
+    finally:
+        handle.stop()

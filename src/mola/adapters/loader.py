@@ -53,6 +53,7 @@ class PreparedAdapter:
     expert_nbytes: int = 0  # of those, its expert modules' (mixtures of experts)
     targets: tuple[str, ...] = ()  # the kinds of module it adapts (LoRAWeights.targets)
     invocation_tokens: tuple[int, ...] | None = None  # an activated LoRA's (LoRAWeights.invocation_tokens)
+    vocab: dict | None = None  # its embedding/head parts (mola.adapters.vocab.VocabParts.describe); None: none
 
     @property
     def host_bytes(self) -> int:
@@ -64,7 +65,8 @@ def prepare(recipe: SlotRecipe, geometry: SlotGeometry, model_config: dict | Non
     weights = read_recipe(recipe, geometry, model_config)
     rows = prepare_rows(weights, geometry, recipe.slot_scale)
     return PreparedAdapter(rows, weights.rank, weights.scale, weights.format, weights.nbytes,
-                           weights.expert_nbytes, weights.targets, weights.invocation_tokens)
+                           weights.expert_nbytes, weights.targets, weights.invocation_tokens,
+                           weights.vocab.describe() if weights.vocab is not None else None)
 
 
 def _reader_init() -> None:
