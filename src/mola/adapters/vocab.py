@@ -20,32 +20,16 @@ Which base is tied is the base's business (mola.lora.embedding.VocabGeometry).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ..errors import InvalidAdapter
 from ..lora.slot_rows import SlotGeometry
 from ..lora.tokens import TrainableTokens, embedding_factors, head_factors
+from .vocab_parts import VocabParts
 from .weights import LoRAWeights, ModuleLoRA
 
-
-@dataclass(frozen=True)
-class VocabParts:
-    """An adapter's changes to the embedding and the head: what the reader
-    found (``tokens``, ``tie_embedding_lora``) and, once resolved, a summary."""
-
-    tokens: tuple[TrainableTokens, ...] = ()  # rows still to be made into factors
-    tie_embedding_lora: bool = False  # PEFT's ensure_weight_tying
-    embedding_rank: int = 0  # rank of its LoRA on the embedding (0: none)
-    head_rank: int = 0  # rank of its LoRA on the head, a tied one included (0: none)
-    embedding_tokens: int = 0  # embedding rows it replaces
-    head_tokens: int = 0  # head rows it replaces (a tied head's, or the head's own)
-
-    def describe(self) -> dict:
-        """For /v1/models and mola validate."""
-        return {"embedding_lora_rank": self.embedding_rank, "head_lora_rank": self.head_rank,
-                "embedding_tokens": self.embedding_tokens, "head_tokens": self.head_tokens}
+__all__ = ["VocabParts", "file_parts", "resolve_vocab"]
 
 
 def resolve_vocab(weights: LoRAWeights, geometry: SlotGeometry) -> LoRAWeights:

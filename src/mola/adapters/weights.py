@@ -7,15 +7,13 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 import mlx.core as mx
 import numpy as np
 
 from ..errors import AdapterRankTooHigh, InvalidAdapter
-
-if TYPE_CHECKING:
-    from .vocab import VocabParts
+from .vocab_parts import VocabParts
 
 
 
@@ -65,7 +63,7 @@ class LoRAWeights:
     invocation_tokens: tuple[int, ...] | None = None
     # What it changes of the embedding and the head beyond plain factors (trainable
     # tokens, a tied embedding LoRA), resolved against the base by mola.adapters.vocab.
-    vocab: "VocabParts | None" = None
+    vocab: VocabParts | None = None
 
     @property
     def rank(self) -> int:

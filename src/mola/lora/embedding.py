@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .geometry import WRAPPABLE, TargetGeometry, compute_dtype, full_dims
-from .layer import MultiLoRALinear, _cast
+from .layer import MultiLoRALinear
 from .routing import LoRARouting
 
 EMBED_NAME = "embed_tokens"  # mlx-lm's (and Hugging Face's) name of the token embedding
@@ -134,6 +134,10 @@ class MultiLoRAEmbedding(MultiLoRALinear):
     def as_linear(self, x: mx.array) -> mx.array:
         """The tied head's logits [B, L, vocab], with its LoRA per row."""
         return self.head(x) if self.head is not None else self.base.as_linear(x)
+
+
+def _cast(x: mx.array, dtype: mx.Dtype) -> mx.array:
+    return x if x.dtype == dtype else x.astype(dtype)
 
 
 # ---- finding and wrapping them in an mlx-lm model -------------------------------------

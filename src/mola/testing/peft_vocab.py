@@ -8,13 +8,14 @@ PEFT's copies of the base's embedding and head. For tests and devtools.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import mlx.core as mx
 
 from ..adapters.formats.peft import CONFIG_FILE, PREFIX, WEIGHTS_FILE
 from ..adapters.weights import LoRAWeights, ModuleLoRA
-from .peft import _alpha_for, _config, save_peft_adapter
+from .peft import save_peft_adapter
 
 EMBED = "model.embed_tokens"
 
@@ -42,13 +43,16 @@ def save_peft_vocab_adapter(
         config = json.loads((path / CONFIG_FILE).read_text())
         tensors = dict(mx.load(str(path / WEIGHTS_FILE)))
     else:
-        config = _config([], None, False)
-        config.update(r=8, lora_alpha=8, rank_pattern={}, alpha_pattern={})
+        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": None, "r": 8,
+                  "lora_alpha": 8, "lora_dropout": 0.0, "use_rslora": False, "use_dora": False, "bias": "none",
+                  "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+                  "target_modules": [], "rank_pattern": {}, "alpha_pattern": {}}
         tensors = {}
     if embedding is not None:
         config["target_modules"] = sorted({*config["target_modules"], "embed_tokens"})
         config["rank_pattern"][EMBED] = embedding.rank
-        config["alpha_pattern"][EMBED] = _alpha_for(embedding.scale, embedding.rank, config["use_rslora"])
+        r = embedding.rank  # the lora_alpha that gives its scale at rank r
+        config["alpha_pattern"][EMBED] = embedding.scale * (math.sqrt(r) if config["use_rslora"] else r)
         tensors[f"{PREFIX}{EMBED}.lora_embedding_A"] = mx.contiguous(embedding.a.T)  # [r, vocab]
         tensors[f"{PREFIX}{EMBED}.lora_embedding_B"] = mx.contiguous(embedding.b.T)  # [hidden, r]
     if tokens:
