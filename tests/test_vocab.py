@@ -121,6 +121,40 @@ def test_a_quantized_base(tmp_path):
         assert all(abs(g - w) < 1e-2 for (g, _), (w, _) in zip(lps, want)), name
 
 
+def _quantized_reference(model, prompt: list[int], bits: int) -> list[int]:
+    """Greedy as the engine feeds a row (the prompt but its last token, then a
+    token a step) over mlx-lm's own QuantizedKVCache."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    cache = [QuantizedKVCache(group_size=64, bits=bits) for _ in model.layers]
+    model(mx.array([prompt[:-1]]), cache=cache)
+    token, out = prompt[-1], []
+    for _ in range(MAX_TOKENS):
+        token = int(mx.argmax(model(mx.array([[token]]), cache=cache)[0, -1]))
+        out.append(token)
+    return out
+
+
+def test_a_quantized_kv_cache(tmp_path):
+    """--kv-bits 8 (heads 64 wide): every kind in one batch of several prompt
+    lengths equals mlx-lm's QuantizedKVCache on the merged weights."""
+    model_dir = make_tiny_model(tmp_path / "h64", TinyModelSpec(hidden_size=128, num_attention_heads=2,
+                                                                num_key_value_heads=1))
+    adapters = make_vocab_adapters(tmp_path / "adapters", model_dir, tied=False)
+    rng = random.Random(4)
+    prompts = [[rng.choice([3, 40, 97, 200, rng.randrange(3, 500)]) for _ in range(n)] for n in (6, 31, 17, 44)]
+    jobs = [(name, p) for p in prompts for name in (None, *adapters)]
+    r = _runner(model_dir, adapters, kv_bits=8, kv_cache_bytes=0)
+    try:
+        seqs = together(r, lambda: [r.submit(p, name) for name, p in jobs])
+        r.wait(seqs)
+    finally:
+        r.stop()
+    refs = {name: merged_vocab_model(model_dir, adapters.get(name), False) for name in (None, *adapters)}
+    for (name, p), s in zip(jobs, seqs):
+        assert s.output == _quantized_reference(refs[name], p, 8), name
+
+
 # ---- resolving against the base, and refusals --------------------------------------------
 
 
