@@ -1,8 +1,9 @@
 """Adapters that change the embedding and the head, resolved against the base
 (mola/adapters/vocab.py) and served by the engine: rows of every kind with
 plain LoRA, activated LoRA and base rows in one batch, prompts of several
-lengths prefilled in chunks, speculative decoding and a quantized base,
-against plain mlx-lm with each adapter merged; and the refusals."""
+lengths prefilled in chunks, speculative decoding, a quantized base and a
+quantized KV cache, against plain mlx-lm with each adapter merged; the
+server's report of the parts; and the refusals."""
 
 from __future__ import annotations
 

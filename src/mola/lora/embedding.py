@@ -21,8 +21,8 @@ which mola.adapters.vocab mirrors onto the head, as PEFT ties them).
 
 Packs are sized to what is loaded, like every other layer's: none until an
 adapter that targets the embedding or the head is written, then
-slots x rank x (vocab + hidden) values (SmolLM2-135M at rank 16: 1.6 MB a
-slot in float16, per part; docs/adapters.md).
+slots x rank x (vocab + hidden) values (SmolLM2-135M at rank 16: 3.2 MB a
+slot and part in float32, as the demo serves it; docs/adapters.md).
 """
 
 from __future__ import annotations
