@@ -18,7 +18,8 @@ def test_install_wraps_every_block_linear(tiny_model):
     model, _ = load(str(tiny_model))
     linears = [p for p, m in model.named_modules() if isinstance(m, nn.Linear) and ".layers." in p]
     packs = AdapterPacks.install(model, max_loras=3, max_rank=8)
-    assert sorted(packs.layers) == sorted(linears)
+    # the blocks' linears, the token embedding and the head (mola/lora/embedding.py)
+    assert sorted(packs.layers) == sorted([*linears, "model.embed_tokens", "lm_head"])
     assert len(linears) == 7 * len(model.layers)
     modules = dict(model.named_modules())
     for path, layer in packs.layers.items():
@@ -28,8 +29,8 @@ def test_install_wraps_every_block_linear(tiny_model):
         assert layer.lora_b.shape == (1, 0, layer.output_dims)
     assert packs.nbytes == 0 and packs.stats().num_packs == 0
     assert packs.geometry.max_rank == 8 and packs.geometry.num_slots == 4  # the ceilings stay
-    # lm_head and embeddings stay as they are.
-    assert isinstance(model.lm_head, nn.Linear)
+    # lm_head and the embedding are wrapped around the base's own layers.
+    assert isinstance(model.lm_head.base, nn.Linear) and isinstance(model.model.embed_tokens.base, nn.Embedding)
 
 
 def test_base_output_unchanged_by_install(tiny_model):
@@ -124,7 +125,8 @@ def test_growth_and_shrinkage_keep_every_slot_and_the_outputs(tiny_model, adapte
     for p in (packs, ref):
         p.fill_from(3, c)  # grows: slots 0..3, rank 16, every module
     assert packs.slot_capacity == 4 and packs.layers[q].rank_capacity == 16
-    assert all(l.rank_capacity == 16 for l in packs.layers.values())
+    assert all(l.rank_capacity == 16 for p, l in packs.layers.items() if ".layers." in p)  # c's modules
+    assert packs.layers["lm_head"].rank_capacity == 0  # no adapter targets the head: no pack
     assert mx.array_equal(packs.layers[q].factors(1)[0], ref.layers[q].factors(1)[0]).item()  # slot 1 kept
     same([1, 3, 0])
     for p in (packs, ref):

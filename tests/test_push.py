@@ -287,3 +287,39 @@ def test_pushed_factors_are_held_per_store_and_read_cast(tiny_model):
         read_checked(second, None, None)  # no store: the recipe's reader cannot find it
     one.clear()
     assert second not in one and len(one) == 0
+
+
+def test_trainable_tokens_and_an_embedding_lora_push_as_peft(server, tmp_path):
+    """A push of PEFT's trainable tokens and embedding LoRA alone (no lora_A
+    key to tell PEFT's names by) is read as PEFT's, made into factors against
+    the base, and answers what the same directory answers from disk."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mola.adapters.weights import ModuleLoRA
+    from mola.testing.peft_vocab import save_peft_vocab_adapter
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    rng = np.random.default_rng(2)
+    emb = ModuleLoRA(mx.array(rng.normal(0, 1, (512, 4)).astype(np.float32)),
+                     mx.array(rng.normal(0, 0.5, (4, 64)).astype(np.float32)), 2.0)
+    tokens = {"model.embed_tokens": ([3, 40, 97], mx.array(rng.normal(0, 1, (3, 64)).astype(np.float32)))}
+    path = save_peft_vocab_adapter(Path(server.config.adapter_dirs[0]) / "vocab-disk", embedding=emb)
+    tok_path = save_peft_vocab_adapter(tmp_path / "tok", tokens=tokens)
+    for name, src in (("vocab-push", path), ("tok-push", tok_path)):
+        config = json.loads((src / "adapter_config.json").read_text())
+        mx.save_safetensors(str(tmp_path / "body.safetensors"), mx.load(str(src / "adapter_model.safetensors")),
+                            metadata={"adapter_config": json.dumps(config)})
+        r = httpx.put(f"{server.url}/v1/adapters/{name}/weights", headers=auth, timeout=60,
+                      content=(tmp_path / "body.safetensors").read_bytes())
+        assert r.status_code == 200, r.text
+    adapters = {a["name"]: a for a in httpx.get(server.url + "/v1/adapters", headers=auth).json()["data"]}
+    assert adapters["tok-push"]["vocab"]["embedding_tokens"] == 3
+    r = httpx.post(server.url + "/v1/adapters", json={"name": "vocab-disk", "path": str(path)}, headers=auth,
+                   timeout=60)
+    assert r.status_code == 200, r.text
+
+    def answer(model):
+        return chat(server.url, model).json()["choices"][0]["message"]["content"]
+
+    assert answer("vocab-push") == answer("vocab-disk") != answer("tiny")

@@ -80,7 +80,7 @@ def test_the_command_against_the_model(twins, tiny_model):
     code, out, err = mola_validate(twins["gguf"], "--model", tiny_model)
     assert code == 0, err
     assert "(gguf, llama)" in out and "targets  mlp.down_proj, self_attn.q_proj" in out
-    assert "ok       the adapter would load on this model" in out and "llama, 2 layers, 14 linears" in out
+    assert "ok       the adapter would load on this model" in out and "llama, 2 layers, 14 linears + model.embed_tokens and lm_head" in out
     for kind, path in twins.items():
         report = validate(str(path), str(tiny_model))
         assert report.ok and report.info.format == kind and report.model.num_layers == 2, kind
@@ -88,6 +88,35 @@ def test_the_command_against_the_model(twins, tiny_model):
     report = json.loads(out)
     assert code == 0 and report["ok"] and report["model"] is None
     assert report["info"]["rank"] == 8 and report["info"]["layers"] == [1] and report["info"]["format"] == "gguf"
+
+
+def test_an_adapter_on_the_embedding_and_the_head_reports_its_parts(tiny_model, tmp_path):
+    """Embedding LoRA and trainable tokens (mola/adapters/vocab.py): the parts in
+    the text and the JSON, with and without a base; tokens beyond the base's
+    vocabulary refused with serve's message."""
+    from mola.adapters.weights import ModuleLoRA
+    from mola.testing.peft_vocab import save_peft_vocab_adapter
+
+    emb = ModuleLoRA(mx.zeros((512, 4)), mx.ones((4, 64)), 1.0)
+    path = save_peft_vocab_adapter(tmp_path / "v", embedding=emb,
+                                   tokens={"model.embed_tokens": ([7, 9, 11], mx.ones((3, 64)))})
+    code, out, err = mola_validate(path)  # described: what its files hold
+    assert code == 0 and "vocab    embedding LoRA rank 4, 3 embedding rows replaced (trainable tokens)" in out
+    code, out, err = mola_validate(path, "--model", tiny_model)  # checked as serve checks it
+    assert code == 1 and "both LoRA and trainable tokens on model.embed_tokens" in err
+    path = save_peft_vocab_adapter(tmp_path / "t", tokens={"model.embed_tokens": ([7, 9, 11], mx.ones((3, 64)))})
+    code, out, err = mola_validate(path, "--model", tiny_model)
+    assert code == 0, err
+    assert "vocab    3 embedding rows replaced (trainable tokens) (tied to a tied head)" in out
+    report = validate(str(path), str(tiny_model)).to_json()
+    assert report["info"]["vocab"] == {"embedding_lora_rank": 0, "head_lora_rank": 0, "embedding_tokens": 3,
+                                       "head_tokens": 0, "tied": True}
+    assert report["model"]["vocab_targets"] == ["model.embed_tokens", "lm_head"] and not report["model"]["tied_head"]
+    code, out, _ = mola_validate(save_peft_vocab_adapter(tmp_path / "e", embedding=emb), "--json")
+    assert code == 0 and json.loads(out)["info"]["vocab"]["embedding_lora_rank"] == 4
+    beyond = save_peft_vocab_adapter(tmp_path / "b", tokens={"model.embed_tokens": ([3, 700], mx.ones((2, 64)))})
+    code, _, err = mola_validate(beyond, "--model", tiny_model)
+    assert code == 1 and "trains tokens [700]" in err and "vocabulary of 512" in err
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +174,7 @@ def test_the_base_weights_are_never_read(tmp_path):
     mx.eval(mx.zeros(1))
     before = mx.get_active_memory()
     shape = model_shape(str(model), max_rank=64)
-    assert len(shape.geometry.targets) == 14 and shape.geometry.dims["model.layers.0.mlp.up_proj"] == (512, 1536)
+    assert len(shape.geometry.targets) == 16 and shape.geometry.dims["model.layers.0.mlp.up_proj"] == (512, 1536)
     assert mx.get_active_memory() - before < 1 << 20
 
 
@@ -216,7 +245,7 @@ def test_against_the_real_model(smollm_gguf, adapters, tmp_path):
     before = mx.get_active_memory()
     shape = model_shape(str(smollm_gguf), max_rank=64)
     assert mx.get_active_memory() - before < 1 << 20
-    assert shape.num_layers == 30 and len(shape.geometry.targets) == 210
+    assert shape.num_layers == 30 and len(shape.geometry.targets) == 212  # 7 a block, the embedding, the head
     assert shape.geometry.dims["model.layers.29.self_attn.k_proj"] == (576, 192)
     modules = {p: ModuleLoRA(a=mx.random.normal((d[0], 4)) * 0.01, b=mx.random.normal((4, d[1])) * 0.01, scale=2.0)
                for p, d in shape.geometry.dims.items() if p.startswith("model.layers.29.")}

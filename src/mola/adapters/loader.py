@@ -56,6 +56,7 @@ class PreparedAdapter:
     targets: tuple[str, ...] = ()  # the kinds of module it adapts (LoRAWeights.targets)
     invocation_tokens: tuple[int, ...] | None = None  # an activated LoRA's (LoRAWeights.invocation_tokens)
     kind: str = "lora"  # "lora", "alora" or "dora" (LoRAWeights.kind)
+    vocab: dict | None = None  # its embedding/head parts (mola.adapters.vocab.VocabParts.describe); None: none
 
     @property
     def host_bytes(self) -> int:
@@ -79,7 +80,8 @@ def prepare_pushed(weights: LoRAWeights, geometry: SlotGeometry, slot_scale: flo
 def _prepared(weights: LoRAWeights, geometry: SlotGeometry, slot_scale: float) -> PreparedAdapter:
     rows = prepare_rows(weights, geometry, slot_scale)
     return PreparedAdapter(rows, weights.rank, weights.scale, weights.format, weights.nbytes,
-                           weights.expert_nbytes, weights.targets, weights.invocation_tokens, weights.kind)
+                           weights.expert_nbytes, weights.targets, weights.invocation_tokens, weights.kind,
+                           weights.vocab.describe() if weights.vocab is not None else None)
 
 
 def _reader_init() -> None:

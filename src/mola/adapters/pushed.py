@@ -88,7 +88,7 @@ def _parse(name: str, where: str, body: bytes, model_config: dict | None) -> Pus
     if not isinstance(config, dict):
         raise InvalidAdapter(f"{where}: its '{CONFIG_KEY}' metadata is not a JSON object.")
     files = {CONFIG_FILE: (json.dumps(config, indent=2) + "\n").encode()}
-    if any(".lora_A" in k or ".lora_B" in k for k in tensors):  # PEFT's names
+    if any(n in k for k in tensors for n in (".lora_A", ".lora_B", ".lora_embedding_", ".token_adapter.")):  # PEFT's
         model_config = model_config or {}
         weights = peft_weights(config, tensors, Path(f"<{name}>"), Path(f"<{name}: body>"),
                                model_type=model_config.get("model_type"), model_config=model_config)

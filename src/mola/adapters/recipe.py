@@ -17,6 +17,7 @@ from .formats import read_adapter
 from .dora import refuse_in_stack
 from .pushed import PushedAdapters, is_pushed
 from ..lora.pack import SlotGeometry
+from .vocab import resolve_vocab
 from .weights import LoRAWeights, stack_weights, validate
 
 
@@ -51,6 +52,7 @@ def read_checked(path: str, geometry: SlotGeometry, model_config: dict | None,
     else:
         weights = read_adapter(path, dtype=geometry.dtype, model_type=config.get("model_type"),
                                model_config=config)
+    weights = resolve_vocab(weights, geometry)  # trainable tokens and tied heads, against this base
     check_fits(weights, geometry)
     return weights
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import AdapterRankTooHigh, InvalidAdapter
 from .dora import check_dora
+from .vocab_parts import VocabParts
 
 
 
@@ -61,6 +62,9 @@ class LoRAWeights:
     # An activated LoRA's invocation: its delta applies from the last place these
     # tokens start in a prompt on, the base alone before (None: a plain LoRA).
     invocation_tokens: tuple[int, ...] | None = None
+    # What it changes of the embedding and the head beyond plain factors (trainable
+    # tokens, a tied embedding LoRA), resolved against the base by mola.adapters.vocab.
+    vocab: VocabParts | None = None
     # A DoRA adapter's magnitudes: module path -> m [out] float32 (mola.adapters.dora; None: no DoRA).
     magnitudes: dict[str, mx.array] | None = None
 

@@ -24,6 +24,7 @@ from mlx.utils import tree_unflatten
 
 from .experts import EXPERT_BASES, MultiLoRASwitchGLU, MultiLoRASwitchLinear, expert_dims
 from .geometry import WRAPPABLE, TargetGeometry, bucket, compute_dtype, full_dims, sharding_of
+from .embedding import VocabGeometry, vocab_geometry, vocab_targets, wrap_vocab
 from .layer import MultiLoRALinear
 from .routing import LoRARouting
 # What goes into the packs, re-exported: mola's other packages import them from here.
@@ -39,8 +40,10 @@ class AdapterPacks:
     "no adapter"; slots 1..expert_slots can also carry expert LoRA."""
 
     def __init__(self, layers: dict[str, MultiLoRALinear | MultiLoRASwitchLinear], routing: LoRARouting,
-                 max_rank: int, num_slots: int, expert_slots: int = 0, max_expert_rank: int = 0):
+                 max_rank: int, num_slots: int, expert_slots: int = 0, max_expert_rank: int = 0,
+                 vocab: VocabGeometry | None = None):
         self.layers = layers  # module path -> layer
+        self.vocab = vocab  # where the embedding and the head are (mola.lora.embedding)
         self.routing = routing
         self.max_rank = max_rank  # the ceiling (--max-lora-rank)
         self.num_slots = num_slots  # the ceiling, slot 0 included (--max-loras + 1)
@@ -79,17 +82,19 @@ class AdapterPacks:
         ]
         if not wrapped:
             raise ValueError(f"{type(model).__name__} has no linear layers to wrap")
+        vocab = vocab_geometry(model)  # before wrapping: it reads the base layers
+        vocab_tree, vocab_layers = wrap_vocab(model, routing, max_loras + 1, max_rank)
         glus = []
         if expert_slots:
             glus = [(path, MultiLoRASwitchGLU.from_base(glu, routing, expert_slots, max_expert_rank))
                     for path, glu in expert_targets(model)]
         routing.expert_slots = expert_slots if glus else 0  # 0: every row runs the base's experts
-        model.update_modules(tree_unflatten(wrapped + glus))
-        layers = dict(wrapped)
+        model.update_modules(tree_unflatten(wrapped + vocab_tree + glus))
+        layers = dict(wrapped) | vocab_layers
         for path, glu in glus:
             layers.update((f"{path}.{name}", p) for name, p in glu.projections())
         packs = cls(layers, routing, max_rank, max_loras + 1, expert_slots if glus else 0,
-                    max_expert_rank if glus else 0)
+                    max_expert_rank if glus else 0, vocab)
         mx.eval(packs.arrays())
         return packs
 
@@ -100,7 +105,7 @@ class AdapterPacks:
         return SlotGeometry(
             targets={p: l.geometry for p, l in self.layers.items()},
             max_rank=self.max_rank, num_slots=self.num_slots, dtype=first.dtype,
-            expert_slots=self.expert_slots, max_expert_rank=self.max_expert_rank,
+            expert_slots=self.expert_slots, max_expert_rank=self.max_expert_rank, vocab=self.vocab,
             bases={p: l.base for p, l in self.layers.items() if isinstance(l, MultiLoRALinear)},
         )
 
@@ -234,6 +239,7 @@ def geometry_of(model: nn.Module, max_rank: int, num_slots: int, expert_slots: i
     if not targets:
         raise ValueError(f"{type(model).__name__} has no linear layers to wrap")
     geometry = {path: TargetGeometry(*full_dims(m), sharding_of(m)) for path, m in targets}
+    geometry.update(vocab_targets(model))  # the token embedding and the output head
     glus = expert_targets(model) if expert_slots else []
     for path, glu in glus:
         for name in ("gate_proj", "up_proj", "down_proj"):
@@ -242,4 +248,5 @@ def geometry_of(model: nn.Module, max_rank: int, num_slots: int, expert_slots: i
     return SlotGeometry(
         targets=geometry, max_rank=max_rank, num_slots=num_slots, dtype=compute_dtype(targets[0][1]),
         expert_slots=expert_slots if glus else 0, max_expert_rank=max_expert_rank if glus else 0,
+        vocab=vocab_geometry(model, with_rows=False),
     )

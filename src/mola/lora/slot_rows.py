@@ -12,6 +12,7 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 import mlx.core as mx
 
 from .dora import with_dora_scale
+from .embedding import VocabGeometry
 from .geometry import ModuleRows, TargetGeometry, bucket, module_rows
 
 
@@ -82,6 +83,7 @@ class SlotGeometry:
     dtype: mx.Dtype
     expert_slots: int = 0  # slots 1..expert_slots also carry expert LoRA (0: none, or no experts)
     max_expert_rank: int = 0  # the largest rank of an expert module
+    vocab: "VocabGeometry | None" = None  # the embedding and the head (mola.lora.embedding), where wrapped
     # Module path -> the base linear, whose weights never change once loaded: what a
     # DoRA adapter's g is computed from off the engine thread (None: a geometry made
     # from shapes alone; the slot write then computes g).

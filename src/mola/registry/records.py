@@ -79,6 +79,7 @@ class AdapterRecord:
     targets: tuple[str, ...] | None = None  # the kinds of module it adapts, known once read
     invocation_tokens: tuple[int, ...] | None = None  # an activated LoRA's invocation, known once read
     kind: str | None = None  # "lora", "alora" or "dora", known once read
+    vocab: dict | None = None  # its embedding/head parts (LoRA ranks, replaced token rows), known once read
     # A stack (several adapters in one slot): (path, scale) of each part, and
     # the part records it was built from.
     parts: tuple[tuple[str, float], ...] | None = None
@@ -143,6 +144,8 @@ class AdapterRecord:
             "targets": None if self.targets is None else list(self.targets),
             # an activated LoRA's invocation tokens (null: a plain LoRA)
             "alora_invocation_tokens": None if self.invocation_tokens is None else list(self.invocation_tokens),
+            # LoRA on the token embedding / output head and trainable tokens (null: none, or not read yet)
+            "vocab": self.vocab,
             "in_flight": self.in_flight,
             "waiting": self.waiting,
             "loads": self.loads,

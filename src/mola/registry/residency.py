@@ -161,6 +161,7 @@ class Residency:
         record.format, record.nbytes = prepared.format, prepared.nbytes
         record.expert_nbytes, record.targets = prepared.expert_nbytes, prepared.targets
         record.invocation_tokens, record.kind = prepared.invocation_tokens, prepared.kind
+        record.vocab = prepared.vocab
 
     def drop_stack(self, stack: AdapterRecord) -> None:
         if stack.state is S.KNOWN:

@@ -33,8 +33,10 @@ class Report:
         if self.model is not None:
             g = self.model.geometry
             experts = sum(t.num_experts is not None for t in g.targets.values())
+            vocab = _vocab_targets(g)
             model = {"path": str(self.model.path), "model_type": self.model.model_type,
-                     "layers": self.model.num_layers, "targets": len(g.targets) - experts,
+                     "layers": self.model.num_layers, "targets": len(g.targets) - experts - len(vocab),
+                     "vocab_targets": vocab, "tied_head": bool(g.vocab and g.vocab.tied),
                      "expert_targets": experts, "num_experts": g.num_experts,
                      "dtype": str(g.dtype).removeprefix("mlx.core.")}
             if self.model.memory is not None:
@@ -45,6 +47,12 @@ class Report:
                 model["conversion"] = self.model.conversion
         return {"adapter": self.adapter, "ok": self.ok, "error": self.error,
                 **({"info": self.info.to_json()} if self.info else {"info": None}), "model": model}
+
+
+def _vocab_targets(geometry) -> list[str]:
+    """The embedding and the head among a geometry's targets."""
+    v = geometry.vocab
+    return [p for p in (v.embed_path, v.head_path) if p is not None] if v is not None else []
 
 
 def validate(adapter: str, model: str | None = None, max_rank: int = 64, dtype: str = "auto",
@@ -72,6 +80,15 @@ def _layers(layers: list[int]) -> str:
     return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
+def _vocab(parts: dict) -> str:
+    """The embedding/head parts of an adapter, in words."""
+    words = [f"{what} LoRA rank {parts[key]}" for key, what in
+             (("embedding_lora_rank", "embedding"), ("head_lora_rank", "head")) if parts[key]]
+    words += [f"{parts[key]} {what} rows replaced (trainable tokens)" for key, what in
+              (("embedding_tokens", "embedding"), ("head_tokens", "head")) if parts[key]]
+    return ", ".join(words) + (" (tied to a tied head)" if parts.get("tied") else "")
+
+
 def _size(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -95,6 +112,8 @@ def text(report: Report) -> list[str]:
                   f"dtype    {', '.join(info.dtypes)}",
                   f"size     {_size(info.size_bytes)} on disk, {info.parameters:,} parameters",
                   f"base     {info.base or '(not declared)'}"]
+        if info.vocab:
+            lines.insert(3, f"vocab    {_vocab(info.vocab)}")
         if info.expert_modules:
             lines.insert(3, f"experts  {', '.join(info.expert_targets)}: {info.num_experts} experts each, "
                             f"{info.expert_modules} of the {info.modules} modules")
@@ -102,9 +121,12 @@ def text(report: Report) -> list[str]:
         m = report.model
         dtype = str(m.geometry.dtype).removeprefix("mlx.core.")
         experts = sum(t.num_experts is not None for t in m.geometry.targets.values())
+        vocab = _vocab_targets(m.geometry)
         moe = f" + {experts} expert projections of {m.geometry.num_experts} experts" if experts else ""
+        head = " (tied)" if m.geometry.vocab and m.geometry.vocab.tied else ""
+        extra = f" + {' and '.join(vocab)}{head}" if vocab else ""
         lines.append(f"model    {m.path} ({m.model_type}, {m.num_layers} layers, "
-                     f"{len(m.geometry.targets) - experts} linears{moe}, {dtype})")
+                     f"{len(m.geometry.targets) - experts - len(vocab)} linears{moe}{extra}, {dtype})")
         if m.memory is not None:
             lines.append(f"memory   {_size(m.memory.total)} as --dtype {m.memory.dtype}, by tensor group:")
             lines += [f"         {line}" for line in m.memory.lines()]

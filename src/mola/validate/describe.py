@@ -12,6 +12,7 @@ from ..adapters.formats import detect_format, read_adapter
 from ..adapters.formats.common import read_config
 from ..adapters.formats.gguf import KEY_ARCHITECTURE, KEY_LORA_ALPHA, read_metadata
 from ..registry.sources import ADAPTER_FILES
+from ..adapters.vocab import file_parts
 from ..adapters.weights import LoRAWeights
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -37,6 +38,9 @@ class AdapterInfo:
     expert_targets: list[str] | None = None  # their block-relative names
     num_experts: int | None = None  # experts per projection
     kind: str = "lora"  # "lora", "alora" (an activated LoRA) or "dora" (LoRAWeights.kind)
+    # What it changes of the token embedding and the output head (mola.adapters.vocab.file_parts): LoRA ranks,
+    # replaced token rows, and whether they are tied to a tied head; None: nothing.
+    vocab: dict | None = None
 
     @property
     def rank(self) -> int:
@@ -102,5 +106,5 @@ def _info(path: Path, kind: str, weights: LoRAWeights, base, alpha, arch, stored
         + sum(m.size for m in (weights.magnitudes or {}).values()),
         base=base if isinstance(base, str) else None, architecture=arch,
         expert_modules=len(weights.expert_modules), expert_targets=sorted(expert_targets) or None,
-        num_experts=experts[-1] if experts else None, kind=weights.kind,
+        num_experts=experts[-1] if experts else None, kind=weights.kind, vocab=file_parts(weights),
     )

@@ -39,7 +39,9 @@ class ModelShape:
 
     @property
     def num_layers(self) -> int:
-        return len({p.split(".")[2] for p in self.geometry.targets})
+        v = self.geometry.vocab
+        vocab = (v.embed_path, v.head_path) if v is not None else ()
+        return len({p.split(".")[2] for p in self.geometry.targets if p not in vocab})
 
 
 def model_shape(model: str, max_rank: int, dtype: str = "auto", max_expert_rank: int = DEFAULT_EXPERT_RANK) -> ModelShape:

@@ -39,9 +39,10 @@ from ..dora import PEFT_KEY as MAGNITUDE_KEY, take_magnitudes
 from ..host_safetensors import read_safetensors_file
 from ..weights import LoRAWeights, ModuleLoRA, alora_tokens, with_invocation
 from .common import CONFIG_FILE, read_config
-from .peft_config import EMBEDDING_NAMES, check_config, module_scale, targets_module
+from .peft_config import EMBEDDING_NAMES, SERVED_VOCAB_NAMES, check_config, module_scale, targets_module
 from .peft_expert_paths import to_mlx_lm
 from .peft_experts import expert_param_lora, take_param_wrappers
+from .peft_vocab import read_vocab_parts
 
 log = logging.getLogger("mola.adapters")
 
@@ -105,11 +106,6 @@ def _pair_factors(tensors: dict[str, mx.array], weights_file: Path) -> dict[str,
     pairs: dict[str, dict[str, mx.array]] = {}
     adapter_names = set()
     for key in sorted(tensors):
-        if "lora_embedding_A" in key or "lora_embedding_B" in key:
-            raise InvalidAdapter(
-                f"{weights_file} holds '{key}': LoRA on embeddings, which mola does not "
-                "apply (it serves LoRA on the blocks' linear layers only)."
-            )
         match = FACTOR_KEY.match(key)
         if match is None:
             hint = ""
@@ -188,10 +184,11 @@ def peft_weights(config: dict, tensors: dict[str, mx.array], path: Path, weights
     magnitudes = None
     if config.get("use_dora"):
         tensors, magnitudes = take_magnitudes(tensors, MAGNITUDE_KEY, PREFIX)
+    tensors, embeddings, vocab = read_vocab_parts(config, tensors, path, weights_file, model_config)
     pairs = _pair_factors(tensors, weights_file)
     _check_pairs(pairs, path, weights_file)
     modules = _targeted_modules(config, pairs, path, weights_file, model_type, model_config)
-    modules = to_mlx_lm(modules, model_type, model_config, path)
+    modules = to_mlx_lm(modules, model_type, model_config, path) | embeddings
     if dtype is not None:
         modules = {p: ModuleLoRA(a=m.a.astype(dtype), b=m.b.astype(dtype), scale=m.scale)
                    for p, m in modules.items()}
@@ -201,7 +198,8 @@ def peft_weights(config: dict, tensors: dict[str, mx.array], path: Path, weights
         raise InvalidAdapter(f"{weights_file} could not be read: {e}") from None
     if magnitudes is not None:
         magnitudes = _dora_magnitudes(config, magnitudes, modules, path, weights_file)
-    return with_invocation(LoRAWeights(source=str(path), format="peft", modules=modules, magnitudes=magnitudes),
+    return with_invocation(LoRAWeights(source=str(path), format="peft", modules=modules, magnitudes=magnitudes,
+                                       vocab=vocab),
                            alora_tokens(config, f"Adapter at {path}"))
 
 
@@ -235,10 +233,10 @@ def _load_tensors(weights_file: Path) -> dict[str, mx.array]:
 def _check_pairs(pairs: dict[str, dict], path: Path, weights_file: Path) -> None:
     """Every module has both factors, and none is an embedding or the head."""
     for key, factors in sorted(pairs.items()):
-        if key.rpartition(".")[2] in EMBEDDING_NAMES:
+        if key.rpartition(".")[2] in EMBEDDING_NAMES - SERVED_VOCAB_NAMES:
             raise InvalidAdapter(
                 f"Adapter at {path} puts LoRA on {key} (embeddings or the output head); "
-                "mola applies LoRA to the blocks' linear layers only."
+                "mola applies LoRA to the blocks' linear layers, embed_tokens and lm_head only."
             )
         missing = {"lora_A", "lora_B"} - set(factors)
         if missing:

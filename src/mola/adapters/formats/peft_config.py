@@ -22,13 +22,14 @@ DEFAULT_ALPHA = 8
 # Module names of token embeddings and output heads: PEFT puts an Embedding
 # LoRA (or a LoRA on the head) there, which mola's slots do not cover.
 EMBEDDING_NAMES = frozenset({"embed_tokens", "lm_head", "wte", "wpe", "embed_out", "word_embeddings"})
+# Of those, the ones mola's slots cover (mola.lora.embedding; PEFT's names are mlx-lm's).
+SERVED_VOCAB_NAMES = frozenset({"embed_tokens", "lm_head"})
 
 # Config fields that change the forward pass beyond plain LoRA when set
 # (truthy), with the name of the feature for the message.
 UNSUPPORTED_FEATURES = {
     "lora_bias": "LoRA biases (lora_bias: true)",
     "layer_replication": "layer replication (layer_replication)",
-    "trainable_token_indices": "trainable token embeddings (trainable_token_indices)",
     "arrow_config": "Arrow routing (arrow_config)",
     "use_bdlora": "block-diagonal LoRA (use_bdlora)",
     "kasa_config": "KaSA (kasa_config)",
@@ -111,12 +112,13 @@ def _check_targets(config: dict, where: Path, config_file: Path) -> None:
     if isinstance(target_modules, list):
         if not all(isinstance(t, str) for t in target_modules):
             raise InvalidAdapter(f"{config_file}: target_modules must hold strings.")
-        embeddings = sorted(t for t in target_modules if t.rpartition(".")[2] in EMBEDDING_NAMES)
+        embeddings = sorted(t for t in target_modules
+                            if t.rpartition(".")[2] in EMBEDDING_NAMES - SERVED_VOCAB_NAMES)
         if embeddings:
             raise InvalidAdapter(
                 f"Adapter at {where} puts LoRA on embeddings or the output head "
                 f"(target_modules {embeddings}); mola applies LoRA to the blocks' linear "
-                "layers only."
+                "layers, embed_tokens and lm_head only."
             )
     exclude = config.get("exclude_modules")
     if exclude is not None and not _is_names(exclude):

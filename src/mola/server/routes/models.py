@@ -1,7 +1,9 @@
 """GET /v1/models and /v1/models/{id}: every declared base, loaded or not,
 with its status (parent null), and every adapter it serves, resident or not
 (parent = its base's id, root = its path), as vLLM reports them; then the image
-base and its adapters, if one is served (``"kind": "image"``). POST
+base and its adapters, if one is served (``"kind": "image"``). An adapter that
+changes the token embedding or the output head, once read, says how in
+``"vocab"`` (mola's field: LoRA ranks there, token rows replaced). POST
 /v1/models/{id}/load and /unload load a base now (one that failed is tried
 again at once) and unload an idle one (admin routes)."""
 
@@ -22,18 +24,19 @@ def _base_cards(base: Base, created: int) -> list[dict]:
     state = base.state
     if state is not None:
         card = p.model_card(state.base_id, state.created, state.base_root, None, state.max_model_len)
-        adapters = [(r.name, r.created, r.path, r.kind) for r in state.registry.adapters()]
+        adapters = [(r.name, r.created, r.path, r.kind, r.vocab) for r in state.registry.adapters()]
         max_len = state.max_model_len
     else:  # not loaded: what its settings declare
         card, max_len = p.model_card(base.name, created, base.config.model, None, None), None
-        adapters = [(n, created, path, None) for n, path in base.adapter_paths().items()]
+        adapters = [(n, created, path, None, None) for n, path in base.adapter_paths().items()]
     card["status"] = base.status.value
     if base.error is not None and base.status.value == "failed":
         card["error"] = base.error
     if base.config.engine.kv_bits is not None:
         card["kv_cache"] = _quantized_kv(base.config.engine)
-    # an adapter's "kind": "lora", "alora" or "dora" once read (null before)
-    return [card, *({**p.model_card(n, c, path, card["id"], max_len), "kind": kind} for n, c, path, kind in adapters)]
+    # an adapter's "kind": "lora", "alora" or "dora" once read (null before); "vocab": its embedding/head parts
+    return [card, *({**p.model_card(n, c, path, card["id"], max_len), "kind": kind, **({"vocab": v} if v else {})}
+                    for n, c, path, kind, v in adapters)]
 
 
 def _quantized_kv(engine) -> dict:
