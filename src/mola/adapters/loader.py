@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ..lora.pack import SlotGeometry, SlotRows, prepare_rows
 from .pushed import PushedAdapters, cast
-from .recipe import SlotRecipe, check_fits, read_recipe
+from .recipe import SlotRecipe, fitted, read_recipe
 from .weights import LoRAWeights
 
 
@@ -72,8 +72,7 @@ def prepare(recipe: SlotRecipe, geometry: SlotGeometry, model_config: dict | Non
 
 def prepare_pushed(weights: LoRAWeights, geometry: SlotGeometry, slot_scale: float) -> PreparedAdapter:
     """Check and prepare the factors of a push, as sent (any thread)."""
-    weights = cast(weights, geometry.dtype)
-    check_fits(weights, geometry)
+    weights = fitted(cast(weights, geometry.dtype), geometry)
     return _prepared(weights, geometry, slot_scale)
 
 

@@ -52,15 +52,17 @@ def read_checked(path: str, geometry: SlotGeometry, model_config: dict | None,
     else:
         weights = read_adapter(path, dtype=geometry.dtype, model_type=config.get("model_type"),
                                model_config=config)
-    weights = resolve_vocab(weights, geometry)  # trainable tokens and tied heads, against this base
-    check_fits(weights, geometry)
-    return weights
+    return fitted(weights, geometry)
 
 
-def check_fits(weights: LoRAWeights, geometry: SlotGeometry) -> None:
-    """InvalidAdapter naming the problem unless ``weights`` fit the packs."""
+def fitted(weights: LoRAWeights, geometry: SlotGeometry) -> LoRAWeights:
+    """``weights`` resolved against the base (trainable tokens, tied heads:
+    mola.adapters.vocab), or InvalidAdapter naming the problem unless they
+    fit the packs."""
+    weights = resolve_vocab(weights, geometry)
     validate(weights, geometry.targets, geometry.max_rank, geometry.max_expert_rank,
              geometry.expert_slots)
+    return weights
 
 
 def read_recipe(recipe: SlotRecipe, geometry: SlotGeometry, model_config: dict | None,
