@@ -62,7 +62,7 @@ def run_cache(args: argparse.Namespace, env=None) -> int:
         return 0
     entries = cache.entries()[::-1]  # most recently used first
     rows = [{"key": e.path.name, "file": e.meta["source"]["path"], "dtype": e.meta["dtype"], "bytes": e.nbytes,
-             "used": e.used_at, "stale": _is_stale(e)} for e in entries]
+             "used": e.used_at / 1e9, "stale": _is_stale(e)} for e in entries]
     total = sum(r["bytes"] for r in rows)
     if args.json:
         print(json.dumps({"folder": str(cache.root), "max_bytes": cache.max_bytes, "bytes": total,

@@ -73,11 +73,13 @@ class Entry:
         return int(self.meta.get("bytes", 0))
 
     @property
-    def used_at(self) -> float:
+    def used_at(self) -> int:
+        """When it was last written or read (ns): its entry.json's mtime, set by
+        ConversionCache.mark_used."""
         try:
-            return (self.path / ENTRY).stat().st_mtime
+            return (self.path / ENTRY).stat().st_mtime_ns
         except OSError:
-            return 0.0
+            return 0
 
     def read(self) -> tuple[dict, dict[str, mx.array], dict[str, dict]]:
         """(config, weights, quantization) as read_weights returns them; the weights
@@ -198,11 +200,18 @@ class ConversionCache:
         if meta.get("versions") != versions() or meta.get("source") != identity or meta.get("dtype") != dtype:
             return None
         if touch and why_unwritable(folder) is None:
-            try:
-                os.utime(folder / ENTRY)  # least recently used: the eviction order
-            except OSError:
-                pass
+            self.mark_used(folder)
         return Entry(folder, meta)
+
+    def mark_used(self, folder: Path) -> None:
+        """Make ``folder`` the most recently used entry, the eviction order. The stamp
+        is strictly after every other entry's: the kernel's file clock ticks coarsely
+        (milliseconds), so two uses in one tick would otherwise tie."""
+        stamp = max([time.time_ns()] + [e.used_at + 1 for e in self.entries() if e.path != folder])
+        try:
+            os.utime(folder / ENTRY, ns=(stamp, stamp))
+        except OSError:
+            pass
 
     def store(self, identity: dict, dtype: str, config: dict, weights: dict[str, mx.array],
               quantization: dict, tokenizer_dir: Path | None = None, stops=None) -> Entry | None:
@@ -246,6 +255,7 @@ class ConversionCache:
                 shutil.rmtree(tmp, ignore_errors=True)
                 return self.lookup(identity, dtype)
             os.rename(tmp, folder)
+            self.mark_used(folder)
         except (OSError, TypeError, ValueError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
             log.info("conversion cache skipped: writing the entry failed: %s", e)
