@@ -2,7 +2,8 @@
 
 :class:`ScriptedEngine` has :class:`mola.engine.async_engine.AsyncEngine`'s
 methods. Each sequence answers ``script(seq)`` (token ids; by default the
-prompt's own tokens again), one token a step, and finishes with "length" at
+prompt's own tokens again), one token a step (its snapshot counts the
+sequences in flight as running), and finishes with "length" at
 its max_tokens, with "stop" at a stop token or at the script's end. A test
 may hold every step behind ``hold`` (an asyncio.Event) to see what happens
 while a request is in flight, and reads ``submitted`` for what was asked and
@@ -20,6 +21,7 @@ import itertools
 import threading
 import json
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -62,6 +64,7 @@ class ScriptedEngine:
         self.submitted.append(seq)
         answer = self.script(seq)
         done = False
+        self._publish(+1)
         try:
             for i in itertools.count():
                 if self.hold is not None:
@@ -76,8 +79,13 @@ class ScriptedEngine:
                 if done:
                     return
         finally:
+            self._publish(-1)
             if not done:
                 self.aborted += 1  # left early: the real engine aborts the row
+
+    def _publish(self, change: int) -> None:
+        """As the engine thread publishes after each step: the sequences in flight count as running."""
+        self.snapshot = replace(self.snapshot, num_running=self.snapshot.num_running + change)
 
     @staticmethod
     def _step(seq: Sequence, answer: list[int], i: int) -> tuple[SeqOutput, bool]:

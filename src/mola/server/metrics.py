@@ -8,7 +8,8 @@ running and waiting requests, batch sizes, resident adapters and slot
 occupancy, adapter loads, evictions and load time, the host tier's occupancy
 and hits, adapters waiting for a slot, memory in use, the KV budget
 (budget, used, reserved, free, preemptions, waits for memory) and the prompt
-cache (bytes, entries, hits, misses, tokens saved).
+cache (bytes, entries, hits, misses, tokens saved). Beside them, under vLLM's
+names, the gauges Kubernetes' LoRA-aware routers read (gateway_metrics.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..blas import blas_in_use
+from .gateway_metrics import GatewayCollector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
 
@@ -177,6 +179,7 @@ class Metrics:
     def watch(self, state_of, bases=None) -> None:
         """Read at scrape time: the default base's state (``state_of()``), and every base's rows."""
         self.registry.register(StateCollector(state_of))
+        self.registry.register(GatewayCollector(state_of))  # vllm:* names, for Kubernetes' routers
         if bases is not None:
             self.registry.register(BasesCollector(bases))
 
