@@ -67,8 +67,11 @@ BELOW = {
                "images", "frontend", "bases"),
     "serve": (*BASE, "blas", "lora", "adapters", "registry", "models", "engine", "structured", "config", "server",
               "frontend", "demo", "bases"),
+    # replicas on Ray Serve: mola's app in each replica, behind an ingress
+    "ray": (*BASE, "blas", "lora", "adapters", "registry", "models", "engine", "structured", "config", "server",
+            "frontend", "demo", "bases", "serve"),
     "cli": (*BASE, "blas", "adapters", "registry", "models", "engine", "config", "serve", "train", "validate",
-            "chat", "distill", "demo"),
+            "chat", "distill", "demo", "ray"),
     "__main__": ("cli",),
 }
 ENGINE_INTERNALS = {"scheduler", "runner", "packs", "_commands"}

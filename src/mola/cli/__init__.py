@@ -71,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, TypeError) as e:
             parser.error(str(e))
         maybe_reexec_with_openblas(argv, enabled=not getattr(args, "no_openblas", False))
+        if getattr(args, "replicas", None) is not None or getattr(args, "autoscaling", None) is not None:
+            from ..ray.command import serve_replicas
+
+            return serve_replicas(config, getattr(args, "replicas", None) or 1, getattr(args, "ray_address", None),
+                                  getattr(args, "autoscaling", None))
         from ..serve import serve
 
         return serve(config)

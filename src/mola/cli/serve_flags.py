@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import os
 
@@ -205,6 +206,13 @@ def _speculative_flags(serve: argparse.ArgumentParser) -> None:
     """Distributed serving and speculative decoding."""
     serve.add_argument("--distributed", action="store_true",
                        help="shard the base over the ranks started by mlx.launch (see docs/distributed.md)")
+    serve.add_argument("--replicas", type=int, metavar="N",
+                       help="N replicas on Ray Serve, each with its own base and slots, requests routed to one "
+                       "holding their adapter (the ray extra; docs/distributed.md, Replicas)")
+    serve.add_argument("--ray-address", metavar="ADDR", help="--replicas: join this Ray cluster "
+                       "(default: start a local one)")
+    serve.add_argument("--autoscaling", type=json.loads, metavar="JSON", help="--replicas: Ray Serve's "
+                       "autoscaling_config, e.g. '{\"min_replicas\": 1, \"max_replicas\": 4}' (replaces N)")
     serve.add_argument("--speculative", choices=["ngram", "draft"],
                        help="speculative decoding: ngram (prompt lookup: drafts copied from the prompt "
                        "and output so far) or draft (a --draft-model drafts); default off")

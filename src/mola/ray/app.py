@@ -1,8 +1,9 @@
 """mola's Ray Serve application, bound: the ingress over ``replicas`` replicas
 (or an autoscaling range) of one mola configuration. ``app_builder`` is what
-`serve run` calls from a Serve config file or the command line:
+`serve run` calls with a Serve config file's application args
+(docs/distributed.md, "Replicas"):
 
-    serve run mola.ray.app:app_builder config=mola.toml replicas=2
+    serve run fleet.yaml    # import_path: mola.ray.app:app_builder, args: {model: ..., replicas: 2}
 """
 
 from __future__ import annotations
@@ -28,16 +29,16 @@ def build(config, replicas: int = 2, *, autoscaling: dict | None = None, replica
 
 
 def app_builder(args: dict):
-    """`serve run mola.ray.app:app_builder config=FILE replicas=N [min_replicas=..
-    max_replicas=.. target_ongoing_requests=..]`: a mola config file (as
-    `mola serve --config`) served by N replicas, or autoscaled."""
-    from ..cli.config_file import load_config_file
-    from ..config import ServeConfig
+    """What `serve run` calls, with a Serve config file's application ``args``:
+    ``replicas`` (default 2), ``autoscaling`` (Ray's autoscaling_config, passed
+    through), ``replica_cpus``, and every other key a `mola serve` setting
+    (model, max_loras, adapters as [{name, path}], ...), as in mola's config files."""
+    from ..config import AdapterSpec, ServeConfig
 
-    if "config" not in args:
-        raise ValueError(f"serve run needs config=FILE (a mola config file); got {sorted(args)}")
-    config = ServeConfig.from_settings(**load_config_file(args["config"]))
-    auto = {k: int(args[k]) if k != "target_ongoing_requests" else float(args[k])
-            for k in ("min_replicas", "max_replicas", "target_ongoing_requests") if k in args}
-    return build(config, int(args.get("replicas", 2)), autoscaling=auto or None,
-                 replica_cpus=float(args.get("replica_cpus", 1)))
+    settings = dict(args)
+    replicas = int(settings.pop("replicas", 2))
+    autoscaling = settings.pop("autoscaling", None)
+    replica_cpus = float(settings.pop("replica_cpus", 1))
+    if "adapters" in settings:
+        settings["adapters"] = tuple(AdapterSpec(a["name"], a["path"]) for a in settings["adapters"])
+    return build(ServeConfig.from_settings(**settings), replicas, autoscaling=autoscaling, replica_cpus=replica_cpus)

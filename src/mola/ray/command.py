@@ -1,0 +1,44 @@
+"""`mola serve --replicas N`: Ray started (or joined), mola's application
+deployed on it, its HTTP proxy on --host/--port, until Ctrl-C or SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+
+
+def serve_replicas(config, replicas: int, address: str | None = None, autoscaling: dict | None = None) -> int:
+    try:
+        import ray  # noqa: F401  (the ray extra)
+    except ImportError:
+        print("[mola] error: --replicas needs Ray Serve: pip install 'mola[ray]'", file=sys.stderr)
+        return 1
+    from ray import serve
+
+    from .launch import RayStart, RayStartFailed, run_app, start_ray
+    from ..serve import setup_logging, with_demo
+
+    setup_logging(config.log_level)
+    config = with_demo(config)
+    if config.distributed or config.bases.models:
+        print("[mola] error: --replicas serves one base per replica; it cannot go with --distributed or "
+              "--model NAME=PATH", file=sys.stderr)
+        return 1
+    try:
+        seconds = start_ray(RayStart(address=address))
+        print(f"[mola] Ray {'joined' if address else 'started'} in {seconds:.1f} s; deploying "
+              f"{autoscaling or replicas} replica(s) of {config.model} ...", file=sys.stderr, flush=True)
+        url = run_app(config, replicas, autoscaling=autoscaling, host=config.http.host or "0.0.0.0",
+                      port=config.http.port)
+    except RayStartFailed as e:
+        print(f"[mola] error: {e}", file=sys.stderr)
+        return 1
+    print(f"[mola] serving on {url} through Ray Serve", file=sys.stderr, flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    serve.shutdown()
+    ray.shutdown()
+    return 0
