@@ -74,18 +74,31 @@ def gauges(text: str) -> dict:
     return out
 
 
-async def pick_by_affinity(c: httpx.AsyncClient, urls: list[str], model: str, turn: int) -> str:
-    """The gateway's LoRA-affinity choice, from the gauges: a server holding
-    (or waiting for) the adapter, else one with a free slot, else the least
-    queued; ties by turn."""
-    seen = [gauges((await c.get(u + "/metrics")).text) for u in urls]
-    order = [(turn + k) % len(urls) for k in range(len(urls))]
+REFRESH_S = 0.05  # how often the router scrapes each server's gauges (the endpoint picker's default: 50 ms)
+
+
+async def watch(c: httpx.AsyncClient, urls: list[str], seen: list[dict], stop: asyncio.Event) -> None:
+    """Keep ``seen`` (one dict per server) current, as the endpoint picker's scrapers do."""
+    while not stop.is_set():
+        for k, u in enumerate(urls):
+            seen[k] = gauges((await c.get(u + "/metrics")).text)
+        try:
+            await asyncio.wait_for(stop.wait(), REFRESH_S)
+        except asyncio.TimeoutError:
+            pass
+
+
+def pick_by_affinity(seen: list[dict], model: str, turn: int) -> int:
+    """The gateway's LoRA-affinity choice, from the last scrape: a server
+    holding (or waiting for) the adapter, else one with a free slot, else the
+    least queued; ties by turn."""
+    order = [(turn + k) % len(seen) for k in range(len(seen))]
     for test in (lambda g: model in g["running"] or model in g["waiting"],
                  lambda g: len(g["running"]) + len(g["waiting"]) < g["max_lora"]):
         hits = [i for i in order if test(seen[i])]
         if hits:
-            return urls[min(hits, key=lambda i: seen[i]["queue"])]
-    return urls[min(order, key=lambda i: seen[i]["queue"])]
+            return min(hits, key=lambda i: seen[i]["queue"])
+    return min(order, key=lambda i: seen[i]["queue"])
 
 
 async def one(c: httpx.AsyncClient, url: str, model: str, max_tokens: int) -> float:
@@ -105,17 +118,23 @@ async def one(c: httpx.AsyncClient, url: str, model: str, max_tokens: int) -> fl
 async def run_load(urls: list[str], sequence: list[str], concurrency: int, max_tokens: int, route: str) -> dict:
     ttfts: list[float] = []
     queue = list(enumerate(sequence))
+    stop = asyncio.Event()
     async with httpx.AsyncClient(timeout=300) as c:
+        seen = [gauges((await c.get(u + "/metrics")).text) for u in urls] if route == "affinity" else []
         async def worker():
             while queue:
                 i, model = queue.pop(0)
                 url = urls[i % len(urls)] if route == "round-robin" else (
-                    await pick_by_affinity(c, urls, model, i) if route == "affinity" else urls[0])
+                    urls[pick_by_affinity(seen, model, i)] if route == "affinity" else urls[0])
                 ttfts.append(await one(c, url, model, max_tokens))
 
+        scraper = asyncio.ensure_future(watch(c, urls, seen, stop)) if route == "affinity" else None
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
+        stop.set()
+        if scraper is not None:
+            await scraper
     ttfts.sort()
     return {"route": route, "requests": len(sequence), "wall_s": round(wall, 1),
             "ttft_p50_ms": round(1e3 * statistics.median(ttfts), 1),
