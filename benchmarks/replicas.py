@@ -241,7 +241,6 @@ def ray_run(model, adapters, slots, sequence, args) -> dict:
 
 def feasibility(model, adapters, slots, times: int) -> list[dict]:
     import ray
-    from ray import serve
     from mola.ray.launch import RayStart, RayStartFailed, run_app, start_ray
 
     rows = []
@@ -260,10 +259,7 @@ def feasibility(model, adapters, slots, times: int) -> list[dict]:
             row["failed"] = str(e)
         finally:
             t0 = time.perf_counter()
-            try:
-                serve.shutdown()
-            finally:
-                ray.shutdown()
+            ray.shutdown()
             row["shutdown_s"] = round(time.perf_counter() - t0, 1)
         rows.append(row)
         print(json.dumps(row), flush=True)

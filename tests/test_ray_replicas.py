@@ -69,7 +69,6 @@ def fleet(settings):
     from mola.ray.launch import RayStart, RayStartFailed, run_app, start_ray
 
     import ray
-    from ray import serve
 
     env = {k: os.environ[k] for k in ("PYTHONPATH", "LD_PRELOAD") if k in os.environ}
     try:
@@ -79,8 +78,7 @@ def fleet(settings):
         ray.shutdown()
         skip_or_fail(str(e))
     yield url
-    serve.shutdown()
-    ray.shutdown()
+    ray.shutdown()  # the local cluster, replicas and all
 
 
 def chat(model, **extra):

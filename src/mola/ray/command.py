@@ -31,14 +31,19 @@ def serve_replicas(config, replicas: int, address: str | None = None, autoscalin
               f"{autoscaling or replicas} replica(s) of {config.model} ...", file=sys.stderr, flush=True)
         url = run_app(config, replicas, autoscaling=autoscaling, host=config.http.host or "0.0.0.0",
                       port=config.http.port)
+        print(f"[mola] serving on {url} through Ray Serve", file=sys.stderr, flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        stop.wait()
     except RayStartFailed as e:
         print(f"[mola] error: {e}", file=sys.stderr)
         return 1
-    print(f"[mola] serving on {url} through Ray Serve", file=sys.stderr, flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
-    serve.shutdown()
-    ray.shutdown()
+    except KeyboardInterrupt:  # stopped while starting
+        pass
+    finally:
+        if ray.is_initialized():
+            if address is not None:  # a cluster of others': take mola's application off it
+                serve.delete("mola")
+            ray.shutdown()  # (a local cluster goes with it, replicas and all, at once)
     return 0

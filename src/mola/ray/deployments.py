@@ -118,7 +118,8 @@ class MolaIngress:
         except (RayError, StopAsyncIteration) as e:
             status, headers, content = before_answer(req.path, replica_lost(type(e).__name__))
             return Response(content, status, headers)
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers}
+        # (Ray's proxy sets X-Request-Id itself, from the one mola echoed)
+        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in head.headers if k.lower() != b"x-request-id"}
         return StreamingResponse(self.rest(pieces, req.path), head.status, headers)
 
     @staticmethod
