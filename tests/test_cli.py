@@ -81,6 +81,7 @@ def test_bad_arguments_fail_clearly(tmp_path, capsys):
         return capsys.readouterr().err
 
     assert "NAME=PATH" in usage_error("serve", "--adapter", "no-equals-sign")
+    assert "--autoscaling" in usage_error("serve", "--autoscaling", "{not json")
     assert "max_loras" in usage_error("serve", "--max-loras", "0")
     with pytest.raises(SystemExit) as e:
         main(["--help"])
@@ -89,6 +90,18 @@ def test_bad_arguments_fail_clearly(tmp_path, capsys):
                         str(free_port())], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and "does not exist" in r.stderr
     assert "warning" not in r.stderr  # 127.0.0.1 by default
+
+
+def test_replica_flags_are_read_apart_from_the_replicas_config():
+    """--replicas, --ray-address and --autoscaling (mola.ray) go to Ray; the
+    config each replica serves is the one the other flags make."""
+    from mola.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["serve", "--replicas", "3", "--ray-address", "ray://head:10001", "--autoscaling",
+                                      '{"min_replicas": 1, "max_replicas": 4}', "--max-loras", "2"])
+    assert (args.replicas, args.ray_address) == (3, "ray://head:10001")
+    assert args.autoscaling == {"min_replicas": 1, "max_replicas": 4}
+    assert config_from_args(args).engine.max_loras == 2
 
 
 @pytest.mark.parametrize("bad", ["{not json", '{"fine_tune_type": "lora"}'])
