@@ -3,6 +3,8 @@ deployed on it, its HTTP proxy on --host/--port, until Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import signal
 import sys
 import threading
@@ -20,13 +22,16 @@ def serve_replicas(config, replicas: int, address: str | None = None, autoscalin
     from ..serve import setup_logging, with_demo
 
     setup_logging(config.log_level)
-    config = with_demo(config)
     if config.distributed or config.bases.models:
         print("[mola] error: --replicas serves one base per replica; it cannot go with --distributed or "
               "--model NAME=PATH", file=sys.stderr)
         return 1
+    config = with_demo(config)  # (the demo's own second base stays out: one base a replica)
+    config = dataclasses.replace(config, bases=dataclasses.replace(config.bases, models=()))
     try:
-        seconds = start_ray(RayStart(address=address))
+        # a local cluster's logical CPUs: room for every replica (each takes one) on any machine
+        wanted = max(replicas, int((autoscaling or {}).get("max_replicas", 0)), os.cpu_count() or 1)
+        seconds = start_ray(RayStart(address=address, num_cpus=wanted))
         print(f"[mola] Ray {'joined' if address else 'started'} in {seconds:.1f} s; deploying "
               f"{autoscaling or replicas} replica(s) of {config.model} ...", file=sys.stderr, flush=True)
         url = run_app(config, replicas, autoscaling=autoscaling, host=config.http.host or "0.0.0.0",
