@@ -29,6 +29,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..config import VisionConfig
 from ..errors import InvalidRequest
 
 if TYPE_CHECKING:
@@ -47,16 +48,22 @@ class ImageLimits:
     """What one request's images may be (`mola serve`'s --max-image-bytes,
     --max-image-pixels, --max-images-per-request, --allow-remote-images)."""
 
-    max_bytes: int = 20 * 1024 * 1024  # an image's source bytes (OpenAI's bound: 20 MB per image)
-    max_pixels: int = 40_000_000  # width x height of one image, read from its header before decoding
-    max_images: int = 16  # images in one request, over all its messages
-    allow_remote: bool = False  # fetch http(s) image URLs (off: they are refused with a 400)
+    max_bytes: int = VisionConfig.max_image_bytes  # an image's source bytes (20 MiB: OpenAI's bound is 20 MB)
+    max_pixels: int = VisionConfig.max_image_pixels  # width x height of one image, read from its header
+    max_images: int = VisionConfig.max_images_per_request  # images in one request, over all its messages
+    allow_remote: bool = VisionConfig.allow_remote_images  # fetch http(s) image URLs (off: refused, a 400)
 
     def __post_init__(self):
         for name in ("max_bytes", "max_pixels", "max_images"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+    @classmethod
+    def of(cls, vision: VisionConfig) -> ImageLimits:
+        """The limits `mola serve`'s flags set."""
+        return cls(max_bytes=vision.max_image_bytes, max_pixels=vision.max_image_pixels,
+                   max_images=vision.max_images_per_request, allow_remote=vision.allow_remote_images)
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,12 @@ def count_images(messages: list[dict]) -> int:
     """Image parts in chat messages (sources or decoded)."""
     return sum(1 for m in messages if isinstance(m.get("content"), list)
                for part in m["content"] if part.get("type") == "image")
+
+
+def first_image_param(messages: list[dict]) -> str | None:
+    """The request field of the first image part (errors about images as a whole name it)."""
+    return next((part["source"].param for m in messages if isinstance(m.get("content"), list)
+                 for part in m["content"] if part.get("type") == "image" and "source" in part), None)
 
 
 def check_count(messages: list[dict], limits: ImageLimits, param: str = "messages") -> int:
