@@ -12,9 +12,10 @@ import zlib
 
 import pytest
 
-Image = pytest.importorskip("PIL.Image", reason="images in chat need pillow (the vision extra)")
+from helpers.vision import crafted_png, data_url, image_bytes, require_pillow
 
-from helpers.vision import crafted_png, data_url, image_bytes  # noqa: E402
+Image = require_pillow()
+
 
 from mola.errors import InvalidRequest  # noqa: E402
 from mola.frontend.images_in import (ImageLimits, ImageSource, check_count, decode_base64_source,  # noqa: E402

@@ -16,10 +16,11 @@ import threading
 
 import pytest
 
-pytest.importorskip("PIL.Image", reason="images in chat need pillow (the vision extra)")
+from helpers.vision import crafted_png, data_url, image_bytes, require_pillow
+
+require_pillow()
 
 from helpers.scripted import client, tokenizer_model  # noqa: E402
-from helpers.vision import crafted_png, data_url, image_bytes  # noqa: E402
 from test_inprocess import Trips  # noqa: E402
 
 from mola.frontend import prepare  # noqa: E402
