@@ -43,6 +43,14 @@ def test_a_jpeg_decodes_and_an_rgba_png_becomes_rgb():
     assert decode_data_url(data_url(rgba), LIMITS).image.mode == "RGB"
 
 
+@pytest.mark.parametrize("fmt, media_type", [("WEBP", "image/webp"), ("GIF", "image/gif")])
+def test_webp_and_gif_decode(fmt, media_type):
+    raw = image_bytes(fmt, (5, 7), color=(0, 0, 255))
+    got = decode_data_url(data_url(raw, media_type), LIMITS)
+    assert (got.width, got.height, got.media_type) == (5, 7, media_type)
+    assert max(abs(a - b) for a, b in zip(got.image.getpixel((2, 3)), (0, 0, 255))) < 8  # WebP is lossy
+
+
 def test_the_same_bytes_are_equal_inputs_and_different_bytes_are_not():
     a, b = image_bytes("PNG", (4, 4), color=(1, 1, 1)), image_bytes("PNG", (4, 4), color=(2, 2, 2))
     assert decode_data_url(data_url(a), LIMITS) == decode_data_url(data_url(a), LIMITS)
