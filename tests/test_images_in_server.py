@@ -183,3 +183,21 @@ def test_images_decode_off_the_event_loop(model, monkeypatch):
         return text, await image
     text, image = run(model, scenario)
     assert text.status_code == 200 and image.status_code == 200
+
+
+@pytest.mark.parametrize("takes_images", [False, True])
+def test_count_tokens_decodes_images_as_messages_does(model, takes_images):
+    """/v1/messages/count_tokens takes the same path: a text-only base names the model, a bad image
+    is the same 400, a good one is counted as /v1/messages renders it."""
+    async def scenario(c):
+        path = "/v1/messages/count_tokens"
+        good = await c.post(path, json={"model": "tiny", "messages": messages(b64_block(PNG))["messages"]})
+        bad = await c.post(path, json={"model": "tiny", "messages": messages(b64_block("%%%"))["messages"]})
+        served = await c.post("/v1/messages", json=messages(b64_block(PNG)))
+        return good, bad, served, c.engine.submitted
+    good, bad, served, submitted = run(model, scenario, takes_images=takes_images)
+    if not takes_images:
+        assert good.status_code == bad.status_code == 400 and "The model 'tiny' does not take images" in good.text
+        return
+    assert bad.status_code == 400 and "not valid base64" in bad.text
+    assert served.status_code == 200 and good.json() == {"input_tokens": len(submitted[0].prompt)}
