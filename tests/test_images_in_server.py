@@ -201,3 +201,28 @@ def test_count_tokens_decodes_images_as_messages_does(model, takes_images):
         return
     assert bad.status_code == 400 and "not valid base64" in bad.text
     assert served.status_code == 200 and good.json() == {"input_tokens": len(submitted[0].prompt)}
+
+
+def test_openai_image_parts_become_image_parts_in_order():
+    """A user message with images keeps its parts in order (the URL may be a bare string); one
+    without stays one string, its texts joined as before; other roles' text parts too."""
+    from mola.frontend.images_in import ImageSource
+    from mola.server.dialects.chat import message_dicts
+    from mola.server.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest(model="m", messages=[
+        {"role": "system", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, image_url("data:image/png;base64,AAAA", "high"),
+                                     {"type": "image_url", "image_url": "data:image/gif;base64,BBBB"},
+                                     {"type": "text", "text": "b"}]},
+        {"role": "user", "content": [{"type": "text", "text": "c"}, {"type": "text", "text": "d"}]}])
+    assert message_dicts(body.messages) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [
+            {"type": "text", "text": "a"},
+            {"type": "image", "source": ImageSource("messages[1].content[1].image_url.url",
+                                                    url="data:image/png;base64,AAAA")},
+            {"type": "image", "source": ImageSource("messages[1].content[2].image_url.url",
+                                                    url="data:image/gif;base64,BBBB")},
+            {"type": "text", "text": "b"}]},
+        {"role": "user", "content": "cd"}]
