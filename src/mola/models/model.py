@@ -20,6 +20,7 @@ class LoadedModel:
     config: dict  # the model's config.json
     path: Path | None = None  # the local directory it came from
     draft: nn.Module | None = None  # --speculative draft: the draft model (the same tokenizer)
+    takes_images: bool = False  # a vision-language base: chat messages may carry images (docs/vision.md)
 
     @property
     def vocab_size(self) -> int:
