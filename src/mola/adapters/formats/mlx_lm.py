@@ -5,6 +5,9 @@
     adapters.safetensors  model.layers.3.self_attn.q_proj.lora_a  [in, r]
                           model.layers.3.self_attn.q_proj.lora_b  [r, out]
 
+mlx-vlm's trainer (``mlx_vlm.train``) writes the same, its paths under
+``language_model.`` (read as mola lays a vision model out: language_path).
+
 delta(x) = scale * (x @ lora_a) @ lora_b, as mlx-lm's LoRALinear computes it.
 An activated LoRA's config also holds ``alora_invocation_tokens`` (PEFT's name).
 A DoRA adapter (``fine_tune_type: dora``, mlx-lm's DoRALinear) also stores
@@ -74,6 +77,26 @@ def read_mlx_lm_adapter(path: Path, dtype: mx.Dtype | None = None) -> LoRAWeight
     return with_invocation(weights, alora_tokens(config, path / CONFIG_FILE))
 
 
+# The vision side of an mlx-vlm model: its tower and the projector into the language model.
+VISION_PREFIXES = ("vision_tower.", "visual.", "vision_model.", "multi_modal_projector.", "connector.",
+                   "mm_projector.", "aligner.")
+LANGUAGE_PREFIX = "language_model."  # mlx-vlm's path of the language model (mlx_vlm.train's keys)
+
+
+def language_path(module: str, weights_file: str) -> str:
+    """An adapter module's path on the base as mola lays it out: mlx-vlm's
+    ``language_model.model.layers.0...`` is ``model.layers.0...`` (see
+    mola.models.vision); a LoRA on the vision tower or the projector is
+    refused: the tower runs once per image in the prefill, outside the batch
+    whose rows pick their adapters, so one request's adapter there would be
+    every row's."""
+    if module.startswith(VISION_PREFIXES):
+        raise InvalidAdapter(
+            f"{weights_file} adapts '{module}', part of the vision tower or its projector; mola serves LoRA "
+            "on a vision model's language model only (its vision tower runs outside the multi-LoRA batch).")
+    return module.removeprefix(LANGUAGE_PREFIX)
+
+
 def is_dora(config: dict) -> bool:
     return config.get("fine_tune_type") == "dora"
 
@@ -99,7 +122,7 @@ def mlx_lm_weights(tensors: dict[str, mx.array], scale: float, source: str, weig
                 f"{weights_file} holds '{key}', which is not a LoRA factor "
                 f"(expected keys ending in .lora_a / .lora_b){hint}."
             )
-        pairs.setdefault(module, {})[leaf] = value
+        pairs.setdefault(language_path(module, weights_file), {})[leaf] = value
     modules = {}
     for module, factors in sorted(pairs.items()):
         if set(factors) != {"lora_a", "lora_b"}:

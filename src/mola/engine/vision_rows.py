@@ -1,0 +1,86 @@
+"""The rows of a vision-language base (mola.models.vision), as the runner
+feeds them: a prefill batch's input embeddings, the images' features merged
+into its image rows, and every row's multimodal positions [3, G, W]; a decode
+step's positions, each row's cache offset plus its rope delta.
+
+An image row's embeddings and positions over its whole prompt are computed
+once, when its prefill starts (the vision tower runs then, on the engine
+thread); each chunk takes its columns of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ..models.vision import decode_positions
+from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class VisionPrompt:
+    """A prompt's images as mlx-vlm's processor made them (on the tokenizer
+    thread): what the vision tower takes, and what the prompt cache keys."""
+
+    pixel_values: Any  # np [N, C * T * P * P] the images' patches
+    grid_thw: Any  # np [I, 3] int: each image's grid (frames, rows, columns of patches)
+    hashes: tuple[str, ...]  # sha256 of each image's source bytes
+    num_image_tokens: int  # of the prompt's tokens, those the images' features replace
+
+
+@dataclass
+class ImageRows:
+    """One image row of a prefill batch, over its prefilled tokens."""
+
+    embeds: mx.array  # [L, D] input embeddings, image features merged in
+    positions: np.ndarray  # [3, L] int multimodal positions
+
+
+def start_rows(model, routing, members: list[Sequence]) -> list[ImageRows | None]:
+    """Each member's ImageRows (None: a text row); sets each image row's
+    ``rope_delta``. The embedding runs under the member's own routing (an
+    embedding LoRA)."""
+    rows: list[ImageRows | None] = []
+    for s in members:
+        if s.vision is None:
+            rows.append(None)
+            continue
+        routing.set([s.slot], [s.lora_scale])
+        v = s.vision
+        embeds, positions, s.rope_delta = model.image_rows(
+            s.context[:-1], mx.array(v.pixel_values), mx.array(v.grid_thw))
+        mx.eval(embeds, positions)
+        rows.append(ImageRows(embeds[0], np.array(positions[:, 0, :])))
+    return rows
+
+
+def prefill_inputs(model, batch, tokens: mx.array, start: int, end: int) -> dict:
+    """The model's ``embeds`` [G, W, D] (None when no row has an image) and
+    ``positions`` [3, G, W] of columns [start, end) of a PrefillBatch whose
+    member i starts at position ``done[i]``; ``tokens`` [G, W] are those columns'."""
+    rows, done = batch.images, batch.done
+    G, W = tokens.shape
+    positions = np.arange(start, end)[None, :] + np.array(done)[:, None]  # [G, W] text positions
+    positions = np.broadcast_to(positions[None], (3, G, W)).copy()
+    if all(r is None for r in rows):
+        return {"embeds": None, "positions": mx.array(positions)}
+    plain = model.model.embed_tokens(tokens)  # [G, W, D]
+    out = []
+    for i, r in enumerate(rows):
+        if r is None:
+            out.append(plain[i])
+            continue
+        first, last = done[i] + start, min(done[i] + end, r.embeds.shape[0])
+        n = max(0, last - first)  # real columns; the rest is right padding
+        positions[:, i, :n] = r.positions[:, first:last]
+        out.append(mx.concatenate([r.embeds[first:last], plain[i, n:]]) if n < W else r.embeds[first:last])
+    return {"embeds": mx.stack(out), "positions": mx.array(positions)}
+
+
+def decode_inputs(cache: list, rows: list[Sequence]) -> dict:
+    """The model's ``positions`` [3, B, 1] of a decode step: each row's
+    tokens so far plus its rope delta (0: a text row)."""
+    deltas = mx.array([s.rope_delta for s in rows], dtype=mx.int32)  # [B]
+    return {"positions": decode_positions(cache, deltas, 1)}

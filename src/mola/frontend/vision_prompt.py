@@ -1,0 +1,50 @@
+"""A chat prompt with images, through mlx-vlm's own processor and chat
+template, on the tokenizer thread (the one trip a prompt makes there): its
+token ids, each image's placeholder repeated once per vision token, and the
+images' patches and grids the vision tower takes in the prefill."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..engine.vision_rows import VisionPrompt
+from ..errors import InvalidRequest
+
+# A prompt's vision tokens at most, by default (--max-vision-tokens).
+MAX_VISION_TOKENS = 16384
+
+
+def message_images(messages: list[dict]) -> list[Any]:
+    """The ImageInputs of ``messages``' image parts, in order."""
+    return [part["image"] for m in messages if isinstance(m.get("content"), list)
+            for part in m["content"] if isinstance(part, dict) and part.get("type") == "image"]
+
+
+def encode_vision_prompt(processor, messages: list[dict], image_token_id: int,
+                         max_vision_tokens: int = MAX_VISION_TOKENS, tools=None,
+                         **template_args) -> tuple[list[int], VisionPrompt | None]:
+    """(token ids, VisionPrompt) of a chat with images, as mlx-vlm prepares
+    it (its chat template, then ``prepare_inputs``); None for a chat
+    without one. InvalidRequest naming the bound when its images take more
+    than ``max_vision_tokens`` tokens."""
+    from mlx_vlm.utils import prepare_inputs
+
+    images = message_images(messages)
+    prompt = processor.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                           **template_args)
+    if not images:
+        ids = processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        return list(ids), None
+    inputs = prepare_inputs(processor, images=[im.image for im in images], prompts=[prompt])
+    ids = np.array(inputs["input_ids"])[0].tolist()  # [L]
+    num_vision = sum(1 for t in ids if t == image_token_id)
+    if num_vision > max_vision_tokens:
+        raise InvalidRequest(
+            f"The request's {len(images)} image(s) take {num_vision} vision tokens, more than the "
+            f"{max_vision_tokens} a request may (--max-vision-tokens); send smaller or fewer images.",
+            param="messages")
+    vision = VisionPrompt(pixel_values=np.array(inputs["pixel_values"]), grid_thw=np.array(inputs["image_grid_thw"]),
+                          hashes=tuple(im.sha256 for im in images), num_image_tokens=num_vision)
+    return ids, vision

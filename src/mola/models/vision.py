@@ -1,0 +1,140 @@
+"""Vision-language bases: an mlx-vlm model directory, loaded through mlx-vlm's
+own loader and processor, served as an mlx-lm-like text model whose decoder
+mola's LoRA layers wrap.
+
+:class:`VisionLanguageModel` lays the language model out as mlx-lm's are
+(``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``), so
+adapters name the same paths as for a text model, and keeps the vision tower
+beside it. Its forward pass takes what the runner computed per row: the input
+embeddings (image features merged in by mlx-vlm's own code) and the
+multimodal rotary positions [3, B, L] (M-RoPE), so that each row of a shared
+batch keeps its own positions through decode (its rope delta, see
+:func:`decode_positions`).
+
+Families (mlx-vlm's ``model_type``): SERVED are the ones whose language model
+takes explicit per-row positions and whose prompt mlx-vlm's processor turns
+into tokens, pixels and a grid; the others are refused at start, saying why.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import ModelLoadError
+
+# mlx-vlm families mola serves, with their M-RoPE decoders.
+SERVED = ("qwen2_vl", "qwen2_5_vl")
+# Families refused at start, and why (any other: not checked, refused too).
+REFUSED = {
+    "idefics3": "its image features are merged by pixel-attention masks per image, which mola's prefill does "
+                "not yet carry per row (the decoder itself, llama with per-row cache offsets, would fit)",
+    "smolvlm": "SmolVLM is mlx-vlm's Idefics3 (see idefics3)",
+}
+VISION_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def vision_model_type(path: Path) -> str | None:
+    """The mlx-vlm ``model_type`` of a model directory that holds a vision
+    model (a config with a ``vision_config`` and an image processor's config);
+    None for a text model."""
+    if not path.is_dir() or not (path / "config.json").is_file():
+        return None
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None  # the text loader names the broken file
+    if not isinstance(config, dict) or "vision_config" not in config:
+        return None
+    if not any((path / f).is_file() for f in VISION_FILES):
+        return None
+    return str(config.get("model_type"))
+
+
+def check_served(model_type: str, path: Path) -> None:
+    if model_type in SERVED:
+        return
+    why = REFUSED.get(model_type, "mola has not checked that its decoder can take per-row positions")
+    raise ModelLoadError(f"{path} is an mlx-vlm '{model_type}' vision model, which mola does not serve: {why}. "
+                         f"mola serves vision models of the families {', '.join(SERVED)}")
+
+
+@dataclass(frozen=True)
+class _Held:
+    """mlx-vlm's whole model, kept out of the module tree (its language model's
+    modules are the wrapper's own, under other paths)."""
+
+    vlm: Any
+
+
+class VisionLanguageModel(nn.Module):
+    """mlx-vlm's Qwen2-VL family as an mlx-lm-like model (see the module doc)."""
+
+    def __init__(self, vlm: nn.Module):
+        super().__init__()
+        lm = vlm.language_model
+        self.model = lm.model  # embed_tokens, layers, norm: the very modules mlx-vlm's model calls
+        self.tied = bool(lm.args.tie_word_embeddings)
+        if not self.tied:
+            self.lm_head = lm.lm_head
+        self.vision_tower = vlm.vision_tower
+        self.held = _Held(vlm)
+        self.model_type = vlm.config.model_type
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    @property
+    def image_token_id(self) -> int:
+        return int(self.held.vlm.config.image_token_id)
+
+    def __call__(self, inputs: mx.array, cache=None, embeds: mx.array | None = None,
+                 positions: mx.array | None = None) -> mx.array:
+        """Logits [B, L, V] of ``inputs`` [B, L]; ``embeds`` [B, L, D] (None: the
+        tokens' own), ``positions`` [3, B, L] (None: each row's next positions
+        by its cache, as a text model's, for rows without an image)."""
+        if positions is None:
+            positions = decode_positions(cache, mx.zeros((inputs.shape[0],), dtype=mx.int32), inputs.shape[1])
+        h = self.model(inputs, inputs_embeds=embeds, cache=cache, position_ids=positions)
+        return self.model.embed_tokens.as_linear(h) if self.tied else self.lm_head(h)
+
+    def image_rows(self, tokens: list[int], pixel_values: mx.array, grid_thw: mx.array) -> tuple:
+        """One prompt's embeddings [1, L, D] with the images' features merged
+        in, its positions [3, 1, L] and rope delta, as mlx-vlm computes them
+        (its get_input_embeddings: the vision tower, the merge, get_rope_index)."""
+        ids = mx.array([tokens], dtype=mx.int32)  # [1, L]
+        out = self.held.vlm.get_input_embeddings(ids, pixel_values, image_grid_thw=grid_thw)
+        return out.inputs_embeds, out.position_ids, int(out.rope_deltas.reshape(-1)[0].item())
+
+
+def decode_positions(cache, deltas: mx.array, length: int) -> mx.array:
+    """[3, B, L] positions of the next ``length`` tokens of each row: its
+    tokens so far (the cache's offset, per row in a batch cache) plus its rope
+    delta ``deltas`` [B] (0 for a text row)."""
+    offset = cache[0].offset if cache else 0
+    offset = offset if isinstance(offset, mx.array) else mx.array([offset] * deltas.shape[0])
+    pos = (offset + deltas)[:, None] + mx.arange(length)[None, :]  # [B, L]
+    return mx.broadcast_to(pos[None], (3, *pos.shape))
+
+
+def load_vision_model(path: Path, model_type: str):
+    """(VisionLanguageModel, mlx-vlm's processor, config dict): through
+    mlx-vlm's own ``load``; ModelLoadError when mlx-vlm is missing or fails."""
+    check_served(model_type, path)
+    try:
+        from mlx_vlm import load
+    except ImportError as e:
+        raise ModelLoadError(f"{path} is a vision model ('{model_type}'); serving it needs mlx-vlm: "
+                             f"pip install 'mola[vision]' ({e})") from None
+    try:
+        vlm, processor = load(str(path))
+    except Exception as e:
+        raise ModelLoadError(f"mlx-vlm could not load the vision model at {path}: {e}") from e
+    config = json.loads((path / "config.json").read_text())
+    return VisionLanguageModel(vlm), processor, config

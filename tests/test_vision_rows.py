@@ -1,0 +1,98 @@
+"""Vision-language bases in the mixed batch (mola.engine.vision_rows,
+mola.models.vision): mola's greedy answer to a chat with an image equals
+mlx-vlm's own ``generate`` on the same image, with the adapter (as
+``mlx_vlm.train`` writes it) fused into the weights by mlx-vlm; alone, and
+in one batch with a text-only row, a base row and another adapter's image
+row. Skipped without mlx-vlm, saying why (MOLA_REQUIRE_VISION=1: failed)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+if os.environ.get("MOLA_REQUIRE_VISION") == "1":
+    import mlx_vlm  # noqa: F401 (CI: a missing mlx-vlm fails here)
+else:
+    pytest.importorskip("mlx_vlm", reason="vision-language bases need mlx-vlm: pip install --no-deps "
+                        "mlx-vlm==0.7.10 (docs/vision.md)")
+
+from helpers.engines import EngineRunner, together
+from helpers.vision_models import (image_chat, image_input, make_tiny_qwen2_vl, make_vlm_adapter, merged_vlm,
+                                   vlm_greedy)
+
+from mola.frontend.vision_prompt import encode_vision_prompt
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen2_vl")
+    model = make_tiny_qwen2_vl(root / "model")
+    return model, make_vlm_adapter(root / "a", model, seed=1), make_vlm_adapter(root / "b", model, seed=2, rank=2)
+
+
+@pytest.fixture(scope="module")
+def runner(qwen2_vl):
+    model, a, b = qwen2_vl
+    r = EngineRunner(model, [("a", a), ("b", b)], max_tokens=MAX_TOKENS)
+    yield r
+    r.stop()
+
+
+def reference(model_dir, adapter, chat, images) -> list[int]:
+    """mlx-vlm's own greedy answer, ``adapter`` (or None) fused into its weights."""
+    m, processor = merged_vlm(model_dir, adapter)
+    return vlm_greedy(m, processor, chat, [im.image for im in images], MAX_TOKENS)
+
+
+def with_images(chat: list[dict], images) -> list[dict]:
+    """``chat`` with its image parts holding ``images``, in order, as the frontend hands them on."""
+    it = iter(images)
+    return [{**m, "content": [{**p, "image": next(it)} if p["type"] == "image" else p for p in m["content"]]}
+            for m in chat]
+
+
+def submit(runner, chat, images, adapter=None, **params):
+    loaded = runner.loaded
+    ids, vision = encode_vision_prompt(loaded.processor, with_images(chat, images), loaded.model.image_token_id)
+    return runner.submit(ids, adapter, vision=vision, **params)
+
+
+def test_an_image_row_alone_equals_mlx_vlm(runner, qwen2_vl):
+    model, a, _ = qwen2_vl
+    im = image_input(0)
+    want = reference(model, a, image_chat("What is this?"), [im])
+    seq = together(runner, lambda: submit(runner, image_chat("What is this?"), [im], "a"))
+    assert runner.wait([seq])[0] == want
+    assert seq.rope_delta < 0  # M-RoPE: the image's positions ran behind its tokens
+
+
+def test_image_rows_in_one_batch_with_text_base_and_other_adapter_rows(runner, qwen2_vl):
+    model, a, b = qwen2_vl
+    im0, im1 = image_input(0), image_input(1, (16, 32))
+    text = [{"role": "user", "content": [{"type": "text", "text": "Tell me about autumn leaves."}]}]
+    cases = [  # (chat, images, adapter)
+        (image_chat("What is this?"), [im0], "a"),
+        (text, [], "a"),  # a text-only row of the same adapter
+        (image_chat("Describe it"), [im1], None),  # a base row with an image
+        (image_chat("And these two?", 2), [im1, im0], "b"),  # another adapter, two images
+        (text, [], None),  # a base text row
+    ]
+    want = [reference(model, {"a": a, "b": b, None: None}[ad], chat, ims) for chat, ims, ad in cases]
+    seqs = together(runner, lambda: [submit(runner, chat, ims, ad) for chat, ims, ad in cases])
+    got = runner.wait(seqs)
+    assert got == want
+    assert len({tuple(w) for w in want}) == len(want)  # every row's answer is its own
+
+
+def test_a_row_joining_mid_decode_answers_as_alone(runner):
+    """Rows decoding beside others (joining mid-decode) answer as they do alone."""
+    im = image_input(2)
+    alone = runner.wait([together(runner, lambda: submit(runner, image_chat("Why?"), [im], "b"))])[0]
+    first = together(runner, lambda: submit(runner, image_chat("What is this?"), [image_input(0)], "a",
+                                            max_tokens=30))
+    runner.wait_decoding([first])
+    later = submit(runner, image_chat("Why?"), [im], "b")
+    assert runner.wait([first, later])[1] == alone
