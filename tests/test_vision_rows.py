@@ -50,7 +50,8 @@ def reference(model_dir, adapter, chat, images) -> list[int]:
 def with_images(chat: list[dict], images) -> list[dict]:
     """``chat`` with its image parts holding ``images``, in order, as the frontend hands them on."""
     it = iter(images)
-    return [{**m, "content": [{**p, "image": next(it)} if p["type"] == "image" else p for p in m["content"]]}
+    return [m if isinstance(m["content"], str) else
+            {**m, "content": [{**p, "image": next(it)} if p["type"] == "image" else p for p in m["content"]]}
             for m in chat]
 
 
@@ -96,3 +97,20 @@ def test_a_row_joining_mid_decode_answers_as_alone(runner):
     runner.wait_decoding([first])
     later = submit(runner, image_chat("Why?"), [im], "b")
     assert runner.wait([first, later])[1] == alone
+
+
+def test_a_second_turn_about_one_image_reuses_its_prefix_and_another_image_never_does(runner, qwen2_vl):
+    model, a, _ = qwen2_vl
+    im, other = image_input(3), image_input(4)  # one size: the same tokens, other pixels
+    first = image_chat("What is this?")
+    seq = together(runner, lambda: submit(runner, first, [im], "a"))
+    answer = runner.loaded.tokenizer.decode(runner.wait([seq])[0])
+    second = first + [{"role": "assistant", "content": answer},
+                      {"role": "user", "content": [{"type": "text", "text": "And its colour?"}]}]
+    again = together(runner, lambda: submit(runner, second, [im], "a"))
+    assert runner.wait([again])[0] == reference(model, a, second, [im])
+    assert again.num_cached_tokens >= len(seq.prompt) - 1  # the first turn's prompt, image included
+    elsewhere = together(runner, lambda: submit(runner, second, [other], "a"))
+    assert elsewhere.prompt == again.prompt  # the same token ids...
+    assert runner.wait([elsewhere])[0] == reference(model, a, second, [other])
+    assert elsewhere.num_cached_tokens == 0  # ...but another image: no entry of the first one's
