@@ -41,9 +41,9 @@ def runner(qwen2_vl):
     r.stop()
 
 
-def reference(model_dir, adapter, chat, images) -> list[int]:
-    """mlx-vlm's own greedy answer, ``adapter`` (or None) fused into its weights."""
-    m, processor = merged_vlm(model_dir, adapter)
+def reference(model_dir, adapter, chat, images, scale: float = 1.0) -> list[int]:
+    """mlx-vlm's own greedy answer, ``adapter`` (or None) fused into its weights at ``scale``."""
+    m, processor = merged_vlm(model_dir, adapter, scale)
     return vlm_greedy(m, processor, chat, [im.image for im in images], MAX_TOKENS)
 
 
@@ -114,3 +114,20 @@ def test_a_second_turn_about_one_image_reuses_its_prefix_and_another_image_never
     assert elsewhere.prompt == again.prompt  # the same token ids...
     assert runner.wait([elsewhere])[0] == reference(model, a, second, [other])
     assert elsewhere.num_cached_tokens == 0  # ...but another image: no entry of the first one's
+
+
+def test_a_peft_copy_by_hugging_face_names_at_a_request_scale_beside_the_original(runner, qwen2_vl, tmp_path):
+    """The same adapter as PEFT writes it for the Hugging Face VLM (its
+    decoder under model.language_model.), at lora_scale 0.5, in one batch
+    with the mlx-vlm original at 1."""
+    from mola.adapters.weights import LoRAWeights
+    from mola.testing.peft import save_peft_adapter
+
+    model, a, _ = qwen2_vl
+    hf = {p.replace("model.layers.", "model.language_model.layers."): m for p, m in runner.read(a).modules.items()}
+    runner.add("peft", runner.read(save_peft_adapter(tmp_path / "peft", LoRAWeights("hf", "peft", hf))))
+    im = image_input(5)
+    want = [reference(model, a, image_chat("What is this?"), [im], 0.5), reference(model, a, image_chat("Why?"), [im])]
+    seqs = together(runner, lambda: [submit(runner, image_chat("What is this?"), [im], "peft", lora_scale=0.5),
+                                     submit(runner, image_chat("Why?"), [im], "a")])
+    assert runner.wait(seqs) == want

@@ -27,7 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ...errors import InvalidAdapter
-from .common import CONFIG_FILE, read_config
+from .common import CONFIG_FILE, language_path, read_config
 from ..host_safetensors import read_safetensors_file
 from ..dora import take_magnitudes
 from ..weights import LoRAWeights, ModuleLoRA, alora_tokens, with_invocation
@@ -75,26 +75,6 @@ def read_mlx_lm_adapter(path: Path, dtype: mx.Dtype | None = None) -> LoRAWeight
         raise InvalidAdapter(f"{weights_file} is not a readable safetensors file: {e}")
     weights = mlx_lm_weights(tensors, scale, str(path), str(weights_file), dtype, is_dora(config))
     return with_invocation(weights, alora_tokens(config, path / CONFIG_FILE))
-
-
-# The vision side of an mlx-vlm model: its tower and the projector into the language model.
-VISION_PREFIXES = ("vision_tower.", "visual.", "vision_model.", "multi_modal_projector.", "connector.",
-                   "mm_projector.", "aligner.")
-LANGUAGE_PREFIX = "language_model."  # mlx-vlm's path of the language model (mlx_vlm.train's keys)
-
-
-def language_path(module: str, weights_file: str) -> str:
-    """An adapter module's path on the base as mola lays it out: mlx-vlm's
-    ``language_model.model.layers.0...`` is ``model.layers.0...`` (see
-    mola.models.vision); a LoRA on the vision tower or the projector is
-    refused: the tower runs once per image in the prefill, outside the batch
-    whose rows pick their adapters, so one request's adapter there would be
-    every row's."""
-    if module.startswith(VISION_PREFIXES):
-        raise InvalidAdapter(
-            f"{weights_file} adapts '{module}', part of the vision tower or its projector; mola serves LoRA "
-            "on a vision model's language model only (its vision tower runs outside the multi-LoRA batch).")
-    return module.removeprefix(LANGUAGE_PREFIX)
 
 
 def is_dora(config: dict) -> bool:
