@@ -194,3 +194,21 @@ def test_host_tier_and_admission_settings(tmp_path):
     f.write_text('adapter_cache_bytes = "-3GB"\n')
     with pytest.raises(ValueError, match="size in bytes"):
         parse("--config", str(f))
+
+
+def test_image_input_flags_and_file_keys(tmp_path):
+    """Images in chat (VisionConfig): the defaults, the flags, a file's keys, and bad values named."""
+    c = parse()
+    assert (c.vision.allow_remote_images, c.vision.max_image_bytes, c.vision.max_image_pixels,
+            c.vision.max_images_per_request) == (False, 20 * 2**20, 40_000_000, 16)
+    c = parse("--allow-remote-images", "--max-image-bytes", "5MB", "--max-image-pixels", "1000000",
+              "--max-images-per-request", "3")
+    assert (c.vision.allow_remote_images, c.vision.max_image_bytes, c.vision.max_image_pixels,
+            c.vision.max_images_per_request) == (True, 5 * 10**6, 1_000_000, 3)
+    f = tmp_path / "mola.toml"
+    f.write_text('max_image_bytes = "1MiB"\nmax-images-per-request = 2\n')
+    c = parse("--config", str(f), "--max-images-per-request", "4")
+    assert (c.vision.max_image_bytes, c.vision.max_images_per_request) == (2**20, 4)
+    for key, bad in (("max_image_pixels", 0), ("max_images_per_request", -1), ("max_image_bytes", 1.5)):
+        with pytest.raises(ValueError, match=key):
+            ServeConfig.from_settings(**{key: bad})

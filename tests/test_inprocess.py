@@ -484,7 +484,8 @@ def test_a_chat_image_part_is_refused(model):
             {"type": "image_url", "image_url": {"url": "data:,"}}]}]})
         return r, trips.count
     r, trips = run(model, scenario)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0]"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0].image_url.url"
+    assert "The model 'tiny' does not take images" in r.json()["error"]["message"]
     assert trips == 0
 
 

@@ -457,7 +457,10 @@ GOOD = {"model": "upper", "max_tokens": 20, "messages": user("ok")}
     ({**GOOD, "top_k": 40}, 400, "invalid_request_error", "top_k 40 cannot be honoured"),
     ({**GOOD, "stop": ["x"]}, 400, "invalid_request_error", "stop_sequences"),
     ({**GOOD, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400,
-     "invalid_request_error", "text-only"),
+     "invalid_request_error", "Unsupported image source type None"),
+    ({**GOOD, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}, 400,
+     "invalid_request_error", "does not take images"),
     ({**GOOD, "messages": [*user("hi"), {"role": "assistant", "content": "The answer is"}]}, 400,
      "invalid_request_error", "prefilled"),
     ({**GOOD, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400,

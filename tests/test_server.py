@@ -356,7 +356,7 @@ def test_image_content_is_refused(client):
         {"type": "text", "text": "what is this"},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
     err = assert_error(client.post("/v1/chat/completions", json=body), 400)
-    assert "images are not supported" in err["message"]
+    assert "The model 'tiny' does not take images" in err["message"]
 
 
 def test_unknown_model_and_route(client):

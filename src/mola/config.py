@@ -193,10 +193,34 @@ class BasesConfig:
             raise ValueError(f"keep_alive must be > 0 seconds, got {self.keep_alive}")
 
 
+@dataclass(frozen=True)
+class VisionConfig:
+    """Images in chat requests (docs/vision.md): what one request's images may
+    be, checked before any is decoded (mola/frontend/images_in.py). Request
+    bodies are also bounded by max_request_bytes, and base64 takes 4/3 of an
+    image's bytes: raise it with max_image_bytes."""
+
+    # Fetch http(s) image URLs (default off: they are refused with a 400 naming this flag).
+    allow_remote_images: bool = False
+    max_image_bytes: int | str = 20 * 1024 * 1024  # an image file's bytes (a size such as "20MB")
+    max_image_pixels: int = 40_000_000  # width x height of one image, read from its header before decoding
+    max_images_per_request: int = 16  # images in one request, over all its messages
+
+    def __post_init__(self):
+        if isinstance(self.max_image_bytes, str):
+            object.__setattr__(self, "max_image_bytes", parse_bytes(self.max_image_bytes))
+        for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
 # `mola serve`'s bases flags and config-file keys: BasesConfig's fields, by the same names.
 BASES_SETTINGS = frozenset(f.name for f in dataclasses.fields(BasesConfig))
 # `mola serve`'s HTTP flags and config-file keys: HTTPConfig's fields, by the same names.
 HTTP_SETTINGS = frozenset(f.name for f in dataclasses.fields(HTTPConfig))
+# `mola serve`'s flags and config-file keys for images in chat: VisionConfig's fields, by the same names.
+VISION_SETTINGS = frozenset(f.name for f in dataclasses.fields(VisionConfig))
 # `mola serve`'s image flags and config-file keys -> the ImagesConfig field each sets.
 IMAGE_SETTINGS = {"image_model": "model", "image_adapters": "adapters", "image_dtype": "dtype",
                   "image_max_batch": "max_batch", "image_max_lora_rank": "max_lora_rank"}
@@ -302,6 +326,8 @@ class ServeConfig:
     images: ImagesConfig = field(default_factory=ImagesConfig)
     # HTTP: the address, the keys, the page, body limits and shutdown (HTTP_SETTINGS).
     http: HTTPConfig = field(default_factory=HTTPConfig)
+    # Images in chat requests: their bounds, and remote URLs (VISION_SETTINGS).
+    vision: VisionConfig = field(default_factory=VisionConfig)
     # The engine: adapter slots and ranks, the batch, the prompt cache and
     # speculative decoding (ENGINE_SETTINGS, SPECULATIVE_SETTINGS).
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -391,14 +417,15 @@ class ServeConfig:
         """A ServeConfig from settings named as `mola serve`'s flags and
         config-file keys: its own fields, the engine's (ENGINE_SETTINGS,
         SPECULATIVE_SETTINGS, speculate_always), the images' (IMAGE_SETTINGS),
-        HTTP's (HTTP_SETTINGS) and the bases' (BASES_SETTINGS)."""
+        HTTP's (HTTP_SETTINGS), the bases' (BASES_SETTINGS) and images in chat's (VISION_SETTINGS)."""
         engine_keys = set(ENGINE_SETTINGS) | set(SPECULATIVE_SETTINGS) | {"speculate_always"}
         engine = {k: settings.pop(k) for k in engine_keys & set(settings)}
         images = {IMAGE_SETTINGS[k]: settings.pop(k) for k in set(IMAGE_SETTINGS) & set(settings)}
         http = {k: settings.pop(k) for k in HTTP_SETTINGS & set(settings)}
         bases = {k: settings.pop(k) for k in BASES_SETTINGS & set(settings)}
+        vision = {k: settings.pop(k) for k in VISION_SETTINGS & set(settings)}
         return cls(**settings, engine=engine_config(**engine), images=ImagesConfig(**images),
-                   http=HTTPConfig(**http), bases=BasesConfig(**bases))
+                   http=HTTPConfig(**http), bases=BasesConfig(**bases), vision=VisionConfig(**vision))
 
 
 def engine_config(speculate_always: bool = False, **settings) -> EngineConfig:
@@ -425,6 +452,6 @@ def engine_config(speculate_always: bool = False, **settings) -> EngineConfig:
 
 
 # Every setting a flag or config-file key can give.
-SETTINGS = ({f.name for f in dataclasses.fields(ServeConfig)} - {"engine", "images", "http", "bases"}
+SETTINGS = ({f.name for f in dataclasses.fields(ServeConfig)} - {"engine", "images", "http", "bases", "vision"}
             | set(ENGINE_SETTINGS) | set(SPECULATIVE_SETTINGS) | {"speculate_always"} | set(IMAGE_SETTINGS)
-            | HTTP_SETTINGS | BASES_SETTINGS)
+            | HTTP_SETTINGS | BASES_SETTINGS | VISION_SETTINGS)

@@ -1,5 +1,6 @@
 """Test helpers, by area:
 
+    vision.py       Images in chat: PIL-made image files, a PNG whose header lies, data URLs; mlx-vlm skipped or required (MOLA_REQUIRE_VISION=1).
     servers.py      A real server in a thread (start_server), `mola serve` in a process of its own, and waiting on them.
     references.py   References computed another way: plain mlx-lm on merged weights, greedy and penalised decodes, grammar walks.
     schemas.py      OpenAI's schemas: responses and stream events validated against the official spec (tests/data/openai_schemas.json).

@@ -74,6 +74,7 @@ def add_serve_parser(commands) -> argparse.ArgumentParser:
     _access_flags(serve)
     _speculative_flags(serve)
     _image_flags(serve)
+    _vision_flags(serve)
     return serve
 
 
@@ -237,3 +238,18 @@ def _image_flags(serve: argparse.ArgumentParser) -> None:
                        help="images denoised together in one batch, each with its own LoRA (default 4)")
     serve.add_argument("--image-max-lora-rank", type=int, metavar="R",
                        help="largest rank of an image LoRA, or of the LoRAs one request stacks (default 64)")
+
+
+def _vision_flags(serve: argparse.ArgumentParser) -> None:
+    """Images in chat requests, for a base that takes them (docs/vision.md)."""
+    serve.add_argument("--allow-remote-images", action="store_true",
+                       help="fetch http(s) image URLs in chat requests (default: refused with a 400; send "
+                       "images inline as data: URLs or base64 blocks)")
+    serve.add_argument("--max-image-bytes", type=size_arg, metavar="SIZE",
+                       help="the largest image file a chat request may carry, e.g. 20MB (default 20MiB; "
+                       "--max-request-bytes bounds the whole body too, and base64 takes 4/3 of the bytes)")
+    serve.add_argument("--max-image-pixels", type=int, metavar="N",
+                       help="the most pixels (width x height, read from the image's header before it is "
+                       "decoded) of one image (default 40000000)")
+    serve.add_argument("--max-images-per-request", type=int, metavar="N",
+                       help="the most images one chat request may carry, over all its messages (default 16)")

@@ -1,7 +1,7 @@
 """The request pipeline: a :class:`GenerationSpec` in, one
 :class:`Generation` per (prompt, choice) out, running on the engine.
 
-    admit (cheap checks, backpressure)  ->  prepare (one tokenizer trip)
+    admit (cheap checks, backpressure)  ->  images decoded (a worker thread)  ->  prepare (one tokenizer trip)
     ->  leases on the model id  ->  sequences handed to the engine
 
 No HTTP here: the server's dialects make the spec and turn the generations
@@ -10,6 +10,7 @@ into their responses."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from ..adapters.weights import invocation_start
@@ -18,15 +19,16 @@ from ..errors import RequestTimedOut
 from ..registry.registry import Lease
 from .admit import Admitted, accept, admit, check_constrainable, sampling_params
 from .generation import Generation
-from .prepare import Prepared, prepare
+from .prepare import Prepared, prepare, with_images
 from .spec import GenerationSpec
 from .state import ServerState
 
 
 async def start(state: ServerState, spec: GenerationSpec) -> list[Generation]:
-    """Admit ``spec``, prepare it in one tokenizer trip, and hand its
-    sequences to the engine."""
+    """Admit ``spec``, decode its images, prepare it in one tokenizer trip,
+    and hand its sequences to the engine."""
     admitted = admit(state, spec)
+    spec = dataclasses.replace(spec, prompt=await with_images(state, spec.prompt, spec.model))
     prepared = await prepare(state, spec)
     check_constrainable(spec.sampling, prepared.grammar)
     accept(state, len(prepared.prompts) * spec.n)  # again: others may have been admitted meanwhile

@@ -11,10 +11,13 @@ tokenizer (mola.structured reads it), when the request needs either."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 from dataclasses import dataclass
 
+from ..errors import InvalidRequest
 from ..structured import CompiledGrammar
+from .images_in import ImageLimits, check_count, count_images, decode_messages, first_image_param
 from .prompts import encode_prompts, render_messages
 from .reasoning import Reasoning
 from .spec import GenerationSpec, PromptSpec
@@ -63,6 +66,23 @@ def _prepare(tokenizer, state: ServerState, spec: GenerationSpec) -> Prepared:
     return structure(tokenizer, state, spec, tokenize(tokenizer, state, spec.prompt))
 
 
+async def with_images(state: ServerState, prompt: PromptSpec, model: str | None = None) -> PromptSpec:
+    """``prompt`` with its image parts (``{"type": "image", "source": ImageSource}``)
+    decoded into ``{"type": "image", "image": ImageInput}`` on a worker thread,
+    off the event loop and off the tokenizer's lanes. First the cheap checks:
+    the base takes images (else a 400 naming ``model``), and their count."""
+    if prompt.messages is None or not count_images(prompt.messages):
+        return prompt
+    if not state.takes_images:
+        raise InvalidRequest(f"The model '{model or state.base_id}' does not take images: its base "
+                             f"'{state.base_id}' is a text-only model. Send text only, or serve a "
+                             "vision-language model (docs/vision.md).", param=first_image_param(prompt.messages))
+    limits = ImageLimits.of(state.config.vision)
+    check_count(prompt.messages, limits, prompt.param)
+    messages = await asyncio.to_thread(decode_messages, prompt.messages, limits)
+    return dataclasses.replace(prompt, messages=messages)
+
+
 async def prepare(state: ServerState, spec: GenerationSpec) -> Prepared:
     """Template, tokenize, reasoning and grammar: one trip to the tokenizer
     thread (two for a long prompt that needs reasoning or a grammar)."""
@@ -79,5 +99,6 @@ async def prepare(state: ServerState, spec: GenerationSpec) -> Prepared:
 
 
 async def prompt_tokens(state: ServerState, prompt: PromptSpec) -> list[list[int]]:
-    """``prompt`` as token ids alone (count_tokens): one trip to its lane."""
+    """``prompt`` as token ids alone (count_tokens): its images decoded, then one trip to its lane."""
+    prompt = await with_images(state, prompt)
     return await state.prompts.call(prompt.chars(), tokenize, state, prompt)

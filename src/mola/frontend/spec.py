@@ -38,8 +38,15 @@ class PromptSpec:
         """About how much the tokenizer is given (it picks the prompt's lane)."""
         if self.texts is not None:
             return sum(len(t) for t in self.texts)
-        text = sum(len(str(m.get("content") or "")) + len(str(m.get("tool_calls") or "")) for m in self.messages)
+        text = sum(_content_chars(m.get("content")) + len(str(m.get("tool_calls") or "")) for m in self.messages)
         return text + (len(str(self.tools)) if self.tools else 0)
+
+
+def _content_chars(content) -> int:
+    """Characters of a message's content: a string, or its parts' text (an image part counts none)."""
+    if isinstance(content, list):
+        return sum(len(part.get("text") or "") for part in content if isinstance(part, dict))
+    return len(str(content or ""))
 
 
 @dataclass(frozen=True)

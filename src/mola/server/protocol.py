@@ -26,6 +26,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..errors import InvalidRequest
+from ..frontend.images_in import ImageSource
 from ..frontend.spec import SamplingSpec, TemplateOptions
 from ..registry.catalog import AdapterRef
 
@@ -61,27 +62,51 @@ class ChatMessage(_Body):
 
     def text(self, index: int) -> str:
         """The content as one string; image/audio parts are refused."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        texts = []
+        content = self.content_parts(index, images=False)
+        assert isinstance(content, str)
+        return content
+
+    def content_parts(self, index: int, images: bool = True) -> str | list[dict]:
+        """The content as one string, or, when a user message carries
+        ``image_url`` parts (and ``images``), as a list of text parts and image
+        parts ``{"type": "image", "source": ImageSource}`` in their order (the
+        pipeline decodes them, mola/frontend/images_in.py). Other media are refused."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
         for j, part in enumerate(self.content):
+            where = f"messages[{index}].content[{j}]"
             kind = part.get("type")
             if kind == "text" and isinstance(part.get("text"), str):
-                texts.append(part["text"])
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind == "image_url" and images and self.role == "user":
+                parts.append({"type": "image", "source": image_url_source(part, where)})
             elif kind in ("image_url", "input_image", "image", "input_audio", "file"):
-                raise InvalidRequest(
-                    f"Content parts of type '{kind}' are not supported: images are not "
-                    "supported; this server serves text-only models.",
-                    param=f"messages[{index}].content[{j}]",
-                )
+                raise InvalidRequest(f"Content parts of type '{kind}' are not supported here: images are taken as "
+                                     "'image_url' parts of user messages, on a base that takes images "
+                                     "(docs/vision.md).", param=where)
             else:
-                raise InvalidRequest(
-                    f"Unsupported content part type {kind!r}; only 'text' parts are supported.",
-                    param=f"messages[{index}].content[{j}]",
-                )
-        return "".join(texts)
+                raise InvalidRequest(f"Unsupported content part type {kind!r}; only 'text' and 'image_url' parts "
+                                     "are supported.", param=where)
+        if all(p["type"] == "text" for p in parts):
+            return "".join(p["text"] for p in parts)
+        return parts
+
+
+def image_url_source(part: dict[str, Any], where: str) -> ImageSource:
+    """An ``image_url`` part, ``{"image_url": {"url": ..., "detail": ...}}`` (or
+    the URL as a bare string), as an unread ImageSource; ``detail`` is accepted
+    and changes nothing (the model's processor sets the resolution)."""
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise InvalidRequest("An image_url part needs 'image_url': {'url': 'data:image/...;base64,...'}.",
+                             param=f"{where}.image_url")
+    detail = value.get("detail") if isinstance(value, dict) else None
+    if detail not in (None, "auto", "low", "high"):
+        raise InvalidRequest(f"Unknown image detail {detail!r}; use 'auto', 'low' or 'high'.",
+                             param=f"{where}.image_url.detail")
+    return ImageSource(param=f"{where}.image_url.url", url=url)
 
 
 class StreamOptions(_Body):

@@ -111,6 +111,7 @@ async def serve_state(config: ServeConfig, async_engine, loaded: LoadedModel, me
         kv_budget=kv_budget,
         metrics=metrics or Metrics(),  # several bases share the app's
         weight_bytes=nbytes,
+        takes_images=loaded.takes_images,
     )
     if state.reasoning is not None:
         log.info("reasoning parser: %s", state.reasoning.name)

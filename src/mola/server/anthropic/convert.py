@@ -5,6 +5,9 @@ reasons.
 In:
     system (a string or text blocks)      -> a system message
     user text blocks                      -> a user message
+    user image blocks (base64 or url)     -> image parts of the user message, in order
+                                             ({"type": "image", "source": ImageSource},
+                                             decoded by the pipeline: frontend/images_in.py)
     user tool_result blocks               -> tool messages (tool_call_id), in order
     assistant text blocks                 -> the assistant message's content
     assistant tool_use blocks             -> its tool_calls (arguments as JSON)
@@ -16,8 +19,9 @@ Text blocks of one message (and of the system prompt) are joined with a
 newline, as vLLM joins a message's text parts; consecutive turns of one role
 are combined into one, as Anthropic's API combines them. ``cache_control``
 marks are accepted anywhere and change nothing: mola's prompt cache is
-automatic. Images, documents and server-tool blocks are refused, naming the
-block.
+automatic. A user message with images has a list of parts for its content
+(its text blocks joined between images). Images anywhere else, documents and
+server-tool blocks are refused, naming the block.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import json
 
 from ...errors import InvalidRequest
+from ...frontend.images_in import ImageSource
 from .protocol import Conversation
 
 BLOCK_SEPARATOR = "\n"
@@ -57,7 +62,10 @@ def _append(messages: list[dict], message: dict) -> None:
     if last is None or last["role"] != message["role"] or message["role"] not in ("user", "assistant"):
         messages.append(message)
         return
-    last["content"] = BLOCK_SEPARATOR.join(c for c in (last["content"], message["content"]) if c)
+    if isinstance(last["content"], list) or isinstance(message["content"], list):
+        last["content"] = _joined([*_as_parts(last["content"]), *_as_parts(message["content"])])
+    else:
+        last["content"] = BLOCK_SEPARATOR.join(c for c in (last["content"], message["content"]) if c)
     if message.get("tool_calls"):
         last.setdefault("tool_calls", []).extend(message["tool_calls"])
     if message.get("reasoning_content"):
@@ -67,23 +75,62 @@ def _append(messages: list[dict], message: dict) -> None:
 
 def _user(content, where: str) -> list[dict]:
     """A user turn: tool messages for its tool_result blocks and a user
-    message for its text, in the order they come."""
+    message for its text and images, in the order they come."""
     if isinstance(content, str):
         return [{"role": "user", "content": content}]
-    out, texts = [], []
+    out, parts = [], []
     for j, block in enumerate(content):
         kind = _kind(block, f"{where}[{j}]")
         if kind == "tool_result":
-            if texts:
-                out.append({"role": "user", "content": BLOCK_SEPARATOR.join(texts)})
-                texts = []
+            if parts:
+                out.append({"role": "user", "content": _joined(parts)})
+                parts = []
             out.append(_tool_result(block, f"{where}[{j}]"))
         elif kind == "text":
-            texts.append(_block_text(block, f"{where}[{j}]"))
+            parts.append({"type": "text", "text": _block_text(block, f"{where}[{j}]")})
+        elif kind == "image":
+            parts.append({"type": "image", "source": _image_source(block, f"{where}[{j}]")})
         else:
-            raise _unsupported(kind, f"{where}[{j}]", "text and tool_result")
-    if texts or not out:
-        out.append({"role": "user", "content": BLOCK_SEPARATOR.join(texts)})
+            raise _unsupported(kind, f"{where}[{j}]", "text, image and tool_result")
+    if parts or not out:
+        out.append({"role": "user", "content": _joined(parts)})
+    return out
+
+
+def _image_source(block: dict, where: str) -> ImageSource:
+    """An image block's source, unread: ``{"type": "base64", "media_type", "data"}``
+    or ``{"type": "url", "url"}`` (fetched only with --allow-remote-images)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        media_type = source.get("media_type")
+        if not isinstance(media_type, str) or not isinstance(source.get("data"), str):
+            raise InvalidRequest("A base64 image source needs 'media_type' and 'data' strings.",
+                                 param=f"{where}.source")
+        return ImageSource(param=f"{where}.source", media_type=media_type, data=source["data"])
+    if kind == "url":
+        if not isinstance(source.get("url"), str) or not source["url"]:
+            raise InvalidRequest("A url image source needs a 'url' string.", param=f"{where}.source.url")
+        return ImageSource(param=f"{where}.source.url", url=source["url"])
+    raise InvalidRequest(f"Unsupported image source type {kind!r}; use 'base64' (or 'url').",
+                         param=f"{where}.source")
+
+
+def _as_parts(content) -> list[dict]:
+    return content if isinstance(content, list) else [{"type": "text", "text": content}] if content else []
+
+
+def _joined(parts: list[dict]) -> str | list[dict]:
+    """Text blocks joined with BLOCK_SEPARATOR: one string, or with images,
+    a list of parts whose adjacent texts are joined."""
+    out: list[dict] = []
+    for part in parts:
+        if part["type"] == "text" and out and out[-1]["type"] == "text":
+            out[-1] = {"type": "text", "text": BLOCK_SEPARATOR.join((out[-1]["text"], part["text"]))}
+        else:
+            out.append(part)
+    if all(p["type"] == "text" for p in out):
+        return "".join(p["text"] for p in out)
     return out
 
 
@@ -160,9 +207,12 @@ def _block_text(block: dict, where: str) -> str:
 
 
 def _unsupported(kind: str, where: str, allowed: str) -> InvalidRequest:
+    if kind == "image":
+        return InvalidRequest("Image blocks are taken in user messages only, on a base that takes images "
+                              "(docs/vision.md).", param=where)
     if kind in MEDIA_BLOCKS:
         return InvalidRequest(f"Content blocks of type {kind!r} are not supported: this server serves "
-                              "text-only models.", param=where)
+                              "text and image blocks.", param=where)
     return InvalidRequest(f"Content blocks of type {kind!r} are not supported here; use {allowed} blocks.",
                           param=where)
 

@@ -19,11 +19,13 @@ from ..protocol import ChatCompletionRequest, ChatMessage
 from ..streaming import reply, sse, sse_done
 
 
-def message_dicts(messages: list[ChatMessage]) -> list[dict]:
-    """Validated chat messages as the chat template takes them."""
+def message_dicts(messages: list[ChatMessage], images: bool = True) -> list[dict]:
+    """Validated chat messages as the chat template takes them; a user
+    message with images has a list of text and image parts for its content
+    (with ``images`` False, an image is a 400)."""
     out = []
     for i, m in enumerate(messages):
-        message = {"role": m.role, "content": m.text(i)}
+        message = {"role": m.role, "content": m.content_parts(i, images)}
         if m.tool_calls:
             message["tool_calls"] = m.tool_calls
         if m.tool_call_id:

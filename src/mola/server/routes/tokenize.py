@@ -38,7 +38,7 @@ def _tokenize(tokenizer, body: TokenizeRequest, max_chars: int) -> list[int]:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         return list(tokenizer.encode(body.prompt, add_special_tokens=add_special))
     # Counted only: tools need no parser of the model's calls here.
-    return render_messages(tokenizer, message_dicts(body.messages), body.tools, False, "messages",
+    return render_messages(tokenizer, message_dicts(body.messages, images=False), body.tools, False, "messages",
                            None, max_chars, add_generation_prompt=body.add_generation_prompt,
                            continue_final_message=body.continue_final_message,
                            add_special_tokens=bool(body.add_special_tokens), options=body.template_options())
