@@ -154,7 +154,7 @@ def vlm_greedy(model, processor, messages, images, max_tokens: int) -> list[int]
     return list(out.token_ids)
 
 
-def test_image(seed: int, size: tuple[int, int] = (24, 20)):
+def random_image(seed: int, size: tuple[int, int] = (24, 20)):
     """A random RGB PIL image of ``size`` (width, height)."""
     import numpy as np
     from PIL import Image
@@ -170,7 +170,7 @@ def image_input(seed: int, size: tuple[int, int] = (24, 20)):
     import io
     from types import SimpleNamespace
 
-    im = test_image(seed, size)
+    im = random_image(seed, size)
     buf = io.BytesIO()
     im.save(buf, format="PNG")
     return SimpleNamespace(image=im, sha256=hashlib.sha256(buf.getvalue()).hexdigest(), width=size[0], height=size[1])

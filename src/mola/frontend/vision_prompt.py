@@ -5,15 +5,17 @@ images' patches and grids the vision tower takes in the prefill."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ..config import VisionConfig
 from ..engine.vision_rows import VisionPrompt
-from ..errors import InvalidRequest
+from ..errors import ContextLengthExceeded, InvalidRequest
 
 # A prompt's vision tokens at most, by default (--max-vision-tokens).
-MAX_VISION_TOKENS = 16384
+MAX_VISION_TOKENS = VisionConfig.max_vision_tokens
 
 
 def message_images(messages: list[dict]) -> list[Any]:
@@ -48,3 +50,36 @@ def encode_vision_prompt(processor, messages: list[dict], image_token_id: int,
     vision = VisionPrompt(pixel_values=np.array(inputs["pixel_values"]), grid_thw=np.array(inputs["image_grid_thw"]),
                           hashes=tuple(im.sha256 for im in images), num_image_tokens=num_vision)
     return ids, vision
+
+
+@dataclass(frozen=True)
+class VisionPrompter:
+    """A vision base's prompts with images (on the short lane's thread alone)."""
+
+    processor: Any  # mlx-vlm's processor (LoadedModel.processor)
+    image_token_id: int  # the id each vision token of a prompt has
+    max_vision_tokens: int = MAX_VISION_TOKENS  # a request's vision tokens at most (--max-vision-tokens)
+
+    def encode(self, messages: list[dict], tools, param: str, limit: int | None) -> tuple[list[int], VisionPrompt]:
+        """(token ids, VisionPrompt) of a chat with images; InvalidRequest
+        naming ``param`` when the template refuses it, or the vision tokens
+        or the context's ``limit`` are exceeded."""
+        try:
+            ids, vision = encode_vision_prompt(self.processor, messages, self.image_token_id,
+                                               self.max_vision_tokens, tools=tools or None)
+        except InvalidRequest:
+            raise
+        except Exception as e:  # the template's errors (jinja2), the processor's
+            raise InvalidRequest(f"The chat with images could not be prepared: {e}", param=param) from None
+        if limit is not None and len(ids) > limit:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {limit} tokens. However, your {param} "
+                f"resulted in {len(ids)} tokens ({vision.num_image_tokens} of them the images').", param=param)
+        return ids, vision
+
+
+def vision_prompter(loaded, config) -> VisionPrompter | None:
+    """A vision base's VisionPrompter (a LoadedModel and the ServeConfig); None for a text base."""
+    if not loaded.takes_images:
+        return None
+    return VisionPrompter(loaded.processor, loaded.model.image_token_id, config.vision.max_vision_tokens)
