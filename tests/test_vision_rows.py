@@ -131,3 +131,15 @@ def test_a_peft_copy_by_hugging_face_names_at_a_request_scale_beside_the_origina
     seqs = together(runner, lambda: [submit(runner, image_chat("What is this?"), [im], "peft", lora_scale=0.5),
                                      submit(runner, image_chat("Why?"), [im], "a")])
     assert runner.wait(seqs) == want
+
+
+@pytest.mark.parametrize("setting, flag", [({"kv_bits": 8}, "--kv-bits"),
+                                           ({"speculative": {"method": "ngram"}}, "--speculative")])
+def test_a_vision_base_refuses_what_its_rows_cannot_take(qwen2_vl, setting, flag):
+    from mola.engine.config import SpeculativeConfig
+    from mola.errors import ModelLoadError
+
+    if "speculative" in setting:
+        setting = {"speculative": SpeculativeConfig(**setting["speculative"])}
+    with pytest.raises(ModelLoadError, match=f"vision model.*without {flag}"):
+        EngineRunner(qwen2_vl[0], **setting)

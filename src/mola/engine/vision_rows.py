@@ -84,3 +84,16 @@ def decode_inputs(cache: list, rows: list[Sequence]) -> dict:
     tokens so far plus its rope delta (0: a text row)."""
     deltas = mx.array([s.rope_delta for s in rows], dtype=mx.int32)  # [B]
     return {"positions": decode_positions(cache, deltas, 1)}
+
+
+def check_vision_engine(config, path) -> None:
+    """A vision base's rows need what mola's engine gives every row of it:
+    ModelLoadError naming the setting it does not serve one with."""
+    from ..errors import ModelLoadError
+
+    if config.speculative is not None:
+        raise ModelLoadError(f"{path} is a vision model; mola does not decode one speculatively (a verify "
+                             "pass would need each row's multimodal positions): serve it without --speculative")
+    if config.kv_quant is not None:
+        raise ModelLoadError(f"{path} is a vision model; mlx-vlm's attention does not read mola's quantized "
+                             "KV cache: serve it without --kv-bits")
