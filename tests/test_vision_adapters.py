@@ -86,3 +86,18 @@ def test_a_peft_adapter_on_the_visual_tower_is_refused(qwen2_vl, tmp_path):
                                                             modules={"visual.blocks.0.attn.proj": one}))
     with pytest.raises(InvalidAdapter, match="visual.blocks.0.attn.proj"):
         read_adapter(peft)
+
+
+def test_mola_validate_checks_a_vlm_adapter_against_its_base(qwen2_vl, tmp_path):
+    from mola.validate import validate
+
+    root, model, a = qwen2_vl
+    report = validate(str(a), str(model))
+    assert report.ok and report.model.num_layers == 2 and report.model.model_type == "qwen2_vl"
+    text = tmp_path / "text"
+    from mola.testing.model import TinyModelSpec, make_tiny_model
+
+    make_tiny_model(text, TinyModelSpec(hidden_size=32))  # another width: a's factors do not fit it
+    assert not validate(str(a), str(text)).ok
+    refused = validate(str(make_vlm_adapter(root / "v2", model, vision_too=True)), str(model))
+    assert not refused.ok
