@@ -24,8 +24,9 @@ class VisionPrompt:
     """A prompt's images as mlx-vlm's processor made them (on the tokenizer
     thread): what the vision tower takes, and what the prompt cache keys."""
 
-    pixel_values: Any  # np [N, C * T * P * P] the images' patches
-    grid_thw: Any  # np [I, 3] int: each image's grid (frames, rows, columns of patches)
+    # The processor's image arrays by its names, as numpy: pixel_values (Qwen2-VL: [N, C * T * P * P]
+    # patches; Idefics3: [1, I, C, H, W] tiles), image_grid_thw [I, 3], pixel_attention_mask, ...
+    arrays: dict[str, Any]
     hashes: tuple[str, ...]  # sha256 of each image's source bytes
     num_image_tokens: int  # of the prompt's tokens, those the images' features replace
 
@@ -50,9 +51,12 @@ def start_rows(model, routing, members: list[Sequence]) -> list[ImageRows | None
         routing.set([s.slot], [s.lora_scale])
         v = s.vision
         embeds, positions, s.rope_delta = model.image_rows(
-            s.context[:-1], mx.array(v.pixel_values), mx.array(v.grid_thw))
-        mx.eval(embeds, positions)
-        rows.append(ImageRows(embeds[0], np.array(positions[:, 0, :])))
+            s.context[:-1], {k: mx.array(a) for k, a in v.arrays.items()})
+        mx.eval(embeds)
+        L = embeds.shape[1]
+        positions = np.array(positions[:, 0, :]) if positions is not None \
+            else np.broadcast_to(np.arange(L)[None], (3, L))  # a 1-D family's: the token's index
+        rows.append(ImageRows(embeds[0], positions))
     return rows
 
 

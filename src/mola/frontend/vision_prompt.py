@@ -47,8 +47,8 @@ def encode_vision_prompt(processor, messages: list[dict], image_token_id: int,
             f"The request's {len(images)} image(s) take {num_vision} vision tokens, more than the "
             f"{max_vision_tokens} a request may (--max-vision-tokens); send smaller or fewer images.",
             param="messages")
-    vision = VisionPrompt(pixel_values=np.array(inputs["pixel_values"]), grid_thw=np.array(inputs["image_grid_thw"]),
-                          hashes=tuple(im.sha256 for im in images), num_image_tokens=num_vision)
+    arrays = {k: np.array(v) for k, v in inputs.items() if k not in ("input_ids", "attention_mask")}
+    vision = VisionPrompt(arrays=arrays, hashes=tuple(im.sha256 for im in images), num_image_tokens=num_vision)
     return ids, vision
 
 

@@ -104,12 +104,14 @@ class VisionLanguageModel(nn.Module):
         h = self.model(inputs, inputs_embeds=embeds, cache=cache, position_ids=positions)
         return self.model.embed_tokens.as_linear(h) if self.tied else self.lm_head(h)
 
-    def image_rows(self, tokens: list[int], pixel_values: mx.array, grid_thw: mx.array) -> tuple:
+    def image_rows(self, tokens: list[int], arrays: dict[str, mx.array]) -> tuple:
         """One prompt's embeddings [1, L, D] with the images' features merged
         in, its positions [3, 1, L] and rope delta, as mlx-vlm computes them
-        (its get_input_embeddings: the vision tower, the merge, get_rope_index)."""
+        (its get_input_embeddings: the vision tower, the merge, get_rope_index)
+        from the processor's ``arrays`` (pixel_values, image_grid_thw)."""
         ids = mx.array([tokens], dtype=mx.int32)  # [1, L]
-        out = self.held.vlm.get_input_embeddings(ids, pixel_values, image_grid_thw=grid_thw)
+        arrays = dict(arrays)
+        out = self.held.vlm.get_input_embeddings(ids, arrays.pop("pixel_values"), **arrays)
         return out.inputs_embeds, out.position_ids, int(out.rope_deltas.reshape(-1)[0].item())
 
 
