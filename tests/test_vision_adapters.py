@@ -37,6 +37,7 @@ def test_language_paths_of_mlx_vlm_and_hugging_face_land_on_the_decoder():
     assert language_path("language_model.model.layers.3.self_attn.q_proj", "f") == "model.layers.3.self_attn.q_proj"
     assert language_path("model.language_model.layers.3.mlp.up_proj", "f") == "model.layers.3.mlp.up_proj"
     assert language_path("model.text_model.layers.0.self_attn.o_proj", "f") == "model.layers.0.self_attn.o_proj"
+    assert language_path("language_model.layers.1.mlp.up_proj", "f") == "model.layers.1.mlp.up_proj"  # Idefics3
     assert language_path("language_model.lm_head", "f") == "lm_head"
     assert language_path("model.layers.1.self_attn.q_proj", "f") == "model.layers.1.self_attn.q_proj"  # a text model's
 
@@ -101,3 +102,15 @@ def test_mola_validate_checks_a_vlm_adapter_against_its_base(qwen2_vl, tmp_path)
     assert not validate(str(a), str(text)).ok
     refused = validate(str(make_vlm_adapter(root / "v2", model, vision_too=True)), str(model))
     assert not refused.ok
+
+
+def test_a_family_mola_does_not_serve_is_refused_at_start_naming_it(tmp_path):
+    import json
+
+    from mola.errors import ModelLoadError
+    from mola.models.loader import load_base_model
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))
+    (tmp_path / "preprocessor_config.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="'llava' vision model, which mola does not serve.*qwen2_vl"):
+        load_base_model(str(tmp_path))

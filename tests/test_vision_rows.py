@@ -18,24 +18,29 @@ else:
                         "mlx-vlm==0.7.10 (docs/vision.md)")
 
 from helpers.engines import EngineRunner, together
-from helpers.vision_models import (image_chat, image_input, make_tiny_qwen2_vl, make_vlm_adapter, merged_vlm,
-                                   vlm_greedy)
+from helpers.vision_models import (image_chat, image_input, make_tiny_idefics3, make_tiny_qwen2_vl,
+                                   make_vlm_adapter, merged_vlm, vlm_greedy)
 
 from mola.frontend.vision_prompt import encode_vision_prompt
 
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def qwen2_vl(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen2_vl")
-    model = make_tiny_qwen2_vl(root / "model")
+# Each family: Qwen2-VL (M-RoPE: positions and rope deltas per row), Idefics3 (SmolVLM: llama, 1-D positions).
+FAMILIES = {"qwen2_vl": make_tiny_qwen2_vl, "idefics3": make_tiny_idefics3}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory):
+    """(model directory, adapter a, adapter b) of one family (the name is the first's)."""
+    root = tmp_path_factory.mktemp(request.param)
+    model = FAMILIES[request.param](root / "model")
     return model, make_vlm_adapter(root / "a", model, seed=1), make_vlm_adapter(root / "b", model, seed=2, rank=2)
 
 
 @pytest.fixture(scope="module")
-def runner(qwen2_vl):
-    model, a, b = qwen2_vl
+def runner(family):
+    model, a, b = family
     r = EngineRunner(model, [("a", a), ("b", b)], max_tokens=MAX_TOKENS)
     yield r
     r.stop()
@@ -61,17 +66,18 @@ def submit(runner, chat, images, adapter=None, **params):
     return runner.submit(ids, adapter, vision=vision, **params)
 
 
-def test_an_image_row_alone_equals_mlx_vlm(runner, qwen2_vl):
-    model, a, _ = qwen2_vl
+def test_an_image_row_alone_equals_mlx_vlm(runner, family):
+    model, a, _ = family
     im = image_input(0)
     want = reference(model, a, image_chat("What is this?"), [im])
     seq = together(runner, lambda: submit(runner, image_chat("What is this?"), [im], "a"))
     assert runner.wait([seq])[0] == want
-    assert seq.rope_delta < 0  # M-RoPE: the image's positions ran behind its tokens
+    if runner.loaded.model.takes_positions:
+        assert seq.rope_delta < 0  # M-RoPE: the image's positions ran behind its tokens
 
 
-def test_image_rows_in_one_batch_with_text_base_and_other_adapter_rows(runner, qwen2_vl):
-    model, a, b = qwen2_vl
+def test_image_rows_in_one_batch_with_text_base_and_other_adapter_rows(runner, family):
+    model, a, b = family
     im0, im1 = image_input(0), image_input(1, (16, 32))
     text = [{"role": "user", "content": [{"type": "text", "text": "Tell me about autumn leaves."}]}]
     cases = [  # (chat, images, adapter)
@@ -99,8 +105,8 @@ def test_a_row_joining_mid_decode_answers_as_alone(runner):
     assert runner.wait([first, later])[1] == alone
 
 
-def test_a_second_turn_about_one_image_reuses_its_prefix_and_another_image_never_does(runner, qwen2_vl):
-    model, a, _ = qwen2_vl
+def test_a_second_turn_about_one_image_reuses_its_prefix_and_another_image_never_does(runner, family):
+    model, a, _ = family
     im, other = image_input(3), image_input(4)  # one size: the same tokens, other pixels
     first = image_chat("What is this?")
     seq = together(runner, lambda: submit(runner, first, [im], "a"))
@@ -116,14 +122,14 @@ def test_a_second_turn_about_one_image_reuses_its_prefix_and_another_image_never
     assert elsewhere.num_cached_tokens == 0  # ...but another image: no entry of the first one's
 
 
-def test_a_peft_copy_by_hugging_face_names_at_a_request_scale_beside_the_original(runner, qwen2_vl, tmp_path):
+def test_a_peft_copy_by_hugging_face_names_at_a_request_scale_beside_the_original(runner, family, tmp_path):
     """The same adapter as PEFT writes it for the Hugging Face VLM (its
     decoder under model.language_model.), at lora_scale 0.5, in one batch
     with the mlx-vlm original at 1."""
     from mola.adapters.weights import LoRAWeights
     from mola.testing.peft import save_peft_adapter
 
-    model, a, _ = qwen2_vl
+    model, a, _ = family
     hf = {p.replace("model.layers.", "model.language_model.layers."): m for p, m in runner.read(a).modules.items()}
     runner.add("peft", runner.read(save_peft_adapter(tmp_path / "peft", LoRAWeights("hf", "peft", hf))))
     im = image_input(5)
@@ -135,11 +141,11 @@ def test_a_peft_copy_by_hugging_face_names_at_a_request_scale_beside_the_origina
 
 @pytest.mark.parametrize("setting, flag", [({"kv_bits": 8}, "--kv-bits"),
                                            ({"speculative": {"method": "ngram"}}, "--speculative")])
-def test_a_vision_base_refuses_what_its_rows_cannot_take(qwen2_vl, setting, flag):
+def test_a_vision_base_refuses_what_its_rows_cannot_take(family, setting, flag):
     from mola.engine.config import SpeculativeConfig
     from mola.errors import ModelLoadError
 
     if "speculative" in setting:
         setting = {"speculative": SpeculativeConfig(**setting["speculative"])}
     with pytest.raises(ModelLoadError, match=f"vision model.*without {flag}"):
-        EngineRunner(qwen2_vl[0], **setting)
+        EngineRunner(family[0], **setting)

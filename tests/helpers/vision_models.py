@@ -148,7 +148,9 @@ def vlm_greedy(model, processor, messages, images, max_tokens: int) -> list[int]
     """mlx-vlm's own greedy answer (its generate) as token ids."""
     from mlx_vlm import generate
 
-    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    from mola.frontend.vision_prompt import templater
+
+    prompt = templater(processor).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     out = generate(model, processor, prompt, image=list(images) or None, max_tokens=max_tokens,
                    temperature=0.0, verbose=False)
     return list(out.token_ids)
@@ -179,3 +181,44 @@ def image_input(seed: int, size: tuple[int, int] = (24, 20)):
 def image_chat(question: str, num_images: int = 1) -> list[dict]:
     """A one-turn chat whose user message has ``num_images`` image parts, then ``question``."""
     return [{"role": "user", "content": [{"type": "image"}] * num_images + [{"type": "text", "text": question}]}]
+
+
+IDEFICS3_TOKENS = ("<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>")
+IDEFICS3_TEMPLATE = QWEN2_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+
+
+def make_tiny_idefics3(path: str | Path, seed: int = 0, gain: float = 3.0, image_size: int = 32) -> Path:
+    """A random Idefics3 (SmolVLM's architecture) directory that ``mlx_vlm.load``
+    accepts: a llama decoder, a SigLIP tower of ``image_size`` pixels in 8-pixel
+    patches, and no image splitting (one global tile per image)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(512, IDEFICS3_TOKENS)
+    tok.chat_template = IDEFICS3_TEMPLATE
+    seq_len = (image_size // 8) ** 2 // 4  # tokens per image: patches, pixel-shuffled by scale_factor 2
+    config = {
+        "model_type": "idefics3", "architectures": ["Idefics3ForConditionalGeneration"], "scale_factor": 2,
+        "image_token_id": tok.convert_tokens_to_ids("<image>"), "vocab_size": len(tok),
+        "eos_token_id": tok.convert_tokens_to_ids("<|im_end|>"), "tie_word_embeddings": False,
+        "text_config": {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+                        "vocab_size": len(tok), "num_hidden_layers": 2, "rope_theta": 10000.0,
+                        "max_position_embeddings": 2048, "tie_word_embeddings": False},
+        "vision_config": {"model_type": "idefics3_vision", "hidden_size": 32, "num_attention_heads": 2,
+                          "patch_size": 8, "num_hidden_layers": 2, "intermediate_size": 64,
+                          "image_size": image_size},
+    }
+    model = vlm_from_config(config)
+    mx.save_safetensors(str(path / "model.safetensors"), random_weights(model, gain, seed))
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    (path / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Idefics3ImageProcessor", "processor_class": "Idefics3Processor",
+        "do_resize": True, "size": {"longest_edge": 2 * image_size}, "max_image_size": {"longest_edge": image_size},
+        "do_image_splitting": False, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pad": True, "resample": 1,
+        "do_convert_rgb": True}, indent=2))
+    (path / "processor_config.json").write_text(json.dumps({"image_seq_len": seq_len,
+                                                            "processor_class": "Idefics3Processor"}))
+    tok.save_pretrained(str(path))
+    (path / "chat_template.jinja").write_text(IDEFICS3_TEMPLATE)
+    return path

@@ -24,6 +24,12 @@ def message_images(messages: list[dict]) -> list[Any]:
             for part in m["content"] if isinstance(part, dict) and part.get("type") == "image"]
 
 
+def templater(processor):
+    """What holds the model's chat template: the processor, or (Idefics3's,
+    whose processor mlx-vlm makes without one) its tokenizer."""
+    return processor if getattr(processor, "chat_template", None) else processor.tokenizer
+
+
 def encode_vision_prompt(processor, messages: list[dict], image_token_id: int,
                          max_vision_tokens: int = MAX_VISION_TOKENS, tools=None,
                          **template_args) -> tuple[list[int], VisionPrompt | None]:
@@ -34,8 +40,8 @@ def encode_vision_prompt(processor, messages: list[dict], image_token_id: int,
     from mlx_vlm.utils import prepare_inputs
 
     images = message_images(messages)
-    prompt = processor.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
-                                           **template_args)
+    prompt = templater(processor).apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False, **template_args)
     if not images:
         ids = processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         return list(ids), None

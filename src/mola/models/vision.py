@@ -28,14 +28,11 @@ import mlx.nn as nn
 
 from ..errors import ModelLoadError
 
-# mlx-vlm families mola serves, with their M-RoPE decoders.
-SERVED = ("qwen2_vl", "qwen2_5_vl")
+# mlx-vlm families mola serves: Qwen2-VL's M-RoPE decoders, which take each row's positions
+# [3, B, L]; Idefics3's (SmolVLM's) llama decoder, whose RoPE reads each row's cache offset.
+SERVED = ("qwen2_vl", "qwen2_5_vl", "idefics3", "smolvlm")
 # Families refused at start, and why (any other: not checked, refused too).
-REFUSED = {
-    "idefics3": "its image features are merged by pixel-attention masks per image, which mola's prefill does "
-                "not yet carry per row (the decoder itself, llama with per-row cache offsets, would fit)",
-    "smolvlm": "SmolVLM is mlx-vlm's Idefics3 (see idefics3)",
-}
+REFUSED: dict[str, str] = {}
 VISION_FILES = ("preprocessor_config.json", "processor_config.json")
 
 
@@ -73,16 +70,21 @@ class _Held:
 
 
 class VisionLanguageModel(nn.Module):
-    """mlx-vlm's Qwen2-VL family as an mlx-lm-like model (see the module doc)."""
+    """An mlx-vlm model (of SERVED) as an mlx-lm-like one (see the module doc)."""
 
     def __init__(self, vlm: nn.Module):
         super().__init__()
         lm = vlm.language_model
-        self.model = lm.model  # embed_tokens, layers, norm: the very modules mlx-vlm's model calls
-        self.tied = bool(lm.args.tie_word_embeddings)
-        if not self.tied:
+        # Qwen2-VL: lm.model is the decoder (embed_tokens, layers, norm), lm.lm_head beside it, and it
+        # takes positions. Idefics3: lm is the decoder and its head, and its RoPE reads the cache's offsets.
+        self.takes_positions = hasattr(lm, "model") and hasattr(lm.model, "layers")
+        self.model = lm.model if self.takes_positions else lm  # the very modules mlx-vlm's model calls
+        self.tied = self.takes_positions and bool(lm.args.tie_word_embeddings)
+        if self.takes_positions and not self.tied:
             self.lm_head = lm.lm_head
-        self.vision_tower = vlm.vision_tower
+        self.vision_tower = getattr(vlm, "vision_tower", None) or vlm.vision_model
+        if hasattr(vlm, "connector"):
+            self.connector = vlm.connector  # Idefics3's projector into the decoder
         self.held = _Held(vlm)
         self.model_type = vlm.config.model_type
 
@@ -99,6 +101,8 @@ class VisionLanguageModel(nn.Module):
         """Logits [B, L, V] of ``inputs`` [B, L]; ``embeds`` [B, L, D] (None: the
         tokens' own), ``positions`` [3, B, L] (None: each row's next positions
         by its cache, as a text model's, for rows without an image)."""
+        if not self.takes_positions:  # each row's positions are its cache's offsets
+            return self.model(inputs, inputs_embeds=embeds, cache=cache).logits
         if positions is None:
             positions = decode_positions(cache, mx.zeros((inputs.shape[0],), dtype=mx.int32), inputs.shape[1])
         h = self.model(inputs, inputs_embeds=embeds, cache=cache, position_ids=positions)
@@ -112,6 +116,8 @@ class VisionLanguageModel(nn.Module):
         ids = mx.array([tokens], dtype=mx.int32)  # [1, L]
         arrays = dict(arrays)
         out = self.held.vlm.get_input_embeddings(ids, arrays.pop("pixel_values"), **arrays)
+        if out.position_ids is None:  # a 1-D family: its positions are its tokens' indices
+            return out.inputs_embeds, None, 0
         return out.inputs_embeds, out.position_ids, int(out.rope_deltas.reshape(-1)[0].item())
 
 

@@ -31,8 +31,9 @@ VISION_PARTS = ("vision_tower", "visual", "vision_model", "multi_modal_projector
                 "aligner")
 # Where the language model's decoder sits: mlx-vlm's (mlx_vlm.train), then Hugging Face's
 # (Qwen2-VL since transformers 4.52, Idefics3), as mola lays a vision model out (mola.models.vision).
-LANGUAGE_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                     ("model.text_model.", "model."), ("language_model.lm_head", "lm_head"))
+LANGUAGE_PREFIXES = (("language_model.model.", "model."), ("language_model.layers.", "model.layers."),
+                     ("model.language_model.", "model."), ("model.text_model.", "model."),
+                     ("language_model.lm_head", "lm_head"))
 
 
 def language_path(module: str, source) -> str:
