@@ -18,16 +18,17 @@ else:
                         "mlx-vlm==0.7.10 (docs/vision.md)")
 
 from helpers.engines import EngineRunner, together
-from helpers.vision_models import (image_chat, image_input, make_tiny_idefics3, make_tiny_qwen2_vl,
-                                   make_vlm_adapter, merged_vlm, vlm_greedy)
+from helpers.vision_models import (image_chat, image_input, make_tiny_idefics3, make_tiny_qwen2_5_vl,
+                                   make_tiny_qwen2_vl, make_vlm_adapter, merged_vlm, vlm_greedy)
 
 from mola.frontend.vision_prompt import encode_vision_prompt
 
 MAX_TOKENS = 8
 
 
-# Each family: Qwen2-VL (M-RoPE: positions and rope deltas per row), Idefics3 (SmolVLM: llama, 1-D positions).
-FAMILIES = {"qwen2_vl": make_tiny_qwen2_vl, "idefics3": make_tiny_idefics3}
+# Each family: Qwen2-VL and Qwen2.5-VL (M-RoPE: positions and rope deltas per row), Idefics3 (SmolVLM:
+# llama, 1-D positions).
+FAMILIES = {"qwen2_vl": make_tiny_qwen2_vl, "qwen2_5_vl": make_tiny_qwen2_5_vl, "idefics3": make_tiny_idefics3}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

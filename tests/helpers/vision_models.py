@@ -86,18 +86,34 @@ def vlm_from_config(config: dict):
     return arch.Model(model_config)
 
 
-def make_tiny_qwen2_vl(path: str | Path, seed: int = 0, gain: float = 3.0) -> Path:
-    """A random Qwen2-VL directory that ``mlx_vlm.load`` accepts."""
+QWEN2_5_VL_VISION = {  # Qwen2.5-VL's tower: windowed attention, full attention in its last block
+    "model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64, "out_hidden_size": 64,
+    "num_heads": 2, "in_channels": 3, "patch_size": PATCH, "spatial_patch_size": PATCH, "spatial_merge_size": 2,
+    "temporal_patch_size": 2, "window_size": 4 * PATCH, "fullatt_block_indexes": [1], "tokens_per_second": 2,
+}
+
+
+def make_tiny_qwen2_5_vl(path: str | Path, seed: int = 0, gain: float = 3.0) -> Path:
+    """A random Qwen2.5-VL directory that ``mlx_vlm.load`` accepts."""
+    return make_tiny_qwen2_vl(path, seed, gain, qwen2_5=True)
+
+
+def make_tiny_qwen2_vl(path: str | Path, seed: int = 0, gain: float = 3.0, qwen2_5: bool = False) -> Path:
+    """A random Qwen2-VL directory that ``mlx_vlm.load`` accepts (``qwen2_5``: Qwen2.5-VL)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(512, QWEN2_VL_TOKENS)
     tok.chat_template = QWEN2_VL_TEMPLATE
     config = qwen2_vl_config(tok)
+    if qwen2_5:
+        config.update(model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"],
+                      vision_config=QWEN2_5_VL_VISION)
     mx.random.seed(seed)
     model = vlm_from_config(config)
     mx.save_safetensors(str(path / "model.safetensors"), random_weights(model, gain, seed))
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    (path / "preprocessor_config.json").write_text(json.dumps(qwen2_vl_preprocessor(), indent=2))
+    preprocessor = qwen2_vl_preprocessor() | ({"processor_class": "Qwen2_5_VLProcessor"} if qwen2_5 else {})
+    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     tok.save_pretrained(str(path))
     (path / "chat_template.jinja").write_text(QWEN2_VL_TEMPLATE)
     return path
