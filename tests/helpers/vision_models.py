@@ -31,13 +31,15 @@ PATCH = 4  # vision patch size in pixels (the real model's is 14)
 
 def qwen2_vl_config(tok, hidden: int = 64, layers: int = 2) -> dict:
     ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN2_VL_TOKENS}
+    half = hidden // 4 // 2  # rotary pairs of a head (4 heads)
+    t = half // 4
+    sections = [t, (half - t) // 2, half - t - (half - t) // 2]  # frames, rows, columns: [2, 3, 3] at 64 wide
     return {
         "model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"],
         "hidden_size": hidden, "num_hidden_layers": layers, "intermediate_size": 2 * hidden,
         "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
         "vocab_size": len(tok), "max_position_embeddings": 2048, "rope_theta": 10000.0,
-        # head_dim 16: mrope_section (in rotary pairs) sums to 8
-        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "rope_scaling": {"type": "mrope", "mrope_section": sections},  # sums to the head's rotary pairs
         "tie_word_embeddings": False,
         "image_token_id": ids["<|image_pad|>"], "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"], "vision_end_token_id": ids["<|vision_end|>"],
@@ -98,13 +100,16 @@ def make_tiny_qwen2_5_vl(path: str | Path, seed: int = 0, gain: float = 3.0) -> 
     return make_tiny_qwen2_vl(path, seed, gain, qwen2_5=True)
 
 
-def make_tiny_qwen2_vl(path: str | Path, seed: int = 0, gain: float = 3.0, qwen2_5: bool = False) -> Path:
-    """A random Qwen2-VL directory that ``mlx_vlm.load`` accepts (``qwen2_5``: Qwen2.5-VL)."""
+def make_tiny_qwen2_vl(path: str | Path, seed: int = 0, gain: float = 3.0, qwen2_5: bool = False,
+                       hidden: int = 64, layers: int = 2, max_pixels: int = 32 * 32) -> Path:
+    """A random Qwen2-VL directory that ``mlx_vlm.load`` accepts (``qwen2_5``:
+    Qwen2.5-VL), its decoder ``hidden`` wide and ``layers`` deep, its images
+    resized to ``max_pixels`` at most."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(512, QWEN2_VL_TOKENS)
     tok.chat_template = QWEN2_VL_TEMPLATE
-    config = qwen2_vl_config(tok)
+    config = qwen2_vl_config(tok, hidden, layers)
     if qwen2_5:
         config.update(model_type="qwen2_5_vl", architectures=["Qwen2_5_VLForConditionalGeneration"],
                       vision_config=QWEN2_5_VL_VISION)
@@ -112,7 +117,7 @@ def make_tiny_qwen2_vl(path: str | Path, seed: int = 0, gain: float = 3.0, qwen2
     model = vlm_from_config(config)
     mx.save_safetensors(str(path / "model.safetensors"), random_weights(model, gain, seed))
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    preprocessor = qwen2_vl_preprocessor() | ({"processor_class": "Qwen2_5_VLProcessor"} if qwen2_5 else {})
+    preprocessor = qwen2_vl_preprocessor(max_pixels) | ({"processor_class": "Qwen2_5_VLProcessor"} if qwen2_5 else {})
     (path / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     tok.save_pretrained(str(path))
     (path / "chat_template.jinja").write_text(QWEN2_VL_TEMPLATE)
