@@ -12,9 +12,10 @@ import zlib
 
 import pytest
 
-Image = pytest.importorskip("PIL.Image", reason="images in chat need pillow (the vision extra)")
+from helpers.vision import crafted_png, data_url, image_bytes, require_pillow
 
-from helpers.vision import crafted_png, data_url, image_bytes  # noqa: E402
+Image = require_pillow()
+
 
 from mola.errors import InvalidRequest  # noqa: E402
 from mola.frontend.images_in import (ImageLimits, ImageSource, check_count, decode_base64_source,  # noqa: E402
@@ -40,6 +41,14 @@ def test_a_jpeg_decodes_and_an_rgba_png_becomes_rgb():
     assert abs(r - 0) < 8 and abs(g - 128) < 8 and abs(b - 255) < 8
     rgba = image_bytes("PNG", (2, 2), color=(1, 2, 3, 4), mode="RGBA")
     assert decode_data_url(data_url(rgba), LIMITS).image.mode == "RGB"
+
+
+@pytest.mark.parametrize("fmt, media_type", [("WEBP", "image/webp"), ("GIF", "image/gif")])
+def test_webp_and_gif_decode(fmt, media_type):
+    raw = image_bytes(fmt, (5, 7), color=(0, 0, 255))
+    got = decode_data_url(data_url(raw, media_type), LIMITS)
+    assert (got.width, got.height, got.media_type) == (5, 7, media_type)
+    assert max(abs(a - b) for a, b in zip(got.image.getpixel((2, 3)), (0, 0, 255))) < 8  # WebP is lossy
 
 
 def test_the_same_bytes_are_equal_inputs_and_different_bytes_are_not():

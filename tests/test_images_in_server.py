@@ -16,10 +16,11 @@ import threading
 
 import pytest
 
-pytest.importorskip("PIL.Image", reason="images in chat need pillow (the vision extra)")
+from helpers.vision import crafted_png, data_url, image_bytes, require_pillow
+
+require_pillow()
 
 from helpers.scripted import client, tokenizer_model  # noqa: E402
-from helpers.vision import crafted_png, data_url, image_bytes  # noqa: E402
 from test_inprocess import Trips  # noqa: E402
 
 from mola.frontend import prepare  # noqa: E402
@@ -182,3 +183,46 @@ def test_images_decode_off_the_event_loop(model, monkeypatch):
         return text, await image
     text, image = run(model, scenario)
     assert text.status_code == 200 and image.status_code == 200
+
+
+@pytest.mark.parametrize("takes_images", [False, True])
+def test_count_tokens_decodes_images_as_messages_does(model, takes_images):
+    """/v1/messages/count_tokens takes the same path: a text-only base names the model, a bad image
+    is the same 400, a good one is counted as /v1/messages renders it."""
+    async def scenario(c):
+        path = "/v1/messages/count_tokens"
+        good = await c.post(path, json={"model": "tiny", "messages": messages(b64_block(PNG))["messages"]})
+        bad = await c.post(path, json={"model": "tiny", "messages": messages(b64_block("%%%"))["messages"]})
+        served = await c.post("/v1/messages", json=messages(b64_block(PNG)))
+        return good, bad, served, c.engine.submitted
+    good, bad, served, submitted = run(model, scenario, takes_images=takes_images)
+    if not takes_images:
+        assert good.status_code == bad.status_code == 400 and "The model 'tiny' does not take images" in good.text
+        return
+    assert bad.status_code == 400 and "not valid base64" in bad.text
+    assert served.status_code == 200 and good.json() == {"input_tokens": len(submitted[0].prompt)}
+
+
+def test_openai_image_parts_become_image_parts_in_order():
+    """A user message with images keeps its parts in order (the URL may be a bare string); one
+    without stays one string, its texts joined as before; other roles' text parts too."""
+    from mola.frontend.images_in import ImageSource
+    from mola.server.dialects.chat import message_dicts
+    from mola.server.protocol import ChatCompletionRequest
+
+    body = ChatCompletionRequest(model="m", messages=[
+        {"role": "system", "content": [{"type": "text", "text": "be "}, {"type": "text", "text": "brief"}]},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, image_url("data:image/png;base64,AAAA", "high"),
+                                     {"type": "image_url", "image_url": "data:image/gif;base64,BBBB"},
+                                     {"type": "text", "text": "b"}]},
+        {"role": "user", "content": [{"type": "text", "text": "c"}, {"type": "text", "text": "d"}]}])
+    assert message_dicts(body.messages) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [
+            {"type": "text", "text": "a"},
+            {"type": "image", "source": ImageSource("messages[1].content[1].image_url.url",
+                                                    url="data:image/png;base64,AAAA")},
+            {"type": "image", "source": ImageSource("messages[1].content[2].image_url.url",
+                                                    url="data:image/gif;base64,BBBB")},
+            {"type": "text", "text": "b"}]},
+        {"role": "user", "content": "cd"}]

@@ -518,6 +518,32 @@ def test_a_conversation_becomes_chat_messages():
     ]
 
 
+def test_image_blocks_become_image_parts_in_order():
+    """Images keep their place among the texts (adjacent texts joined as ever); a user turn
+    after a user turn is combined; a tool_result still splits the turn."""
+    from mola.frontend.images_in import ImageSource
+
+    png = {"type": "base64", "media_type": "image/png", "data": "AAAA"}
+    body = CountTokensRequest(model="m", messages=[
+        {"role": "user", "content": "look:"},
+        {"role": "user", "content": [
+            {"type": "text", "text": "a"}, {"type": "text", "text": "b"},
+            {"type": "image", "source": png},
+            {"type": "image", "source": {"type": "url", "url": "https://example.com/x.png"}},
+            {"type": "text", "text": "c"},
+            {"type": "tool_result", "tool_use_id": "t1", "content": "1"},
+            {"type": "text", "text": "d"}]},
+    ])
+    first = ImageSource(param="messages[1].content[2].source", media_type="image/png", data="AAAA")
+    second = ImageSource(param="messages[1].content[3].source.url", url="https://example.com/x.png")
+    assert to_chat_messages(body) == [
+        {"role": "user", "content": [{"type": "text", "text": "look:\na\nb"}, {"type": "image", "source": first},
+                                     {"type": "image", "source": second}, {"type": "text", "text": "c"}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "1"},
+        {"role": "user", "content": "d"},
+    ]
+
+
 def test_stop_reasons():
     assert stop_reason("stop", None, False) == ("end_turn", None)
     assert stop_reason("stop", "##", False) == ("stop_sequence", "##")

@@ -16,14 +16,27 @@ import pytest
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def require_mlx_vlm():
-    """mlx_vlm, imported: a test module without it is skipped, saying why, or
-    fails where MOLA_REQUIRE_VISION=1 (CI installs the vision extra)."""
+INSTALL = "pip install -e '.[vision]' and pip install --no-deps mlx-vlm==0.7.10 (docs/vision.md)"
+
+
+def _require(module: str, reason: str):
+    """``module``, imported: a test module without it is skipped, saying why,
+    or fails where MOLA_REQUIRE_VISION=1 (CI installs the vision extra)."""
     if os.environ.get("MOLA_REQUIRE_VISION") == "1":
-        import mlx_vlm  # noqa: F401 (CI: a missing mlx-vlm fails here)
-        return mlx_vlm
-    return pytest.importorskip("mlx_vlm", reason="vision-language bases need mlx-vlm: pip install -e '.[vision]' "
-                               "and pip install --no-deps mlx-vlm==0.7.10 (docs/vision.md)")
+        import importlib
+
+        return importlib.import_module(module)  # CI: a missing module fails here
+    return pytest.importorskip(module, reason=reason)
+
+
+def require_mlx_vlm():
+    """mlx_vlm (vision-language bases), or a skip saying how to install it."""
+    return _require("mlx_vlm", f"vision-language bases need mlx-vlm: {INSTALL}")
+
+
+def require_pillow():
+    """PIL.Image (images in chat), or a skip saying how to install it."""
+    return _require("PIL.Image", f"images in chat need pillow: {INSTALL}")
 
 
 def image_bytes(fmt: str, size: tuple[int, int], color=(90, 160, 30), mode: str = "RGB", noise: bool = False) -> bytes:

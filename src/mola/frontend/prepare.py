@@ -114,9 +114,10 @@ async def prepare(state: ServerState, spec: GenerationSpec) -> Prepared:
     return await loop.run_in_executor(short, functools.partial(structure, short_tokenizer, state, spec, prompts))
 
 
-async def prompt_tokens(state: ServerState, prompt: PromptSpec) -> list[list[int]]:
-    """``prompt`` as token ids alone (count_tokens): its images decoded, then one trip to its lane."""
-    prompt = await with_images(state, prompt)
+async def prompt_tokens(state: ServerState, prompt: PromptSpec, model: str | None = None) -> list[list[int]]:
+    """``prompt`` as token ids alone (count_tokens, for ``model``): its images decoded, then one trip to its
+    lane (a vision base's chat with images: the short lane, through mlx-vlm's processor)."""
+    prompt = await with_images(state, prompt, model)
     if has_images(state, prompt):
         tokenizer, thread = state.prompts.short
         ids, _ = await asyncio.get_running_loop().run_in_executor(thread, encode_images, state, prompt)

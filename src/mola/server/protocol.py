@@ -60,12 +60,6 @@ class ChatMessage(_Body):
     tool_calls: list[dict[str, Any]] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages
 
-    def text(self, index: int) -> str:
-        """The content as one string; image/audio parts are refused."""
-        content = self.content_parts(index, images=False)
-        assert isinstance(content, str)
-        return content
-
     def content_parts(self, index: int, images: bool = True) -> str | list[dict]:
         """The content as one string, or, when a user message carries
         ``image_url`` parts (and ``images``), as a list of text parts and image

@@ -29,5 +29,5 @@ async def count_tokens(body: CountTokensRequest, request: Request):
     body.check_conversation()
     if body.model != state.base_id and await state.registry.catalog.find(body.model) is None:
         raise ModelNotFound(body.model)
-    prompt, = await prompt_tokens(state, messages.prompt_spec(body))
+    prompt, = await prompt_tokens(state, messages.prompt_spec(body), body.model)
     return {"input_tokens": len(prompt)}

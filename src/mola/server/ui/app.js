@@ -16,6 +16,7 @@ class Models {
     this.baseId = "";
     this.adapterIds = [];
     this.parents = new Map(); // model id -> its base's id (a base: itself)
+    this.imageBases = new Set(); // the bases whose card lists "image" in input_modalities
   }
 
   async refresh() {
@@ -23,6 +24,8 @@ class Models {
     this.baseId = (cards.find((card) => card.parent === null) || cards[0]).id;
     this.adapterIds = cards.map((card) => card.id).filter((id) => id !== this.baseId);
     this.parents = new Map(cards.map((card) => [card.id, card.parent ?? card.id]));
+    this.imageBases = new Set(cards.filter((card) => (card.input_modalities || []).includes("image"))
+      .map((card) => card.parent ?? card.id));
     $("#model-ids").replaceChildren(...[this.baseId, ...this.adapterIds].map((id) => {
       const option = document.createElement("option");
       option.value = id;
@@ -32,6 +35,11 @@ class Models {
 
   isBase(id) {
     return id === this.baseId || this.parents.get(id) === id;
+  }
+
+  // Whether some base the server serves takes images (the compare view then offers an image field).
+  takesImagesAnywhere() {
+    return this.imageBases.size > 0;
   }
 
   // The base a model id (or a stack's first part) is served by.

@@ -3,6 +3,7 @@
 // the server decodes them in one mixed batch.
 
 import { modelFields, streamAnswer } from "./api.js";
+import { ImagePicker } from "./image.js";
 
 const SWEEP_SCALES = [0, 0.5, 1, 1.5];
 const MIN_COLUMNS = 2;
@@ -110,6 +111,7 @@ export class Compare {
     this.api = api;
     this.models = models;
     this.columns = [];
+    this.image = new ImagePicker(models);
     this.error = $("#compare-error");
     $("#compare-form").addEventListener("submit", (event) => {
       event.preventDefault();
@@ -120,6 +122,7 @@ export class Compare {
 
   // The first columns: the base, then the first adapters.
   start() {
+    this.image.refresh();
     if (this.columns.length) return this.columns.forEach((column) => column.syncScale());
     const ids = [this.models.baseId, ...this.models.adapterIds];
     for (let i = 0; i < Math.min(3, Math.max(MIN_COLUMNS, ids.length)); i++) this.addColumn(ids[i] || ids[0], 1);
@@ -161,12 +164,13 @@ export class Compare {
     this.runColumns(this.columns);
   }
 
-  // What every column sends alike: the messages, the seed, the response format.
+  // What every column sends alike: the messages (the image too, when one is attached), the seed,
+  // the response format.
   common() {
     const system = $("#compare-system").value.trim();
     const user = $("#compare-user").value;
     if (!user.trim()) throw new Error("Write a user message first.");
-    const common = { messages: [...(system ? [{ role: "system", content: system }] : []), { role: "user", content: user }] };
+    const common = { messages: [...(system ? [{ role: "system", content: system }] : []), { role: "user", content: this.image.content(user) }] };
     if ($("#same-seed").checked) common.seed = Number($("#seed").value);
     const schema = $("#schema").value.trim();
     if (schema) {

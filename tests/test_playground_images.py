@@ -1,0 +1,129 @@
+"""The playground's image field (mola/server/ui/image.js) in a real browser:
+an image picked from a file or pasted is sent by every column as an OpenAI
+``image_url`` part (a data: URL of the very bytes), and each column's answer
+equals the same request over the HTTP API.
+
+The echo demo stands in for a base that takes images: its state says it
+does (``takes_images``), and /v1/models is answered with ``input_modalities``
+``["text", "image"]`` on its card, as a vision-language base's card says.
+What the model makes of the image is the vision tests' business; here the
+page's request and the side-by-side answers are checked. Skipped without
+Chromium, as tests/test_playground.py is."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import pytest
+
+from mola.config import AdapterSpec
+
+from helpers.servers import start_server
+from helpers.vision import image_bytes, require_pillow
+from test_playground import (ADMIN_KEY, API_KEY, AUTH, BASE, MESSAGE, browser, columns, enter_keys,  # noqa: F401
+                             expect, open_page)
+
+pytestmark = pytest.mark.slow  # the browser: CI's second tier, as test_playground.py
+require_pillow()
+
+PNG = image_bytes("PNG", (8, 6), color=(200, 40, 90))
+MODELS = [BASE, "upper", "title"]
+
+
+@pytest.fixture(scope="module")
+def server(echo_demo):
+    """The echo demo with upper and title, taking images."""
+    model_dir, adapters = echo_demo
+    handle = start_server(
+        model=str(model_dir), served_model_name=BASE,
+        adapters=(AdapterSpec("upper", str(adapters["upper"])), AdapterSpec("title", str(adapters["title"]))),
+        max_loras=4, max_lora_rank=16, api_key=API_KEY, admin_key=ADMIN_KEY,
+    )
+    handle.state.takes_images = True
+    yield handle
+    handle.stop()
+
+
+def with_image_base(page, server) -> list[dict]:
+    """/v1/models answered with the base's card taking images, the keys entered
+    again (the page reads the models anew); returns the chat bodies the page sends."""
+    def models(route):
+        body = httpx.get(server.url + "/v1/models", headers=AUTH).json()
+        for card in body["data"]:
+            if card["id"] == BASE:
+                card["input_modalities"] = ["text", "image"]
+        route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
+    page.route(server.url + "/v1/models", models)
+    bodies = []
+    page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
+    enter_keys(page, API_KEY, ADMIN_KEY)
+    expect(page.locator("#compare-image-field")).to_be_visible()
+    return bodies
+
+
+def ask(url: str, model: str, content) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 128}
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def sent_image(body: dict) -> bytes:
+    """The image bytes a chat body's user message carries (its one image_url part)."""
+    text, image = body["messages"][-1]["content"]
+    assert text == {"type": "text", "text": MESSAGE} and image["type"] == "image_url"
+    head, data = image["image_url"]["url"].split(",", 1)
+    assert head == "data:image/png;base64"
+    return base64.b64decode(data)
+
+
+def test_the_image_field_is_hidden_when_no_base_takes_images(open_page):
+    page = open_page()
+    expect(page.locator("#compare-image-field")).to_be_hidden()
+
+
+def test_a_picked_image_goes_to_every_column_side_by_side(open_page, server):
+    page = open_page()
+    bodies = with_image_base(page, server)
+    cols = columns(page, MODELS)
+    page.get_by_label("Image file").set_input_files({"name": "dot.png", "mimeType": "image/png", "buffer": PNG})
+    expect(page.locator("#compare-image-preview")).to_be_visible()
+    expect(page.locator("#compare-image-status")).to_contain_text(f"dot.png (image/png, {len(PNG)} bytes)")
+    page.get_by_role("button", name="Send to all columns").click()
+    for i in range(len(MODELS)):
+        expect(cols.nth(i)).to_have_attribute("aria-busy", "false")
+    sent = [b for b in bodies if b]
+    assert sorted(b.get("model") for b in sent) == sorted(MODELS) and all(sent_image(b) == PNG for b in sent)
+    content = sent[0]["messages"][-1]["content"]
+    expected = [ask(server.url, model, content) for model in MODELS]
+    assert len(set(expected)) == 3  # the base and each adapter answer differently
+    for i, answer in enumerate(expected):
+        expect(cols.nth(i).locator(".answer")).to_have_text(answer)
+        assert "error" not in (cols.nth(i).locator(".answer").get_attribute("class") or "")
+
+
+def test_a_pasted_image_is_attached_and_removing_it_sends_text_only(open_page, server):
+    page = open_page()
+    bodies = with_image_base(page, server)
+    columns(page, [BASE, "upper"])
+    page.get_by_label("User message").focus()
+    page.evaluate("""bytes => {
+        const file = new File([new Uint8Array(bytes)], "", {type: "image/png"});
+        const data = new DataTransfer();
+        data.items.add(file);
+        document.querySelector("#compare-user").dispatchEvent(
+            new ClipboardEvent("paste", {clipboardData: data, bubbles: true, cancelable: true}));
+    }""", list(PNG))
+    expect(page.locator("#compare-image-status")).to_contain_text("a pasted image")
+    page.get_by_role("button", name="Send to all columns").click()
+    expect(page.locator(".column").nth(1)).to_have_attribute("aria-busy", "false")
+    with_images = [b for b in bodies if b]
+    assert len(with_images) == 2 and all(sent_image(b) == PNG for b in with_images)
+    page.get_by_role("button", name="Remove image").click()
+    expect(page.locator("#compare-image-preview")).to_be_hidden()
+    bodies.clear()
+    page.get_by_role("button", name="Send to all columns").click()
+    expect(page.locator(".column").nth(1)).to_have_attribute("aria-busy", "false")
+    assert [b["messages"][-1]["content"] for b in bodies if b] == [MESSAGE, MESSAGE]
