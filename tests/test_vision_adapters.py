@@ -6,15 +6,11 @@ Skipped without mlx-vlm, saying why (MOLA_REQUIRE_VISION=1: failed)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-if os.environ.get("MOLA_REQUIRE_VISION") == "1":
-    import mlx_vlm  # noqa: F401 (CI: a missing mlx-vlm fails here)
-else:
-    pytest.importorskip("mlx_vlm", reason="vision-language bases need mlx-vlm: pip install --no-deps "
-                        "mlx-vlm==0.7.10 (docs/vision.md)")
+from helpers.vision import require_mlx_vlm
+
+require_mlx_vlm()  # skipped without mlx-vlm, saying why; failed where MOLA_REQUIRE_VISION=1 (CI)
 
 import mlx.core as mx
 from helpers.vision_models import make_tiny_qwen2_vl, make_vlm_adapter

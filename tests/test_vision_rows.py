@@ -7,15 +7,11 @@ row. Skipped without mlx-vlm, saying why (MOLA_REQUIRE_VISION=1: failed)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-if os.environ.get("MOLA_REQUIRE_VISION") == "1":
-    import mlx_vlm  # noqa: F401 (CI: a missing mlx-vlm fails here)
-else:
-    pytest.importorskip("mlx_vlm", reason="vision-language bases need mlx-vlm: pip install --no-deps "
-                        "mlx-vlm==0.7.10 (docs/vision.md)")
+from helpers.vision import require_mlx_vlm
+
+require_mlx_vlm()  # skipped without mlx-vlm, saying why; failed where MOLA_REQUIRE_VISION=1 (CI)
 
 from helpers.engines import EngineRunner, together
 from helpers.vision_models import (image_chat, image_input, make_tiny_idefics3, make_tiny_qwen2_5_vl,
@@ -150,3 +146,19 @@ def test_a_vision_base_refuses_what_its_rows_cannot_take(family, setting, flag):
         setting = {"speculative": SpeculativeConfig(**setting["speculative"])}
     with pytest.raises(ModelLoadError, match=f"vision model.*without {flag}"):
         EngineRunner(family[0], **setting)
+
+
+def test_image_rows_prefilled_a_few_columns_a_step_answer_as_mlx_vlm(family):
+    """A prefill in chunks of 8 columns: each chunk takes its columns of the
+    rows' embeddings and positions (an image straddles chunks)."""
+    model, a, b = family
+    im0, im1 = image_input(0), image_input(1, (16, 32))
+    chunked = EngineRunner(model, [("a", a), ("b", b)], max_tokens=MAX_TOKENS, prefill_step_size=8)
+    try:
+        cases = [(image_chat("What is this?"), [im0], "a"), (image_chat("And these?", 2), [im1, im0], "b"),
+                 ([{"role": "user", "content": "Tell me about autumn leaves."}], [], None)]
+        seqs = together(chunked, lambda: [submit(chunked, c, ims, ad) for c, ims, ad in cases])
+        assert chunked.wait(seqs) == [reference(model, {"a": a, "b": b, None: None}[ad], c, ims)
+                                      for c, ims, ad in cases]
+    finally:
+        chunked.stop()

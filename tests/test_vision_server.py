@@ -10,16 +10,12 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
-
 import httpx
 import pytest
 
-if os.environ.get("MOLA_REQUIRE_VISION") == "1":
-    import mlx_vlm  # noqa: F401 (CI: a missing mlx-vlm fails here)
-else:
-    pytest.importorskip("mlx_vlm", reason="vision-language bases need mlx-vlm: pip install --no-deps "
-                        "mlx-vlm==0.7.10 (docs/vision.md)")
+from helpers.vision import require_mlx_vlm
+
+require_mlx_vlm()  # skipped without mlx-vlm, saying why; failed where MOLA_REQUIRE_VISION=1 (CI)
 
 from helpers.references import detokenize
 from helpers.servers import start_server
