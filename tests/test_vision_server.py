@@ -114,3 +114,25 @@ def test_too_many_vision_tokens_is_a_400_naming_the_bound(client):
     assert "--max-vision-tokens" in r.json()["error"]["message"]
     assert client.get("/health").status_code == 200
     assert client.post("/v1/chat/completions", json=body("a", "What is this?", random_image(7))).status_code == 200
+
+
+def test_anthropic_image_blocks_answer_as_openai_image_parts(client):
+    im = random_image(10)
+    openai = client.post("/v1/chat/completions", json=body("a", "What is this?", im)).json()
+    data = png_url(im).split(",", 1)[1]
+    r = client.post("/v1/messages", json={"model": "a", "max_tokens": MAX_TOKENS, "temperature": 0, "messages": [
+        {"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                                  "data": data}},
+                                     {"type": "text", "text": "What is this?"}]}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["content"][0]["text"] == openai["choices"][0]["message"]["content"]
+
+
+def test_a_structured_output_about_an_image_follows_its_schema(client):
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}},
+              "required": ["colour"], "additionalProperties": False}
+    r = client.post("/v1/chat/completions", json={**body("a", "Which colour?", random_image(11)), "max_tokens": 40,
+                                                 "response_format": {"type": "json_schema", "json_schema": {
+                                                     "name": "c", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    assert json.loads(r.json()["choices"][0]["message"]["content"])["colour"] in ("red", "green", "blue")
