@@ -31,12 +31,12 @@ MAX_TOKENS = 6
 def qwen2_vl(tmp_path_factory):
     root = tmp_path_factory.mktemp("qwen2_vl_server")
     model = make_tiny_qwen2_vl(root / "model")
-    return model, make_vlm_adapter(root / "a", model, seed=1)
+    return model, make_vlm_adapter(root / "a", model, seed=1), make_vlm_adapter(root / "b", model, seed=2, rank=2)
 
 
 @pytest.fixture(scope="module")
 def client(qwen2_vl):
-    model, a = qwen2_vl
+    model, a, _ = qwen2_vl
     handle = start_server(model=str(model), served_model_name="vlm", adapters=(AdapterSpec("a", str(a)),),
                           allow_any_adapter_path=True, max_loras=2, max_lora_rank=8, max_vision_tokens=20)
     with httpx.Client(base_url=handle.url, timeout=120) as c:
@@ -56,10 +56,10 @@ def body(model: str, question: str, im=None, stream: bool = False) -> dict:
             "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]}
 
 
-def reference_text(model_dir, adapter, question, im) -> str:
+def reference_text(model_dir, adapter, question, im, scale: float = 1.0, more=()) -> str:
     from mlx_vlm import generate
 
-    m, processor = merged_vlm(model_dir, adapter)
+    m, processor = merged_vlm(model_dir, adapter, scale, more)
     chat = image_chat(question) if im is not None else [{"role": "user", "content": question}]
     prompt = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
     ids = generate(m, processor, prompt, image=[im] if im is not None else None, max_tokens=MAX_TOKENS,
@@ -79,7 +79,7 @@ def streamed(client, payload) -> str:
 
 
 def test_an_adapter_answers_about_an_image_as_mlx_vlm_does_streaming_or_not(client, qwen2_vl):
-    model, a = qwen2_vl
+    model, a, _ = qwen2_vl
     im = random_image(7)
     r = client.post("/v1/chat/completions", json=body("a", "What is this?", im))
     assert r.status_code == 200, r.text
@@ -91,7 +91,7 @@ def test_an_adapter_answers_about_an_image_as_mlx_vlm_does_streaming_or_not(clie
 
 
 def test_a_text_only_request_is_served_as_mlx_vlm_answers_it(client, qwen2_vl):
-    model, a = qwen2_vl
+    model, a, _ = qwen2_vl
     r = client.post("/v1/chat/completions", json={**body("a", "Tell me a story."),
                                                  "messages": [{"role": "user", "content": "Tell me a story."}]})
     assert r.status_code == 200, r.text
@@ -136,3 +136,16 @@ def test_a_structured_output_about_an_image_follows_its_schema(client):
                                                      "name": "c", "schema": schema}}})
     assert r.status_code == 200, r.text
     assert json.loads(r.json()["choices"][0]["message"]["content"])["colour"] in ("red", "green", "blue")
+
+
+def test_a_hot_loaded_adapter_in_a_stack_answers_about_an_image_as_both_fused(client, qwen2_vl):
+    model, a, b = qwen2_vl
+    r = client.post("/v1/adapters", json={"name": "b", "path": str(b)})
+    assert r.status_code == 200, r.text
+    im = random_image(12)
+    r = client.post("/v1/chat/completions", json={**body("vlm", "What is this?", im),
+                                                 "adapters": [{"name": "a", "scale": 0.5}, {"name": "b", "scale": 2}]})
+    assert r.status_code == 200, r.text
+    want = reference_text(model, a, "What is this?", im, 0.5, more=[(b, 2.0)])
+    assert r.json()["choices"][0]["message"]["content"] == want
+    assert want != reference_text(model, a, "What is this?", im)  # the stack is not adapter a alone

@@ -146,13 +146,24 @@ def make_vlm_adapter(path: str | Path, model_dir: Path, rank: int = 4, seed: int
     return path
 
 
-def merged_vlm(model_dir: Path, adapter_dir: Path | None = None, scale: float = 1.0):
+def merged_vlm(model_dir: Path, adapter_dir: Path | None = None, scale: float = 1.0, more=()):
     """(mlx-vlm's model with ``adapter_dir`` loaded by mlx-vlm and fused into
-    its weights at ``scale`` times its own scale, processor)."""
+    its weights at ``scale`` times its own scale, processor); ``more``:
+    (adapter, scale) pairs fused after it, one by one (a stack)."""
     from mlx_vlm import load
-    from mlx_vlm.trainer.peft.lora_layers import LoRALinear
+    from mlx_vlm.trainer.peft.utils import apply_lora_layers
 
     model, processor = load(str(model_dir), adapter_path=str(adapter_dir) if adapter_dir else None)
+    fuse_loras(model, scale)
+    for adapter, s in more:
+        fuse_loras(apply_lora_layers(model, str(adapter)), s)
+    return model, processor
+
+
+def fuse_loras(model, scale: float) -> None:
+    """Every mlx-vlm LoRALinear of ``model`` fused into its weights at ``scale`` times its own scale."""
+    from mlx_vlm.trainer.peft.lora_layers import LoRALinear
+
     fused = []
     for name, m in model.named_modules():
         if isinstance(m, LoRALinear):
@@ -162,7 +173,6 @@ def merged_vlm(model_dir: Path, adapter_dir: Path | None = None, scale: float = 
         from mlx.utils import tree_unflatten
 
         model.update_modules(tree_unflatten(fused))
-    return model, processor
 
 
 def vlm_greedy(model, processor, messages, images, max_tokens: int) -> list[int]:
