@@ -110,3 +110,16 @@ def test_a_family_mola_does_not_serve_is_refused_at_start_naming_it(tmp_path):
     (tmp_path / "preprocessor_config.json").write_text("{}")
     with pytest.raises(ModelLoadError, match="'llava' vision model, which mola does not serve.*qwen2_vl"):
         load_base_model(str(tmp_path))
+
+
+def test_without_mlx_vlm_a_vision_directory_serves_its_language_model_alone(qwen2_vl, monkeypatch):
+    import importlib.util
+
+    from mola.models.loader import load_base_model
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlx_vlm" else find(name, *a))
+    loaded = load_base_model(str(qwen2_vl[1]))
+    assert not loaded.takes_images and type(loaded.model).__module__ == "mlx_lm.models.qwen2_vl"
+    monkeypatch.undo()
+    assert load_base_model(str(qwen2_vl[1])).takes_images  # with it: mlx-vlm's model, images taken

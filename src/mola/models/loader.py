@@ -3,6 +3,7 @@ llama.cpp GGUF file (or a directory holding one), in the dtype --dtype asks for.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from pathlib import Path
@@ -90,6 +91,11 @@ def load_base_model(model: str, revision: str | None = None, group=None, dtype: 
         dtype = resolve_dtype(dtype, False)
         log.info("loading model from %s (dtype %s)%s", path, dtype, shard)
         vision = vision_model_type(path)
+        if vision is not None and importlib.util.find_spec("mlx_vlm") is None:
+            log.warning("%s is a vision model ('%s'), but mlx-vlm is not installed: serving its language model "
+                        "alone, through mlx-lm, and refusing images (pip install 'mola[vision]' and mlx-vlm: "
+                        "docs/vision.md)", path, vision)
+            vision = None
         loaded = _load_mlx_lm(path, dtype, group) if vision is None else _load_vision(path, vision, dtype, group)
     # Where the model ends: one rule for every source (models/eog.py).
     loaded.tokenizer.eos_token_ids = end_of_generation_ids(loaded.tokenizer, path)
