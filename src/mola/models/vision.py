@@ -4,16 +4,18 @@ mola's LoRA layers wrap.
 
 :class:`VisionLanguageModel` lays the language model out as mlx-lm's are
 (``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``), so
-adapters name the same paths as for a text model, and keeps the vision tower
-beside it. Its forward pass takes what the runner computed per row: the input
-embeddings (image features merged in by mlx-vlm's own code) and the
-multimodal rotary positions [3, B, L] (M-RoPE), so that each row of a shared
-batch keeps its own positions through decode (its rope delta, see
-:func:`decode_positions`).
+adapters name the same paths as for a text model (Idefics3's head stays at
+``model.lm_head``, where mlx-vlm keeps it), and keeps the vision tower beside
+it. Its forward pass takes what the runner computed per row: the input
+embeddings (image features merged in by mlx-vlm's own code) and, for the
+Qwen2-VL family, the multimodal rotary positions [3, B, L] (M-RoPE), so that
+each row of a shared batch keeps its own positions through decode (its rope
+delta, see :func:`decode_positions`); Idefics3's llama decoder reads each
+row's positions from its cache's offsets, as mlx-lm's text models do.
 
-Families (mlx-vlm's ``model_type``): SERVED are the ones whose language model
-takes explicit per-row positions and whose prompt mlx-vlm's processor turns
-into tokens, pixels and a grid; the others are refused at start, saying why.
+Families (mlx-vlm's ``model_type``): SERVED are those checked to answer in
+the mixed batch exactly as mlx-vlm's own generate does (tests/test_vision_rows.py);
+any other is refused at start, saying why.
 """
 
 from __future__ import annotations
