@@ -17,6 +17,14 @@ them all on adapter 1. The figure is C over the median gap between two steps'
 outputs while all C rows decode. Workloads alternate within a round (the order
 flips each round) and ratios are taken within a round.
 
+traffic: 16 requests with an image each, over the 4 adapters in turn (a, b,
+c, d, a, ...), 40 new tokens each: mola's engine takes them all at once; the
+way mlx-vlm's server serves them (its get_cached_model reloads the model with
+the new adapter_path whenever a request names another adapter, then its
+generate) is run in process, request by request, since its server cannot start
+here (it imports mlx_audio, which the vision install leaves out). Wall time of
+all 16 and output tokens per second, median of ROUNDS.
+
 prefill: one request alone, max_tokens 1, with one image (its prompt of L
 tokens, 64 of them vision tokens) against a text-only prompt of the same L
 tokens: time to its one token, median of ROUNDS each, alternating; and the
@@ -105,7 +113,42 @@ def main() -> None:
             cond.wait_for(lambda: stamps, 600)
         return stamps[0][0] - t0
 
+    def traffic_mola() -> float:
+        stamps.clear()
+        t0 = time.perf_counter()
+        for i in range(16):
+            ids, vision = prompt(1000 + i)
+            eng.add(Sequence(prompt=ids, params=SamplingParams(max_tokens=MAXTOK, temperature=0.0),
+                             slot=runner.slots[f"a{i % 4}"], vision=vision))
+        with cond:
+            cond.wait_for(lambda: sum(f for _, f in stamps) >= 16, 1200)
+        return time.perf_counter() - t0
+
+    def traffic_mlx_vlm() -> tuple[float, int]:
+        from mlx_vlm import generate, load
+
+        t0, loaded_adapter, m, proc, tokens = time.perf_counter(), None, None, None, 0
+        for i in range(16):
+            if m is None or loaded_adapter != adapters[i % 4]:  # a reload at each change, as its server does
+                loaded_adapter = adapters[i % 4]
+                m, proc = load(str(model), adapter_path=str(loaded_adapter))
+            chat = image_chat("Describe what you see in this picture.")
+            text = proc.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+            out = generate(m, proc, text, image=[image_input(1000 + i, (64, 64)).image], max_tokens=MAXTOK,
+                           temperature=0.0, verbose=False)
+            tokens += out.generation_tokens
+        return time.perf_counter() - t0, tokens
+
     try:
+        traffic, n = {"mola": [], "mlx-vlm": []}, 0
+        for r in range(ROUNDS):
+            traffic["mola"].append(traffic_mola())
+            t, n = traffic_mlx_vlm()  # the same greedy tokens as mola's (tests/test_vision_rows.py)
+            traffic["mlx-vlm"].append(t)
+        t_mola, t_vlm = (statistics.median(traffic[k]) for k in ("mola", "mlx-vlm"))
+        print(f"traffic, 16 image requests over 4 adapters in turn, {n} tokens in all: mola {t_mola:.2f} s "
+              f"({n / t_mola:.0f} tok/s), mlx-vlm reloading at each change {t_vlm:.2f} s "
+              f"({n / t_vlm:.0f} tok/s): {t_vlm / t_mola:.1f}x", flush=True)
         run("mixed"), run("one")  # warm-up
         res = {"mixed": [], "one": []}
         for r in range(ROUNDS):
