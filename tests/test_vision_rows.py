@@ -110,9 +110,16 @@ def test_a_second_turn_about_one_image_reuses_its_prefix_and_another_image_never
     answer = runner.loaded.tokenizer.decode(runner.wait([seq])[0])
     second = first + [{"role": "assistant", "content": answer},
                       {"role": "user", "content": [{"type": "text", "text": "And its colour?"}]}]
-    again = together(runner, lambda: submit(runner, second, [im], "a"))
-    assert runner.wait([again])[0] == reference(model, a, second, [im])
+    towers = []  # the prompts the vision tower ran for
+    image_rows = runner.loaded.model.image_rows
+    runner.loaded.model.image_rows = lambda tokens, arrays: towers.append(tokens) or image_rows(tokens, arrays)
+    try:
+        again = together(runner, lambda: submit(runner, second, [im], "a"))
+        assert runner.wait([again])[0] == reference(model, a, second, [im])
+    finally:
+        del runner.loaded.model.image_rows
     assert again.num_cached_tokens >= len(seq.prompt) - 1  # the first turn's prompt, image included
+    assert towers == []  # its image was in the cached prefix: the tower did not run again
     elsewhere = together(runner, lambda: submit(runner, second, [other], "a"))
     assert elsewhere.prompt == again.prompt  # the same token ids...
     assert runner.wait([elsewhere])[0] == reference(model, a, second, [other])

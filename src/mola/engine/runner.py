@@ -227,8 +227,9 @@ class ModelRunner:
             self.prefill = PrefillBatch.start(
                 members, [self.kv.view(h.entry, h.num_tokens) if h else self._new_cache() for h in hits],
                 [h.num_tokens if h else 0 for h in hits])
-            if self.is_vision:  # the vision tower runs here, once per image row
-                self.prefill.images = vision_rows.start_rows(self.model, self.routing, members)
+            if self.is_vision:  # the vision tower runs here, once per image row not cached
+                self.prefill.images = vision_rows.start_rows(self.model, self.routing, members,
+                                                                  self.prefill.done)
         if plan.end > plan.start:
             self.stats.prefill_tokens += self.prefill.num_tokens(plan.start, plan.end)
             self.routing.set([s.slot for s in members], [s.lora_scale for s in members],

@@ -35,28 +35,32 @@ class VisionPrompt:
 class ImageRows:
     """One image row of a prefill batch, over its prefilled tokens."""
 
-    embeds: mx.array  # [L, D] input embeddings, image features merged in
+    embeds: mx.array | None  # [L, D] input embeddings, image features merged in; None: the tokens' own
     positions: np.ndarray  # [3, L] int multimodal positions
 
 
-def start_rows(model, routing, members: list[Sequence]) -> list[ImageRows | None]:
+def start_rows(model, routing, members: list[Sequence], done: list[int]) -> list[ImageRows | None]:
     """Each member's ImageRows (None: a text row); sets each image row's
-    ``rope_delta``. The embedding runs under the member's own routing (an
-    embedding LoRA)."""
+    ``rope_delta``. The vision tower runs for a member whose images are not
+    all in its first ``done`` tokens (those its cache holds already): for
+    the others, only their positions are computed. The embedding runs under
+    the member's own routing (an embedding LoRA)."""
     rows: list[ImageRows | None] = []
-    for s in members:
+    for s, d in zip(members, done):
         if s.vision is None:
             rows.append(None)
             continue
-        routing.set([s.slot], [s.lora_scale])
-        v = s.vision
-        embeds, positions, s.rope_delta = model.image_rows(
-            s.context[:-1], {k: mx.array(a) for k, a in v.arrays.items()})
-        mx.eval(embeds)
-        L = embeds.shape[1]
+        tokens, arrays = s.context[:-1], {k: mx.array(a) for k, a in s.vision.arrays.items()}
+        if d > max((i for i, t in enumerate(tokens) if t == model.image_token_id), default=-1):  # cached: no tower
+            embeds, (positions, s.rope_delta) = None, model.image_positions(tokens, arrays)
+        else:
+            routing.set([s.slot], [s.lora_scale])
+            embeds, positions, s.rope_delta = model.image_rows(tokens, arrays)
+            mx.eval(embeds)
+            embeds = embeds[0]
         positions = np.array(positions[:, 0, :]) if positions is not None \
-            else np.broadcast_to(np.arange(L)[None], (3, L))  # a 1-D family's: the token's index
-        rows.append(ImageRows(embeds[0], positions))
+            else np.broadcast_to(np.arange(len(tokens))[None], (3, len(tokens)))  # a 1-D family's: the index
+        rows.append(ImageRows(embeds, positions))
     return rows
 
 
@@ -76,9 +80,12 @@ def prefill_inputs(model, batch, tokens: mx.array, start: int, end: int) -> dict
         if r is None:
             out.append(plain[i])
             continue
-        first, last = done[i] + start, min(done[i] + end, r.embeds.shape[0])
+        first, last = done[i] + start, min(done[i] + end, r.positions.shape[1])
         n = max(0, last - first)  # real columns; the rest is right padding
         positions[:, i, :n] = r.positions[:, first:last]
+        if r.embeds is None:  # its images are in the cached prefix: these columns are text
+            out.append(plain[i])
+            continue
         out.append(mx.concatenate([r.embeds[first:last], plain[i, n:]]) if n < W else r.embeds[first:last])
     return {"embeds": mx.stack(out), "positions": mx.array(positions)}
 

@@ -123,6 +123,18 @@ class VisionLanguageModel(nn.Module):
         return out.inputs_embeds, out.position_ids, int(out.rope_deltas.reshape(-1)[0].item())
 
 
+    def image_positions(self, tokens: list[int], arrays: dict[str, mx.array]) -> tuple:
+        """One prompt's positions [3, 1, L] and rope delta without its
+        images' features (mlx-vlm's get_rope_index reads the grids alone);
+        (None, 0) for a 1-D family."""
+        if not self.takes_positions:
+            return None, 0
+        ids = mx.array([tokens], dtype=mx.int32)  # [1, L]
+        lm = self.held.vlm.language_model
+        positions, deltas = lm.get_rope_index(ids, arrays.get("image_grid_thw"), arrays.get("video_grid_thw"))
+        return positions, int(deltas.reshape(-1)[0].item())
+
+
 def decode_positions(cache, deltas: mx.array, length: int) -> mx.array:
     """[3, B, L] positions of the next ``length`` tokens of each row: its
     tokens so far (the cache's offset, per row in a batch cache) plus its rope
