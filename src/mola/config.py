@@ -205,11 +205,12 @@ class VisionConfig:
     max_image_bytes: int | str = 20 * 1024 * 1024  # an image file's bytes (a size such as "20MB")
     max_image_pixels: int = 40_000_000  # width x height of one image, read from its header before decoding
     max_images_per_request: int = 16  # images in one request, over all its messages
+    max_vision_tokens: int = 16384  # prompt tokens one request's images may take (its processor counts them)
 
     def __post_init__(self):
         if isinstance(self.max_image_bytes, str):
             object.__setattr__(self, "max_image_bytes", parse_bytes(self.max_image_bytes))
-        for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request"):
+        for name in ("max_image_bytes", "max_image_pixels", "max_images_per_request", "max_vision_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")

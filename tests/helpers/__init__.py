@@ -1,6 +1,7 @@
 """Test helpers, by area:
 
     vision.py       Images in chat: PIL-made image files, a PNG whose header lies, data URLs; mlx-vlm skipped or required (MOLA_REQUIRE_VISION=1).
+    vision_models.py  Tiny random vision-language models (Qwen2-VL, Qwen2.5-VL, Idefics3) and mlx-vlm-trained-format adapters, built offline; mlx-vlm's own answers with adapters fused.
     servers.py      A real server in a thread (start_server), `mola serve` in a process of its own, and waiting on them.
     references.py   References computed another way: plain mlx-lm on merged weights, greedy and penalised decodes, grammar walks.
     schemas.py      OpenAI's schemas: responses and stream events validated against the official spec (tests/data/openai_schemas.json).

@@ -111,13 +111,15 @@ class EngineRunner:
                     self.done[out.seq_id] = out
             self.cond.notify_all()
 
-    def submit(self, prompt, adapter=None, lora_scale=1.0, constraint=None, adapter_start=None, **params):
+    def submit(self, prompt, adapter=None, lora_scale=1.0, constraint=None, adapter_start=None, vision=None,
+               **params):
         from mola.engine.sequence import SamplingParams, Sequence
 
         params = {"max_tokens": self.max_tokens, "temperature": 0.0, **params}
         key = None if adapter is None else (adapter, self.versions[adapter])  # as Lease.key
         seq = Sequence(prompt=list(prompt), params=SamplingParams(**params), slot=self.slots.get(adapter, 0),
-                       lora_scale=lora_scale, adapter_key=key, constraint=constraint, adapter_start=adapter_start)
+                       lora_scale=lora_scale, adapter_key=key, constraint=constraint, adapter_start=adapter_start,
+                       vision=vision)
         self.engine.add(seq)
         return seq
 

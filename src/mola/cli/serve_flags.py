@@ -261,3 +261,6 @@ def _vision_flags(serve: argparse.ArgumentParser) -> None:
                        "decoded) of one image (default 40000000)")
     serve.add_argument("--max-images-per-request", type=int, metavar="N",
                        help="the most images one chat request may carry, over all its messages (default 16)")
+    serve.add_argument("--max-vision-tokens", type=int, metavar="N",
+                       help="the most vision tokens one chat request's images may take in the prompt "
+                       "(default 16384; a vision base's processor decides each image's count)")

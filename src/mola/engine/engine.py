@@ -33,6 +33,7 @@ from .distributed import HEARTBEAT_SECONDS, SHARE_TIMEOUT_SECONDS, Group, Leader
 from .kv_budget import KVBudget, make_kv_budget
 from .memory import check_growth, check_slots_fit, free_bytes, gib
 from .outputs import EngineSnapshot, KVStats, SeqOutput
+from .vision_rows import check_vision_engine
 from .plan import StepPlan, StepResult
 from .prompt_cache import PromptCacheStats, make_prompt_cache
 from .runner import ModelRunner
@@ -169,6 +170,8 @@ class Engine:
     def _load(self) -> None:
         loaded = self._loader()
         c = self.config
+        if loaded.takes_images:
+            check_vision_engine(c, loaded.path)
         # Expert LoRA is not sharded: a tensor-parallel group serves none (distributed.py alike).
         expert_slots = c.expert_slots if self.group is None else 0
         slots = dict(max_loras=c.max_loras, max_rank=c.max_lora_rank, expert_slots=expert_slots,

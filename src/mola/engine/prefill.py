@@ -9,7 +9,7 @@ cache is ready to join the decode batch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -25,6 +25,7 @@ class PrefillBatch:
     todo: list[int]  # per member: tokens to prefill (its context but the last)
     padding: list[int]  # per member: columns of right padding
     done: list[int]  # per member: tokens its cache held at the start (column 0 is this position)
+    images: list = field(default_factory=list)  # a vision base's: per member, vision_rows.ImageRows or None
 
     @classmethod
     def start(cls, members: list[Sequence], starts: list[ModelCaches], done: list[int]) -> PrefillBatch:

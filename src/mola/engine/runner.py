@@ -46,6 +46,7 @@ from .prefill import PrefillBatch
 from .sampling import row_keys, sample
 from .sequence import Sequence
 from .steps import Forward, Launch, RunnerStats, advance_matchers, read_launch, token_logprobs
+from . import vision_rows
 
 __all__ = ["ModelRunner", "RunnerStats", "StepResult"]
 
@@ -56,6 +57,7 @@ class ModelRunner:
     def __init__(self, model: nn.Module, packs: AdapterPacks, vocab_size: int, prompt_cache: bool = False,
                  draft: nn.Module | None = None, kv_quant: tuple[int, int] | None = None):
         self.model = model
+        self.is_vision = hasattr(model, "image_rows")  # a vision base: rows carry positions (vision_rows)
         self.draft = draft  # a draft model, fed what the target is fed (None: none)
         self.packs = packs
         self.routing = packs.routing
@@ -209,10 +211,11 @@ class ModelRunner:
 
     # ---- prefill ------------------------------------------------------------
 
-    def _feed(self, tokens: mx.array, cache: ModelCaches) -> mx.array:
-        """Run the target on ``tokens`` [B, L] over its caches, and the draft
-        model, if any, over its own; returns the target's logits."""
-        logits = self.model(tokens, cache=cache.target)  # [B, L, V]
+    def _feed(self, tokens: mx.array, cache: ModelCaches, **vision) -> mx.array:
+        """Run the target on ``tokens`` [B, L] over its caches (a vision base
+        also on ``vision``: embeds, positions), and the draft model, if any,
+        over its own; returns the target's logits."""
+        logits = self.model(tokens, cache=cache.target, **vision)  # [B, L, V]
         if self.draft is not None:
             self.draft(tokens, cache=cache.draft)
         return logits
@@ -224,11 +227,17 @@ class ModelRunner:
             self.prefill = PrefillBatch.start(
                 members, [self.kv.view(h.entry, h.num_tokens) if h else self._new_cache() for h in hits],
                 [h.num_tokens if h else 0 for h in hits])
+            if self.is_vision:  # the vision tower runs here, once per image row not cached
+                self.prefill.images = vision_rows.start_rows(self.model, self.routing, members,
+                                                                  self.prefill.done)
         if plan.end > plan.start:
             self.stats.prefill_tokens += self.prefill.num_tokens(plan.start, plan.end)
             self.routing.set([s.slot for s in members], [s.lora_scale for s in members],
                              self.prefill.active(members, plan.start, plan.end))
-            self._feed(self.prefill.tokens[:, plan.start : plan.end], self.prefill.cache)
+            tokens = self.prefill.tokens[:, plan.start : plan.end]
+            vision = vision_rows.prefill_inputs(self.model, self.prefill, tokens, plan.start, plan.end) \
+                if self.is_vision else {}
+            self._feed(tokens, self.prefill.cache, **vision)
             mx.eval([c.state for c in self.prefill.cache.layers])
         if plan.join is not None:
             self._join(members, plan)
@@ -259,7 +268,8 @@ class ModelRunner:
         self.stats.count_decode(slots)
         if drafts is None:
             x = self.inputs[:, None]  # [B, 1]
-            logits = self._feed(x, self.cache)
+            vision = vision_rows.decode_inputs(self.cache.target, rows) if self.is_vision else {}
+            logits = self._feed(x, self.cache, **vision)
         else:
             x = mx.concatenate([self.inputs[:, None], drafts], axis=1)  # [B, P]
             if self.has_windows:

@@ -119,6 +119,11 @@ class Sequence:
     # A preempted row's PRNG key (two uint32), until it rejoins the decode batch.
     resume_key: tuple[int, int] | None = None
     waited_for_kv: bool = False  # it waited at the head of the queue for KV memory
+    # A vision base's prompt with images (mola.engine.vision_rows.VisionPrompt); None: text only.
+    vision: Any = None
+    # Its multimodal positions run this far ahead of (or behind) its token count, from its
+    # prefill on (M-RoPE; set by the runner when its prefill starts); 0: a text row.
+    rope_delta: int = 0
 
     def __post_init__(self):
         if not self.prompt:
@@ -146,12 +151,17 @@ class Sequence:
     def cache_key(self) -> tuple | None:
         """What the KV state of this row depends on besides the base model and
         the tokens (None: unknown, so never cached). An activated LoRA's also
-        depends on where its delta starts."""
+        depends on where its delta starts; a prompt with images, on the
+        images' content (their hashes: their tokens are all one id)."""
         if self.adapter_key is None:
-            return BASE_KEY if self.slot == 0 else None
-        if self.adapter_start is not None:
-            return (self.adapter_key, float(self.lora_scale), self.adapter_start)
-        return (self.adapter_key, float(self.lora_scale))
+            key = BASE_KEY if self.slot == 0 else None
+        elif self.adapter_start is not None:
+            key = (self.adapter_key, float(self.lora_scale), self.adapter_start)
+        else:
+            key = (self.adapter_key, float(self.lora_scale))
+        if key is not None and self.vision is not None:  # image tokens are one id: key them by the images
+            return (*key, ("images", *self.vision.hashes))
+        return key
 
     @property
     def cached_parts(self) -> list[tuple[tuple | None, list[int]]]:

@@ -66,7 +66,7 @@ def _generation(state: ServerState, spec: GenerationSpec, prepared: Prepared, le
     seq = Sequence(prompt=list(prompt), params=params, slot=lease.slot if plain else 0,
                    lora_scale=lease.row_scale if plain else 1.0, adapter_key=lease.key if plain else None,
                    deadline=deadline, constraint=grammar.new_constraint() if grammar else None,
-                   adapter_start=start)
+                   adapter_start=start, vision=prepared.vision)
     gen = Generation(state, seq, lease, list(spec.sampling.stop), index=index, tools=spec.tools, model=spec.model,
                      skip_special_tokens=spec.sampling.skip_special_tokens, reasoning=prepared.reasoning,
                      json_calls=grammar.grammar.json_calls if grammar else None)

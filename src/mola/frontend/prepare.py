@@ -15,6 +15,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from ..engine.vision_rows import VisionPrompt
 from ..errors import InvalidRequest
 from ..structured import CompiledGrammar
 from .images_in import ImageLimits, check_count, count_images, decode_messages, first_image_param
@@ -29,6 +30,7 @@ class Prepared:
     prompts: list[list[int]]  # token ids, one list per prompt
     grammar: CompiledGrammar | None = None  # what the output must follow (None: free)
     reasoning: Reasoning | None = None  # how the output's thinking is split off (None: it is not)
+    vision: VisionPrompt | None = None  # a chat's images, as the vision tower takes them (None: none)
 
 
 def reads_calls(state: ServerState) -> bool:
@@ -63,7 +65,21 @@ def structure(tokenizer, state: ServerState, spec: GenerationSpec, prompts: list
 
 
 def _prepare(tokenizer, state: ServerState, spec: GenerationSpec) -> Prepared:
+    if has_images(state, spec.prompt):
+        ids, vision = encode_images(state, spec.prompt)
+        return dataclasses.replace(structure(tokenizer, state, spec, [ids]), vision=vision)
     return structure(tokenizer, state, spec, tokenize(tokenizer, state, spec.prompt))
+
+
+def has_images(state: ServerState, prompt: PromptSpec) -> bool:
+    """A chat with images to a vision base (mlx-vlm's processor prepares it)."""
+    return state.vision is not None and prompt.messages is not None and count_images(prompt.messages) > 0
+
+
+def encode_images(state: ServerState, prompt: PromptSpec) -> tuple[list[int], VisionPrompt]:
+    """A chat with (decoded) images through mlx-vlm's processor and chat template
+    (on the short lane's thread: the processor holds the one tokenizer it uses)."""
+    return state.vision.encode(prompt.messages, prompt.tools, prompt.param, state.prompts.limit)
 
 
 async def with_images(state: ServerState, prompt: PromptSpec, model: str | None = None) -> PromptSpec:
@@ -87,7 +103,7 @@ async def prepare(state: ServerState, spec: GenerationSpec) -> Prepared:
     """Template, tokenize, reasoning and grammar: one trip to the tokenizer
     thread (two for a long prompt that needs reasoning or a grammar)."""
     lanes = state.prompts
-    tokenizer, thread = lanes.lane(spec.prompt.chars())
+    tokenizer, thread = lanes.short if has_images(state, spec.prompt) else lanes.lane(spec.prompt.chars())
     loop = asyncio.get_running_loop()
     if thread is lanes.short[1]:
         return await loop.run_in_executor(thread, _prepare, tokenizer, state, spec)
@@ -99,6 +115,11 @@ async def prepare(state: ServerState, spec: GenerationSpec) -> Prepared:
 
 
 async def prompt_tokens(state: ServerState, prompt: PromptSpec, model: str | None = None) -> list[list[int]]:
-    """``prompt`` as token ids alone (count_tokens, for ``model``): its images decoded, then one trip to its lane."""
+    """``prompt`` as token ids alone (count_tokens, for ``model``): its images decoded, then one trip to its
+    lane (a vision base's chat with images: the short lane, through mlx-vlm's processor)."""
     prompt = await with_images(state, prompt, model)
+    if has_images(state, prompt):
+        tokenizer, thread = state.prompts.short
+        ids, _ = await asyncio.get_running_loop().run_in_executor(thread, encode_images, state, prompt)
+        return [ids]
     return await state.prompts.call(prompt.chars(), tokenize, state, prompt)

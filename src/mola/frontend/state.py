@@ -38,6 +38,7 @@ class ServerState:
     draining: bool = False  # shutting down: no new generations
     weight_bytes: int = 0  # the model's weights in memory, its slot packs not counted (0: not known)
     takes_images: bool = False  # chat messages may carry images (a vision-language base; LoadedModel's)
+    vision: Any = None  # a vision base's prompts with images (frontend.vision_prompt.VisionPrompter)
     # Templating and tokenizing, off the event loop, on two lanes (short and
     # long prompts), each with its own tokenizer.
     prompts: PromptLanes = field(init=False)

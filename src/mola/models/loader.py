@@ -3,6 +3,7 @@ llama.cpp GGUF file (or a directory holding one), in the dtype --dtype asks for.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from .eog import end_of_generation_ids
 from .gguf import DTYPES
 from .metadata import find_gguf
 from .model import LoadedModel
+from .vision import vision_model_type
 
 log = logging.getLogger("mola.loader")
 
@@ -88,7 +90,13 @@ def load_base_model(model: str, revision: str | None = None, group=None, dtype: 
     else:
         dtype = resolve_dtype(dtype, False)
         log.info("loading model from %s (dtype %s)%s", path, dtype, shard)
-        loaded = _load_mlx_lm(path, dtype, group)
+        vision = vision_model_type(path)
+        if vision is not None and importlib.util.find_spec("mlx_vlm") is None:
+            log.warning("%s is a vision model ('%s'), but mlx-vlm is not installed: serving its language model "
+                        "alone, through mlx-lm, and refusing images (pip install 'mola[vision]' and mlx-vlm: "
+                        "docs/vision.md)", path, vision)
+            vision = None
+        loaded = _load_mlx_lm(path, dtype, group) if vision is None else _load_vision(path, vision, dtype, group)
     # Where the model ends: one rule for every source (models/eog.py).
     loaded.tokenizer.eos_token_ids = end_of_generation_ids(loaded.tokenizer, path)
     log.info("model loaded in %.1f s; generation ends at tokens %s", time.perf_counter() - t0,
@@ -196,6 +204,24 @@ def _load_mlx_lm(path: Path, dtype: str, group) -> LoadedModel:
 
         batched_masks(model, config)
     return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path)
+
+
+def _load_vision(path: Path, model_type: str, dtype: str, group) -> LoadedModel:
+    """An mlx-vlm model directory, through mlx-vlm's loader (mola.models.vision);
+    its text tokenizer as mlx-lm wraps it, for the text path."""
+    from mlx_lm.utils import load_tokenizer
+
+    from .vision import load_vision_model
+
+    if group is not None:
+        raise ModelLoadError(f"{path} is a vision model; mola does not shard one over --distributed")
+    if dtype not in ("keep", "auto"):
+        raise ModelLoadError(f"--dtype {dtype}: mola serves a vision model ({path}) in its own dtype; "
+                             "use --dtype keep")
+    model, processor, config = load_vision_model(path, model_type)
+    tokenizer = load_tokenizer(path, eos_token_ids=config.get("eos_token_id"))
+    return LoadedModel(model=model, tokenizer=tokenizer, config=config, path=path, processor=processor,
+                       takes_images=True)
 
 
 def load_draft_model(model: str, target: LoadedModel, revision: str | None = None,

@@ -21,6 +21,7 @@ class LoadedModel:
     path: Path | None = None  # the local directory it came from
     draft: nn.Module | None = None  # --speculative draft: the draft model (the same tokenizer)
     takes_images: bool = False  # a vision-language base: chat messages may carry images (docs/vision.md)
+    processor: Any = None  # a vision base's: mlx-vlm's processor (chat template, images -> tokens); None: text
 
     @property
     def vocab_size(self) -> int:

@@ -26,6 +26,7 @@ from ..bases.host_memory import weight_bytes
 from .metrics import Metrics
 from ..frontend.reasoning import reasoning_format
 from ..frontend.state import ServerState
+from ..frontend.vision_prompt import vision_prompter
 
 log = logging.getLogger("mola.server")
 
@@ -112,6 +113,7 @@ async def serve_state(config: ServeConfig, async_engine, loaded: LoadedModel, me
         metrics=metrics or Metrics(),  # several bases share the app's
         weight_bytes=nbytes,
         takes_images=loaded.takes_images,
+        vision=vision_prompter(loaded, config),
     )
     if state.reasoning is not None:
         log.info("reasoning parser: %s", state.reasoning.name)

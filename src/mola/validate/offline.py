@@ -23,6 +23,7 @@ from ..adapters.formats.gguf_names import tensor_base_name
 from ..lora.pack import SlotGeometry, geometry_of
 from ..models.fit import MemoryPlan, free_bytes
 from ..models.loader import ModelLoadError, check_gguf, resolve_dtype, resolve_model_path
+from ..models.vision import vision_model_type
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ def model_shape(model: str, max_rank: int, dtype: str = "auto", max_expert_rank:
     path = resolve_model_path(model)
     if path.is_file():
         return _gguf_shape(path, max_rank, dtype, max_expert_rank)
+    vision = vision_model_type(path)
+    if vision is not None:
+        return _vision_shape(path, vision, max_rank)
     return _mlx_lm_shape(path, max_rank, resolve_dtype(dtype, is_gguf=False), max_expert_rank)
 
 
@@ -67,6 +71,24 @@ def _mlx_lm_shape(path: Path, max_rank: int, dtype: str, max_expert_rank: int) -
     if dtype != "keep":  # dequantized to this dtype at load (mola serve --dtype)
         geometry = dataclasses.replace(geometry, dtype=DTYPES[dtype])
     return ModelShape(path=path, config=config, geometry=geometry)
+
+
+def _vision_shape(path: Path, model_type: str, max_rank: int) -> ModelShape:
+    """An mlx-vlm model directory's decoder targets, built lazily by mlx-vlm's
+    own loader and laid out as mola serve lays it out (mola.models.vision)."""
+    import json
+
+    from ..models.vision import VisionLanguageModel, check_served
+
+    check_served(model_type, path)
+    try:
+        from mlx_vlm.utils import load_model
+
+        module = VisionLanguageModel(load_model(path, lazy=True))
+        geometry = geometry_of(module, max_rank, num_slots=2)
+    except Exception as e:  # mlx-vlm missing, unknown model types, mismatched weights
+        raise ModelLoadError(f"mlx-vlm could not load the vision model at {path}: {e}") from None
+    return ModelShape(path=path, config=json.loads((path / "config.json").read_text()), geometry=geometry)
 
 
 def _gguf_shape(path: Path, max_rank: int, dtype: str, max_expert_rank: int) -> ModelShape:

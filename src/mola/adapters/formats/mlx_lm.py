@@ -5,6 +5,9 @@
     adapters.safetensors  model.layers.3.self_attn.q_proj.lora_a  [in, r]
                           model.layers.3.self_attn.q_proj.lora_b  [r, out]
 
+mlx-vlm's trainer (``mlx_vlm.train``) writes the same, its paths under
+``language_model.`` (read as mola lays a vision model out: language_path).
+
 delta(x) = scale * (x @ lora_a) @ lora_b, as mlx-lm's LoRALinear computes it.
 An activated LoRA's config also holds ``alora_invocation_tokens`` (PEFT's name).
 A DoRA adapter (``fine_tune_type: dora``, mlx-lm's DoRALinear) also stores
@@ -24,7 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from ...errors import InvalidAdapter
-from .common import CONFIG_FILE, read_config
+from .common import CONFIG_FILE, language_path, read_config
 from ..host_safetensors import read_safetensors_file
 from ..dora import take_magnitudes
 from ..weights import LoRAWeights, ModuleLoRA, alora_tokens, with_invocation
@@ -99,7 +102,7 @@ def mlx_lm_weights(tensors: dict[str, mx.array], scale: float, source: str, weig
                 f"{weights_file} holds '{key}', which is not a LoRA factor "
                 f"(expected keys ending in .lora_a / .lora_b){hint}."
             )
-        pairs.setdefault(module, {})[leaf] = value
+        pairs.setdefault(language_path(module, weights_file), {})[leaf] = value
     modules = {}
     for module, factors in sorted(pairs.items()):
         if set(factors) != {"lora_a", "lora_b"}:

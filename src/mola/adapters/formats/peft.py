@@ -38,7 +38,7 @@ from ...errors import InvalidAdapter
 from ..dora import PEFT_KEY as MAGNITUDE_KEY, take_magnitudes
 from ..host_safetensors import read_safetensors_file
 from ..weights import LoRAWeights, ModuleLoRA, alora_tokens, with_invocation
-from .common import CONFIG_FILE, read_config
+from .common import CONFIG_FILE, language_path, read_config
 from .peft_config import EMBEDDING_NAMES, SERVED_VOCAB_NAMES, check_config, module_scale, targets_module
 from .peft_expert_paths import to_mlx_lm
 from .peft_experts import expert_param_lora, take_param_wrappers
@@ -188,6 +188,7 @@ def peft_weights(config: dict, tensors: dict[str, mx.array], path: Path, weights
     pairs = _pair_factors(tensors, weights_file)
     _check_pairs(pairs, path, weights_file)
     modules = _targeted_modules(config, pairs, path, weights_file, model_type, model_config)
+    modules = {language_path(key, weights_file): m for key, m in modules.items()}  # a vision model's decoder
     modules = to_mlx_lm(modules, model_type, model_config, path) | embeddings
     if dtype is not None:
         modules = {p: ModuleLoRA(a=m.a.astype(dtype), b=m.b.astype(dtype), scale=m.scale)

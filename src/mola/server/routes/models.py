@@ -34,9 +34,12 @@ def _base_cards(base: Base, created: int) -> list[dict]:
         card["error"] = base.error
     if base.config.engine.kv_bits is not None:
         card["kv_cache"] = _quantized_kv(base.config.engine)
+    # what a request to it may carry, once loaded: ["text"], or ["text", "image"] (a vision base and its adapters)
+    inputs = {} if state is None else {"input_modalities": ["text", "image"] if state.takes_images else ["text"]}
+    card.update(inputs)
     # an adapter's "kind": "lora", "alora" or "dora" once read (null before); "vocab": its embedding/head parts
-    return [card, *({**p.model_card(n, c, path, card["id"], max_len), "kind": kind, **({"vocab": v} if v else {})}
-                    for n, c, path, kind, v in adapters)]
+    return [card, *({**p.model_card(n, c, path, card["id"], max_len), "kind": kind, **inputs,
+                     **({"vocab": v} if v else {})} for n, c, path, kind, v in adapters)]
 
 
 def _quantized_kv(engine) -> dict:
