@@ -198,6 +198,7 @@ def test_ctrl_c_stops_the_answer_and_the_chat_goes_on(server, tmp_path, monkeypa
     child.expect_exact("saved 2 messages")
     last = json.loads(saved.read_text())["messages"][-1]
     assert last["interrupted"] is True and answer.startswith(last["content"]) and len(last["content"]) < len(answer)
+    child.expect_exact("tiny> ")
     child.sendintr()  # at the prompt: a fresh line, still in the chat
     child.expect_exact("tiny> ")
     child.sendline("/quit")
@@ -265,3 +266,27 @@ def test_session_requests():
     for bad in ("nan", "inf", "x"):
         with pytest.raises(ValueError):
             parse_scale(bad)
+
+
+def test_ctrl_c_during_a_command_leaves_the_chat_running(monkeypatch):
+    """In process: a Ctrl-C that lands while a command runs (a slow /save, an
+    /adapters call) gives a fresh line, as at the prompt; it does not end the chat."""
+    import io
+
+    from mola.chat.repl import Repl
+
+    lines = iter(["/slow", "/quit"])
+    seen = []
+
+    def read(prompt):
+        seen.append(prompt)
+        return next(lines)
+
+    def slow(arg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("builtins.input", read)
+    repl = Repl(client=None, session=Session(model="tiny"), out=io.StringIO(), err=io.StringIO())
+    repl.commands["/slow"] = slow
+    assert repl.loop() == 0
+    assert seen == ["tiny> ", "tiny> "]  # the prompt came back after the interrupted command

@@ -199,8 +199,9 @@ def test_adapter_flags(tiny_model, tree):
             "--adapter", f"cli-in={allowed / 'inner'}", "--adapter", f"cli-evil={allowed / 'evil'}"]
     config = config_from_args(build_parser().parse_args(args))
     assert config.allow_adapter_symlinks
+    nested = {f.name for f in dataclasses.fields(config) if dataclasses.is_dataclass(getattr(config, f.name))}
     handle = serve(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-                      if f.name not in ("log_level", "served_model_name", "engine", "images", "http", "bases")})
+                      if f.name not in {"log_level", "served_model_name"} | nested})
     try:
         c = handle.client(timeout=60)
         assert answer(c, "cli-in")[0] == 200 and answer(c, "cli-in") == answer(c, "inner")

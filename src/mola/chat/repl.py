@@ -74,25 +74,29 @@ class Repl:
     def loop(self) -> int:
         while True:
             try:
-                line = input(f"{self.session.label}> ")
-            except EOFError:  # Ctrl-D
-                self.say("")
-                return 0
-            except KeyboardInterrupt:  # at the prompt: a fresh line
-                self.say("")
-                continue
-            line = line.strip()
-            if not line:
-                continue
-            if line.startswith("/"):
-                name, _, arg = line.partition(" ")
-                command = self.commands.get(name)
-                if command is None:
-                    self.error(f"unknown command {name}; /help lists them")
-                elif not command(arg.strip()):
+                if not self.step():
                     return 0
-                continue
-            self.answer(line)
+            except KeyboardInterrupt:  # at the prompt, or during a command: a fresh line
+                self.say("")
+
+    def step(self) -> bool:
+        """Read one line and act on it; False to leave."""
+        try:
+            line = input(f"{self.session.label}> ").strip()
+        except EOFError:  # Ctrl-D
+            self.say("")
+            return False
+        if not line:
+            return True
+        if line.startswith("/"):
+            name, _, arg = line.partition(" ")
+            command = self.commands.get(name)
+            if command is None:
+                self.error(f"unknown command {name}; /help lists them")
+                return True
+            return command(arg.strip())
+        self.answer(line)
+        return True
 
     def answer(self, text: str) -> None:
         session = self.session
