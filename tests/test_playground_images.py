@@ -4,8 +4,8 @@ an image picked from a file or pasted is sent by every column as an OpenAI
 equals the same request over the HTTP API.
 
 The echo demo stands in for a base that takes images: its state says it
-does (``takes_images``), and /v1/models is answered with ``input_modalities``
-``["text", "image"]`` on its card, as a vision-language base's card says.
+does (``takes_images``), so /v1/models gives its card ``input_modalities``
+``["text", "image"]``, as a vision-language base's card says.
 What the model makes of the image is the vision tests' business; here the
 page's request and the side-by-side answers are checked. Skipped without
 Chromium, as tests/test_playground.py is."""
@@ -13,7 +13,6 @@ Chromium, as tests/test_playground.py is."""
 from __future__ import annotations
 
 import base64
-import json
 
 import httpx
 import pytest
@@ -47,15 +46,10 @@ def server(echo_demo):
 
 
 def with_image_base(page, server) -> list[dict]:
-    """/v1/models answered with the base's card taking images, the keys entered
-    again (the page reads the models anew); returns the chat bodies the page sends."""
-    def models(route):
-        body = httpx.get(server.url + "/v1/models", headers=AUTH).json()
-        for card in body["data"]:
-            if card["id"] == BASE:
-                card["input_modalities"] = ["text", "image"]
-        route.fulfill(status=200, content_type="application/json", body=json.dumps(body))
-    page.route(server.url + "/v1/models", models)
+    """The keys entered again (the page reads the models anew, the base's card
+    taking images); returns the chat bodies the page sends."""
+    card = next(c for c in httpx.get(server.url + "/v1/models", headers=AUTH).json()["data"] if c["id"] == BASE)
+    assert card["input_modalities"] == ["text", "image"]
     bodies = []
     page.on("request", lambda r: bodies.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
     enter_keys(page, API_KEY, ADMIN_KEY)
@@ -79,9 +73,14 @@ def sent_image(body: dict) -> bytes:
     return base64.b64decode(data)
 
 
-def test_the_image_field_is_hidden_when_no_base_takes_images(open_page):
-    page = open_page()
-    expect(page.locator("#compare-image-field")).to_be_hidden()
+def test_the_image_field_is_hidden_when_no_base_takes_images(open_page, server):
+    server.state.takes_images = False  # a text-only base: its card says ["text"]
+    try:
+        page = open_page()
+        expect(page.locator("#model-ids option")).to_have_count(3)  # the models are read
+        expect(page.locator("#compare-image-field")).to_be_hidden()
+    finally:
+        server.state.takes_images = True
 
 
 def test_a_picked_image_goes_to_every_column_side_by_side(open_page, server):
