@@ -235,3 +235,39 @@ def test_an_image_chat_with_a_tool_call_and_its_result_answers_as_mlx_vlm_with_t
     auto = client.post("/v1/chat/completions", json={"model": "a", "messages": history[:1], "tools": [DESCRIBE],
                                                     "tool_choice": "auto", "max_tokens": 2})
     assert auto.status_code == 400 and "tool-call parser" in auto.json()["error"]["message"]
+
+
+# ---- the Responses API ---------------------------------------------------------------------------
+
+def test_responses_input_image_parts_answer_as_chat_image_parts(client):
+    im = random_image(15)
+    chat = client.post("/v1/chat/completions", json=body("a", "What is this?", im)).json()
+    r = client.post("/v1/responses", json={"model": "a", "max_output_tokens": MAX_TOKENS, "temperature": 0, "input": [
+        {"role": "user", "content": [{"type": "input_image", "image_url": png_url(im), "detail": "auto"},
+                                     {"type": "input_text", "text": "What is this?"}]}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["output"][0]["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+    assert r.json()["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    # a second turn by previous_response_id: the stored image is read again, as chat's history holds it
+    follow = client.post("/v1/responses", json={"model": "a", "max_output_tokens": MAX_TOKENS, "temperature": 0,
+                                               "previous_response_id": r.json()["id"], "input": "And why?"})
+    assert follow.status_code == 200, follow.text
+    history = body("a", "What is this?", im)["messages"] + [
+        {"role": "assistant", "content": chat["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And why?"}]
+    again = client.post("/v1/chat/completions", json={**body("a", "x"), "messages": history}).json()
+    assert follow.json()["output"][0]["content"][0]["text"] == again["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("part, param", [
+    ({"type": "input_image", "image_url": "data:image/png;base64,%%%"}, "input[0].content[0].image_url"),
+    ({"type": "input_image", "file_id": "file_1"}, "input[0].content[0].image_url"),
+    ({"type": "input_image", "image_url": "https://example.com/a.png"}, "input[0].content[0].image_url"),
+    ({"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "huge"}, "input[0].content[0].detail"),
+])
+def test_bad_responses_images_are_a_400_naming_the_part(client, part, param):
+    r = client.post("/v1/responses", json={"model": "a", "max_output_tokens": 2, "input": [
+        {"role": "user", "content": [part, {"type": "input_text", "text": "What is this?"}]}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert client.get("/health").status_code == 200
