@@ -34,6 +34,8 @@ on the engine thread.
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import statistics
 import sys
@@ -139,6 +141,7 @@ def main() -> None:
             tokens += out.generation_tokens
         return time.perf_counter() - t0, tokens
 
+    out = {"rounds": ROUNDS, "c": C, "max_tokens": MAXTOK, "load_average_before": os.getloadavg()}
     try:
         traffic, n = {"mola": [], "mlx-vlm": []}, 0
         for r in range(ROUNDS):
@@ -149,6 +152,9 @@ def main() -> None:
         print(f"traffic, 16 image requests over 4 adapters in turn, {n} tokens in all: mola {t_mola:.2f} s "
               f"({n / t_mola:.0f} tok/s), mlx-vlm reloading at each change {t_vlm:.2f} s "
               f"({n / t_vlm:.0f} tok/s): {t_vlm / t_mola:.1f}x", flush=True)
+        out["traffic"] = {"requests": 16, "adapters": 4, "tokens": n, "mola_s": traffic["mola"],
+                          "mlx_vlm_reload_s": traffic["mlx-vlm"], "mola_median_s": t_mola,
+                          "mlx_vlm_median_s": t_vlm, "mlx_vlm_over_mola": t_vlm / t_mola}
         run("mixed"), run("one")  # warm-up
         res = {"mixed": [], "one": []}
         for r in range(ROUNDS):
@@ -158,6 +164,8 @@ def main() -> None:
         print(f"decode c={C}, image rows: mixed over 4 adapters {statistics.median(res['mixed']):.1f} tok/s, "
               f"one adapter {statistics.median(res['one']):.1f} tok/s, mixed/one {statistics.median(ratios):.3f} "
               f"(each round: {[round(x, 3) for x in ratios]})", flush=True)
+        out["decode"] = {"mixed_tok_s": res["mixed"], "one_tok_s": res["one"], "ratios": ratios,
+                         "mixed_over_one_median": statistics.median(ratios)}
         ids, vision = prompt(0)
         times = {True: [], False: []}
         for r in range(ROUNDS + 1):
@@ -179,6 +187,11 @@ def main() -> None:
         print(f"prefill of {len(ids)} tokens ({vision.num_image_tokens} of one image's): with the image "
               f"{img:.1f} ms to the first token, text-only {txt:.1f} ms (+{img - txt:.1f} ms); the vision part "
               f"alone (tower, merge, positions) {statistics.median(tower) * 1e3:.1f} ms", flush=True)
+        out["prefill"] = {"prompt_tokens": len(ids), "vision_tokens": vision.num_image_tokens,
+                          "with_image_ms": img, "text_only_ms": txt, "vision_part_ms": statistics.median(tower) * 1e3}
+        out["load_average_after"] = os.getloadavg()
+        path = Path(__file__).resolve().parent / "results" / "vision.json"
+        path.write_text(json.dumps(out, indent=1))
     finally:
         runner.stop()
 

@@ -62,6 +62,15 @@ def test_plain_text_passes_through(tokenizer):
     assert run(tokenizer, "no tools <tool here", 2) == ("no tools <tool here", [])
 
 
+def test_a_template_without_tool_calls_sees_them_as_a_text_part_after_list_content():
+    """Content given as parts (a vision chat's) stays parts: the calls' JSON is one more text part."""
+    msgs = [{"role": "assistant", "content": [{"type": "text", "text": "Looking."}],
+             "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}]
+    assert messages_for_template(msgs, "{{ m.content }}")[0]["content"] == [
+        {"type": "text", "text": "Looking."}, {"type": "text", "text": '[{"name": "f", "arguments": {"x": 1}}]'}]
+    assert messages_for_template(msgs, "{{ m.tool_calls }}")[0]["content"] == msgs[0]["content"]
+
+
 def test_messages_for_template_parses_string_arguments():
     msgs = [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]}]

@@ -43,10 +43,11 @@ def runner(family):
     r.stop()
 
 
-def reference(model_dir, adapter, chat, images, scale: float = 1.0) -> list[int]:
+def reference(model_dir, adapter, chat, images, scale: float = 1.0, max_tokens: int = MAX_TOKENS,
+              **generate_args) -> list[int]:
     """mlx-vlm's own greedy answer, ``adapter`` (or None) fused into its weights at ``scale``."""
     m, processor = merged_vlm(model_dir, adapter, scale)
-    return vlm_greedy(m, processor, chat, [im.image for im in images], MAX_TOKENS)
+    return vlm_greedy(m, processor, chat, [im.image for im in images], max_tokens, **generate_args)
 
 
 def with_images(chat: list[dict], images) -> list[dict]:
@@ -58,8 +59,10 @@ def with_images(chat: list[dict], images) -> list[dict]:
 
 
 def submit(runner, chat, images, adapter=None, **params):
+    """A chat's row, stopping at the tokenizer's EOS as mlx-vlm's generate does."""
     loaded = runner.loaded
     ids, vision = encode_vision_prompt(loaded.processor, with_images(chat, images), loaded.model.image_token_id)
+    params = {"stop_token_ids": frozenset(loaded.tokenizer.eos_token_ids), **params}
     return runner.submit(ids, adapter, vision=vision, **params)
 
 
@@ -169,3 +172,42 @@ def test_image_rows_prefilled_a_few_columns_a_step_answer_as_mlx_vlm(family):
                                       for c, ims, ad in cases]
     finally:
         chunked.stop()
+
+
+@pytest.mark.parametrize("prompt_cache_bytes", [0, None])
+def test_preempted_image_rows_come_back_with_mlx_vlms_answer(family, runner, prompt_cache_bytes):
+    """A KV budget that admits three image rows at their prompts and cannot
+    hold three at their longest (as tests/test_kv_budget.py forces it): rows
+    are preempted as they grow, and prefilled again from their prompt and
+    output (no prompt cache: the tower runs again; with one: from what it kept)."""
+    from mola.engine.kv_budget import peak
+    from mola.engine.scheduler import ADMISSION_HEADROOM
+
+    model, a, b = family
+    num = 24
+    cases = [(image_chat(q), [image_input(10 + i)], ad) for i, (q, ad) in
+             enumerate([("What is this?", "a"), ("Why so?", "b"), ("Describe it", None), ("And this?", "a")])]
+    longest = max(len(encode_vision_prompt(runner.loaded.processor, with_images(c, ims),
+                                           runner.loaded.model.image_token_id)[0]) for c, ims, _ in cases)
+    bytes_per_token = runner.engine.call(lambda: runner.engine.runner.kv_position_bytes).result(timeout=30)
+    start, end = peak([(longest, 2 + ADMISSION_HEADROOM)] * 3), peak([(longest + num, 1)] * 3)
+    assert start < end
+    no_eos = {t: -1e9 for t in runner.loaded.tokenizer.eos_token_ids}  # every row grows to its num tokens
+    cache = {} if prompt_cache_bytes is None else {"prompt_cache_bytes": prompt_cache_bytes}
+    bounded = EngineRunner(model, [("a", a), ("b", b)], max_tokens=num,
+                           kv_cache_bytes=(start + end) // 2 * bytes_per_token, **cache)
+    towers = []  # the prompts the vision tower ran for
+    image_rows = bounded.loaded.model.image_rows
+    bounded.loaded.model.image_rows = lambda tokens, arrays: towers.append(tokens) or image_rows(tokens, arrays)
+    try:
+        seqs = together(bounded, lambda: [submit(bounded, c, ims, ad, logit_bias=tuple(no_eos.items()))
+                                          for c, ims, ad in cases])
+        got = bounded.wait(seqs, timeout=300)
+    finally:
+        bounded.stop()
+    preempted = sum(s.num_preemptions for s in seqs)
+    assert preempted >= 1
+    if prompt_cache_bytes == 0:  # nothing kept: each preempted row's tower ran again, over its prompt and output
+        assert len(towers) == len(cases) + preempted and max(map(len, towers)) > longest
+    assert got == [reference(model, {"a": a, "b": b, None: None}[ad], c, ims, max_tokens=num, logit_bias=no_eos)
+                   for c, ims, ad in cases]

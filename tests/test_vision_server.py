@@ -149,3 +149,125 @@ def test_a_hot_loaded_adapter_in_a_stack_answers_about_an_image_as_both_fused(cl
     want = reference_text(model, a, "What is this?", im, 0.5, more=[(b, 2.0)])
     assert r.json()["choices"][0]["message"]["content"] == want
     assert want != reference_text(model, a, "What is this?", im)  # the stack is not adapter a alone
+
+
+# ---- tools with images -------------------------------------------------------------------------
+
+DESCRIBE = {"type": "function", "function": {"name": "describe", "parameters": {
+    "type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                     "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["colour", "count"], "additionalProperties": False}}}
+NAMED = {"type": "function", "function": {"name": "describe"}}
+
+
+def forced_reference(model_dir, adapter, question, im, max_tokens) -> str:
+    """mlx-vlm's own greedy answer (its generate, the adapter fused) with each
+    step's logits masked by the same grammar (llguidance's matcher, advanced
+    by the tokens mlx-vlm drew), detokenized."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_vlm import generate
+
+    from mola.structured import StructuredOutputs
+
+    m, processor = merged_vlm(model_dir, adapter)
+    tok = load_tokenizer(model_dir)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    matcher = StructuredOutputs(tok, vocab).for_request(tools=[DESCRIBE], tool_choice=NAMED).matcher.deep_copy()
+    done = []  # how many of the tokens it passes are consumed (at the first step: the prompt's tail, none)
+
+    def masked(tokens, logits):  # tokens: the prompt's tail, then those drawn; logits [1, V]
+        for t in tokens.tolist()[done[0] if done else len(tokens):]:
+            assert matcher.consume_token(int(t))
+        done[:] = [len(tokens)]
+        allowed = np.frombuffer(matcher.compute_logit_bias(), dtype=np.uint8)[:logits.shape[-1]] > 0
+        return mx.where(mx.array(allowed), logits, -float("inf"))
+
+    prompt = processor.apply_chat_template(image_chat(question), add_generation_prompt=True, tokenize=False)
+    ids = generate(m, processor, prompt, image=[im], max_tokens=max_tokens, temperature=0.0, verbose=False,
+                   logits_processors=[masked]).token_ids
+    return detokenize(tok, ids)
+
+
+def test_a_forced_tool_call_about_an_image_is_mlx_vlms_masked_answer_streamed_or_not(client, qwen2_vl):
+    model, a, _ = qwen2_vl
+    im = random_image(13)
+    payload = {**body("a", "Describe it.", im), "max_tokens": 40, "tools": [DESCRIBE], "tool_choice": NAMED}
+    r = client.post("/v1/chat/completions", json=payload)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    (call,) = choice["message"]["tool_calls"]
+    args = json.loads(call["function"]["arguments"])
+    assert call["function"]["name"] == "describe" and args["colour"] in ("red", "green", "blue")
+    assert args == json.loads(forced_reference(model, a, "Describe it.", im, 40))
+    calls = {}
+    with client.stream("POST", "/v1/chat/completions", json={**payload, "stream": True}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for c in json.loads(line[6:])["choices"][0]["delta"].get("tool_calls") or []:
+                    calls.setdefault(c["index"], []).append(c["function"].get("arguments") or "")
+    assert json.loads("".join(calls[0])) == args
+
+
+def test_an_image_chat_with_a_tool_call_and_its_result_answers_as_mlx_vlm_with_the_call_as_json(client, qwen2_vl):
+    from mlx_vlm import generate
+
+    model, a, _ = qwen2_vl
+    im = random_image(14)
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "describe", "arguments": "{\"colour\": \"red\", \"count\": 2}"}}
+    history = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url(im)}},
+                                            {"type": "text", "text": "Describe it."}]},
+               {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "noted"}]
+    r = client.post("/v1/chat/completions", json={"model": "a", "max_tokens": MAX_TOKENS, "temperature": 0,
+                                                 "messages": history, "tools": [DESCRIBE], "tool_choice": "none"})
+    assert r.status_code == 200, r.text
+    # The template reads no tool_calls: the model sees its call as the JSON forced calls are written in.
+    m, processor = merged_vlm(model, a)
+    chat = [*image_chat("Describe it."),
+            {"role": "assistant", "content": '[{"name": "describe", "arguments": {"colour": "red", "count": 2}}]'},
+            {"role": "tool", "content": "noted"}]
+    prompt = processor.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    ids = generate(m, processor, prompt, image=[im], max_tokens=MAX_TOKENS, temperature=0.0, verbose=False).token_ids
+    assert r.json()["choices"][0]["message"]["content"] == detokenize(load_tokenizer(model), ids)
+    auto = client.post("/v1/chat/completions", json={"model": "a", "messages": history[:1], "tools": [DESCRIBE],
+                                                    "tool_choice": "auto", "max_tokens": 2})
+    assert auto.status_code == 400 and "tool-call parser" in auto.json()["error"]["message"]
+
+
+# ---- the Responses API ---------------------------------------------------------------------------
+
+def test_responses_input_image_parts_answer_as_chat_image_parts(client):
+    im = random_image(15)
+    chat = client.post("/v1/chat/completions", json=body("a", "What is this?", im)).json()
+    r = client.post("/v1/responses", json={"model": "a", "max_output_tokens": MAX_TOKENS, "temperature": 0, "input": [
+        {"role": "user", "content": [{"type": "input_image", "image_url": png_url(im), "detail": "auto"},
+                                     {"type": "input_text", "text": "What is this?"}]}]})
+    assert r.status_code == 200, r.text
+    assert r.json()["output"][0]["content"][0]["text"] == chat["choices"][0]["message"]["content"]
+    assert r.json()["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"]
+    # a second turn by previous_response_id: the stored image is read again, as chat's history holds it
+    follow = client.post("/v1/responses", json={"model": "a", "max_output_tokens": MAX_TOKENS, "temperature": 0,
+                                               "previous_response_id": r.json()["id"], "input": "And why?"})
+    assert follow.status_code == 200, follow.text
+    history = body("a", "What is this?", im)["messages"] + [
+        {"role": "assistant", "content": chat["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And why?"}]
+    again = client.post("/v1/chat/completions", json={**body("a", "x"), "messages": history}).json()
+    assert follow.json()["output"][0]["content"][0]["text"] == again["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("part, param", [
+    ({"type": "input_image", "image_url": "data:image/png;base64,%%%"}, "input[0].content[0].image_url"),
+    ({"type": "input_image", "file_id": "file_1"}, "input[0].content[0].image_url"),
+    ({"type": "input_image", "image_url": "https://example.com/a.png"}, "input[0].content[0].image_url"),
+    ({"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "huge"}, "input[0].content[0].detail"),
+])
+def test_bad_responses_images_are_a_400_naming_the_part(client, part, param):
+    r = client.post("/v1/responses", json={"model": "a", "max_output_tokens": 2, "input": [
+        {"role": "user", "content": [part, {"type": "input_text", "text": "What is this?"}]}]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert client.get("/health").status_code == 200

@@ -175,15 +175,15 @@ def fuse_loras(model, scale: float) -> None:
         model.update_modules(tree_unflatten(fused))
 
 
-def vlm_greedy(model, processor, messages, images, max_tokens: int) -> list[int]:
-    """mlx-vlm's own greedy answer (its generate) as token ids."""
+def vlm_greedy(model, processor, messages, images, max_tokens: int, **generate_args) -> list[int]:
+    """mlx-vlm's own greedy answer (its generate; ``generate_args``: more of its arguments) as token ids."""
     from mlx_vlm import generate
 
     from mola.frontend.vision_prompt import templater
 
     prompt = templater(processor).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     out = generate(model, processor, prompt, image=list(images) or None, max_tokens=max_tokens,
-                   temperature=0.0, verbose=False)
+                   temperature=0.0, verbose=False, **generate_args)
     return list(out.token_ids)
 
 

@@ -20,6 +20,7 @@ from ..errors import InvalidRequest
 from ..structured import CompiledGrammar
 from .images_in import ImageLimits, check_count, count_images, decode_messages, first_image_param
 from .prompts import encode_prompts, render_messages
+from .tools import check_tool_support
 from .reasoning import Reasoning
 from .spec import GenerationSpec, PromptSpec
 from .state import ServerState
@@ -78,8 +79,11 @@ def has_images(state: ServerState, prompt: PromptSpec) -> bool:
 
 def encode_images(state: ServerState, prompt: PromptSpec) -> tuple[list[int], VisionPrompt]:
     """A chat with (decoded) images through mlx-vlm's processor and chat template
-    (on the short lane's thread: the processor holds the one tokenizer it uses)."""
-    return state.vision.encode(prompt.messages, prompt.tools, prompt.param, state.prompts.limit)
+    (on the short lane's thread: the processor holds the one tokenizer it uses),
+    its tools checked as the text path checks them (prompts.render_messages)."""
+    if prompt.tools and prompt.parses_tool_calls and not reads_calls(state):
+        check_tool_support(state.prompts.short[0])
+    return state.vision.encode(prompt.messages, prompt.tools, prompt.param, state.prompts.limit, prompt.options)
 
 
 async def with_images(state: ServerState, prompt: PromptSpec, model: str | None = None) -> PromptSpec:

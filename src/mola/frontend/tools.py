@@ -60,7 +60,7 @@ def messages_for_template(messages: list[dict], template: str | None = None) -> 
         calls = m.get("tool_calls")
         if calls and isinstance(template, str) and "tool_calls" not in template:
             listed = json.dumps([_as_json_call(c) for c in calls], ensure_ascii=False)
-            m = {**m, "content": f"{m['content']}\n{listed}" if m.get("content") else listed}
+            m = {**m, "content": _with_text(m.get("content"), listed)}
         if calls:
             fixed = []
             for call in calls:
@@ -76,6 +76,13 @@ def messages_for_template(messages: list[dict], template: str | None = None) -> 
             m = {**m, "tool_calls": fixed}
         out.append(m)
     return out
+
+
+def _with_text(content, text: str):
+    """``content`` (a string, None, or a list of parts) with ``text`` after it."""
+    if isinstance(content, list):
+        return [*content, {"type": "text", "text": text}]
+    return f"{content}\n{text}" if content else text
 
 
 def _as_json_call(call: dict) -> dict:

@@ -13,6 +13,9 @@ import numpy as np
 from ..config import VisionConfig
 from ..engine.vision_rows import VisionPrompt
 from ..errors import ContextLengthExceeded, InvalidRequest
+from .prompts import template_variables
+from .spec import TemplateOptions
+from .tools import messages_for_template
 
 # A prompt's vision tokens at most, by default (--max-vision-tokens).
 MAX_VISION_TOKENS = VisionConfig.max_vision_tokens
@@ -32,16 +35,23 @@ def templater(processor):
 
 def encode_vision_prompt(processor, messages: list[dict], image_token_id: int,
                          max_vision_tokens: int = MAX_VISION_TOKENS, tools=None,
-                         **template_args) -> tuple[list[int], VisionPrompt | None]:
+                         options: TemplateOptions | None = None) -> tuple[list[int], VisionPrompt | None]:
     """(token ids, VisionPrompt) of a chat with images, as mlx-vlm prepares
     it (its chat template, then ``prepare_inputs``); None for a chat
-    without one. InvalidRequest naming the bound when its images take more
-    than ``max_vision_tokens`` tokens."""
+    without one. The messages, tools and template variables (``options``)
+    reach the template as on the text path (prompts.render_messages): the
+    assistant's tool calls reshaped by messages_for_template. InvalidRequest
+    naming the bound when its images take more than ``max_vision_tokens`` tokens."""
     from mlx_vlm.utils import prepare_inputs
 
     images = message_images(messages)
-    prompt = templater(processor).apply_chat_template(messages, tools=tools, add_generation_prompt=True,
-                                                      tokenize=False, **template_args)
+    template = templater(processor)
+    kwargs = template_variables(template, options)
+    if tools:
+        kwargs["tools"] = tools
+    if any(m.get("tool_calls") for m in messages):  # the assistant's calls, as templates expect them
+        messages = messages_for_template(messages, template.chat_template)
+    prompt = template.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
     if not images:
         ids = processor.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         return list(ids), None
@@ -66,13 +76,14 @@ class VisionPrompter:
     image_token_id: int  # the id each vision token of a prompt has
     max_vision_tokens: int = MAX_VISION_TOKENS  # a request's vision tokens at most (--max-vision-tokens)
 
-    def encode(self, messages: list[dict], tools, param: str, limit: int | None) -> tuple[list[int], VisionPrompt]:
+    def encode(self, messages: list[dict], tools, param: str, limit: int | None,
+               options: TemplateOptions | None = None) -> tuple[list[int], VisionPrompt]:
         """(token ids, VisionPrompt) of a chat with images; InvalidRequest
         naming ``param`` when the template refuses it, or the vision tokens
         or the context's ``limit`` are exceeded."""
         try:
             ids, vision = encode_vision_prompt(self.processor, messages, self.image_token_id,
-                                               self.max_vision_tokens, tools=tools or None)
+                                               self.max_vision_tokens, tools=tools or None, options=options)
         except InvalidRequest:
             raise
         except Exception as e:  # the template's errors (jinja2), the processor's

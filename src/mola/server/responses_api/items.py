@@ -4,6 +4,7 @@ for (what the model's chat template renders).
 Canonical items, the only shapes stored and rendered:
 
     {"type": "message", "role": "user"|"assistant"|"system"|"developer", "content": str}
+    {"type": "message", "role": "user", "content": [text and image parts, as chat's]}
     {"type": "function_call", "call_id": str, "name": str, "arguments": str}
     {"type": "function_call_output", "call_id": str, "output": str}
     {"type": "reasoning", "content": str}
@@ -16,10 +17,12 @@ canonical items, hence the same prompt.
 from __future__ import annotations
 
 from ...errors import InvalidRequest
+from ...frontend.images_in import ImageSource
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = {"input_text": "text", "output_text": "text", "refusal": "refusal"}
-MEDIA_PARTS = ("input_image", "input_file", "input_audio")
+MEDIA_PARTS = ("input_file", "input_audio")
+DETAILS = (None, "auto", "low", "high")
 
 
 def normalize_input(value: str | list[dict], param: str = "input") -> list[dict]:
@@ -38,7 +41,10 @@ def normalize_item(item: dict, where: str) -> dict:
         if role not in ROLES:
             raise InvalidRequest(f"Invalid role {role!r}; use one of {', '.join(ROLES)}.",
                                  param=f"{where}.role")
-        return {"type": "message", "role": role, "content": _text(item.get("content"), f"{where}.content")}
+        content = item.get("content")
+        if role == "user" and isinstance(content, list):
+            return {"type": "message", "role": role, "content": _parts(content, f"{where}.content")}
+        return {"type": "message", "role": role, "content": _text(content, f"{where}.content")}
     if kind == "function_call":
         return {"type": "function_call", "call_id": _string(item, "call_id", where),
                 "name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}
@@ -86,19 +92,53 @@ def _text(content, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise InvalidRequest(f"Expected a string or a list of content parts, got {content!r}.", param=where)
-    texts = []
+    return "".join(_part_text(part, f"{where}[{j}]") for j, part in enumerate(content))
+
+
+def _part_text(part, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    key = TEXT_PARTS.get(kind)
+    if key is not None and isinstance(part.get(key), str):
+        return part[key]
+    if kind == "input_image":
+        raise InvalidRequest("Images are taken in user messages only, on a base that takes images "
+                             "(docs/vision.md).", param=where)
+    if kind in MEDIA_PARTS:
+        raise InvalidRequest(f"Content parts of type {kind!r} are not supported: mola takes text, and "
+                             "images as 'input_image' parts.", param=where)
+    raise InvalidRequest(f"Unsupported content part {kind!r}; use 'input_text' (or "
+                         "'output_text' for earlier answers).", param=where)
+
+
+def _parts(content: list, where: str) -> str | list[dict]:
+    """A user message's parts: its text alone, or (with ``input_image``
+    parts) text parts and image parts ``{"type": "image", "source":
+    ImageSource}`` in their order, as chat's (the pipeline decodes them,
+    mola/frontend/images_in.py)."""
+    parts = []
     for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        key = TEXT_PARTS.get(kind)
-        if key is not None and isinstance(part.get(key), str):
-            texts.append(part[key])
-        elif kind in MEDIA_PARTS:
-            raise InvalidRequest(f"Content parts of type {kind!r} are not supported: this server "
-                                 "serves text-only models.", param=f"{where}[{j}]")
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            parts.append({"type": "image", "source": _image_source(part, f"{where}[{j}]")})
         else:
-            raise InvalidRequest(f"Unsupported content part {kind!r}; use 'input_text' (or "
-                                 "'output_text' for earlier answers).", param=f"{where}[{j}]")
-    return "".join(texts)
+            parts.append({"type": "text", "text": _part_text(part, f"{where}[{j}]")})
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def _image_source(part: dict, where: str) -> ImageSource:
+    """An ``input_image`` part, ``{"image_url": "data:...", "detail": ...}``, as an
+    unread ImageSource; ``detail`` is accepted and changes nothing (the
+    model's processor sets the resolution)."""
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        hint = " (file_id: uploaded files are not served)" if part.get("file_id") is not None else ""
+        raise InvalidRequest(f"An input_image part needs 'image_url': 'data:image/...;base64,...'{hint}.",
+                             param=f"{where}.image_url")
+    if part.get("detail") not in DETAILS:
+        raise InvalidRequest(f"Unknown image detail {part.get('detail')!r}; use 'auto', 'low' or 'high'.",
+                             param=f"{where}.detail")
+    return ImageSource(param=f"{where}.image_url", url=url)
 
 
 def to_messages(items: list[dict] | tuple[dict, ...], instructions: str | None) -> list[dict]:
