@@ -67,7 +67,7 @@ async def prepare(state: ServerState, spec: GenerationSpec) -> Prepared:
     """Template, tokenize, reasoning and grammar: one trip to the tokenizer
     thread (two for a long prompt that needs reasoning or a grammar)."""
     lanes = state.prompts
-    tokenizer, thread = lanes.lane(spec.prompt.chars())
+    tokenizer, thread = await lanes.lane(spec.prompt.chars())
     loop = asyncio.get_running_loop()
     if thread is lanes.short[1]:
         return await loop.run_in_executor(thread, _prepare, tokenizer, state, spec)
