@@ -36,14 +36,14 @@ TARGETS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "all": None,
            "linears": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}[
     sys.argv[4] if len(sys.argv) > 4 else "attn"]
 MAXTOK = 48  # new tokens per request
-stamps, cond = [], threading.Condition()  # (when, rows finished) of each step's outputs
+stamps, cond = [], threading.Condition()  # (when, process CPU time, rows finished) of each step's outputs
 
 
 def on_out(outs):
-    now = time.perf_counter()
+    now, cpu = time.perf_counter(), time.process_time()
     with cond:
         if any(o.tokens for o in outs):
-            stamps.append((now, sum(o.finish_reason is not None for o in outs)))
+            stamps.append((now, cpu, sum(o.finish_reason is not None for o in outs)))
         cond.notify_all()
 
 
@@ -80,25 +80,33 @@ def run(workload):
     for s in seqs:
         eng.add(s)
     with cond:
-        cond.wait_for(lambda: sum(f for _, f in stamps) >= 8, 600)
-    t = [s for s, _ in stamps]
-    gaps = [b - a for a, b in zip(t[5:-3], t[6:-2])]  # steady: all rows decoding
+        cond.wait_for(lambda: sum(f for _, _, f in stamps) >= 8, 600)
+    wall, cpu = [s[0] for s in stamps], [s[1] for s in stamps]
+    gaps = [b - a for a, b in zip(wall[5:-3], wall[6:-2])]  # steady: all rows decoding
+    cpu_steps[workload].append((cpu[-3] - cpu[5]) / (len(cpu) - 8))  # CPU seconds a steady step
     return 1.0 / statistics.median(gaps)  # steps per second
 
 
+cpu_steps = {w: [] for w in ("base", "one", "mixed8")}
 run("one")  # warm-up
 run("mixed8")
+for v in cpu_steps.values():
+    v.clear()
 res = {w: [] for w in ("base", "one", "mixed8")}
 for r in range(rounds):
     order = ["base", "one", "mixed8"] if r % 2 == 0 else ["mixed8", "one", "base"]
     for w in order:
         res[w].append(run(w))
 ratios = {"one/base": statistics.median(o / b for o, b in zip(res["one"], res["base"])),
-          "mixed8/one": statistics.median(m / o for m, o in zip(res["mixed8"], res["one"]))}
+          "mixed8/one": statistics.median(m / o for m, o in zip(res["mixed8"], res["one"])),
+          # the same in CPU time a step (every thread of the process): what a busy machine moves least
+          "mixed8/one (CPU)": statistics.median(o / m for m, o in zip(cpu_steps["mixed8"], cpu_steps["one"]))}
 print({w: round(1e3 / statistics.median(v), 2) for w, v in res.items()}, "ms/step", {k: round(v, 3) for k, v in ratios.items()},
       "mixed8/one each:", [round(m / o, 3) for m, o in zip(res["mixed8"], res["one"])], flush=True)
+print({w: round(1e3 * statistics.median(v), 2) for w, v in cpu_steps.items()}, "CPU ms/step; mixed8/one (CPU) each:",
+      [round(o / m, 3) for m, o in zip(cpu_steps["mixed8"], cpu_steps["one"])], flush=True)
 if len(sys.argv) > 5:  # the rounds' steps per second, the ratios, and the machine's load after the run
     with open(sys.argv[5], "w") as f:
         json.dump({"model": model_dir, "rank": RANK, "targets": sys.argv[4], "rounds": rounds,
-                   "steps_per_second": res, "ratios": ratios, "loadavg_after": os.getloadavg()}, f, indent=2)
+                   "steps_per_second": res, "cpu_seconds_per_step": cpu_steps, "ratios": ratios, "loadavg_after": os.getloadavg()}, f, indent=2)
 eng.stop()

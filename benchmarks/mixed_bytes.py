@@ -13,6 +13,8 @@ them. The layer's own ops (mola.lora.layer), on four routings:
 
 gather_same - one is what the mixed path's structure costs; gather8 - gather_same
 is what reading eight adapters' factors instead of one costs, and grows with R.
+Times are CPU time (every thread of the process, MLX's worker included), which a
+shared machine moves less than wall time; the wall times are in the JSON too.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 OPENBLAS_NUM_THREADS=1 \\
         python benchmarks/mixed_bytes.py [--ranks 8 16 32] [--rounds 7] [--head] [--out F.json]
@@ -59,24 +61,27 @@ def routings(rank: int, head: bool) -> dict:
     }
 
 
-def timed(fn, iters: int) -> float:
+def timed(fn, iters: int) -> tuple[float, float]:
+    """(CPU ms, wall ms) per evaluation of ``fn``'s linears."""
     for _ in range(3):
         mx.eval(fn())
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     for _ in range(iters):
         mx.eval(fn())
-    return (time.perf_counter() - t0) / iters * 1e3  # ms per step's linears
+    return (time.process_time() - c0) / iters * 1e3, (time.perf_counter() - t0) / iters * 1e3
 
 
 def bench(rank: int, rounds: int, iters: int, head: bool) -> dict:
     cases = routings(rank, head)
-    ms = {k: [] for k in cases}
+    ms, wall = {k: [] for k in cases}, {k: [] for k in cases}
     for r in range(rounds):  # interleaved, the order reversed every other round
         for k, fn in (cases.items() if r % 2 == 0 else reversed(cases.items())):
-            ms[k].append(timed(fn, iters))
+            cpu, w = timed(fn, iters)
+            ms[k].append(cpu)
+            wall[k].append(w)
     med = {k: statistics.median(v) for k, v in ms.items()}
     extra = {k: statistics.median(x - o for x, o in zip(ms[k], ms["one"])) for k in ("gather_same", "gather8")}
-    return {"rank": rank, "ms": ms, "median_ms": med, "median_minus_one_ms": extra,
+    return {"rank": rank, "cpu_ms": ms, "wall_ms": wall, "median_ms": med, "median_minus_one_ms": extra,
             "adapter_mib": sum((i + o) * rank * 4 for i, o in BLOCK * 30 + ([(576, 49152)] if head else [])) / 2**20}
 
 
@@ -96,7 +101,7 @@ def main() -> int:
         med, extra = r["median_ms"], r["median_minus_one_ms"]
         print(f"rank {rank:3d} (one adapter {r['adapter_mib']:.1f} MiB, load {load:.1f}): "
               + ", ".join(f"{k} {v:.1f}" for k, v in med.items())
-              + f" ms; minus one: gather_same {extra['gather_same']:+.1f}, gather8 {extra['gather8']:+.1f} ms",
+              + f" CPU ms; minus one: gather_same {extra['gather_same']:+.1f}, gather8 {extra['gather8']:+.1f} ms",
               flush=True)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"args": vars(a) | {"out": str(a.out)}, "rows": rows}, indent=1) + "\n")
