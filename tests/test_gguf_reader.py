@@ -113,3 +113,24 @@ def test_the_tensor_table_refuses_a_file_cut_inside_an_array(tmp_path):
         cut.write_bytes(data[:data.index(marker) + extra])
         with pytest.raises(ValueError):
             GGUFTensorTable(str(cut))
+
+
+def test_the_tensor_tables_arrays_read_in_one_pass_as_gguf_py_reads_them(tmp_path, smollm_gguf):
+    path = tmp_path / "kinds.gguf"
+    write_gguf(path)
+    for file in (path, smollm_gguf):
+        table, theirs = GGUFTensorTable(str(file)), GGUFReader(str(file))
+        arrays = [k for k, f in theirs.fields.items() if f.types[:1] == [GGUFValueType.ARRAY]
+                  and f.types[1:2] != [GGUFValueType.ARRAY]]  # arrays of arrays: open_gguf reads them in full
+        assert len(arrays) >= (4 if file == path else 3)
+        for key in arrays:
+            got, want = table.array_contents(table.fields[key]), theirs.fields[key].contents()
+            assert got == want and [type(x) for x in got] == [type(x) for x in want], key
+
+
+def test_open_gguf_reads_the_metadata_gguf_py_reads(smollm_gguf, tmp_path):
+    path = tmp_path / "kinds.gguf"
+    write_gguf(path)  # with an array of arrays: read in full
+    for file in (path, smollm_gguf):
+        want = {k: f.contents() for k, f in GGUFReader(str(file)).fields.items() if not k.startswith("GGUF.")}
+        assert open_gguf(file).metadata == want
