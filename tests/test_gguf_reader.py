@@ -1,15 +1,16 @@
 """GGUFFileReader (mola/adapters/formats/gguf_reader.py) reads what gguf-py's
 GGUFReader reads, part for part: every metadata field (offsets, parts, types,
 values) and every tensor, on a file with every kind of array and on the real
-model's; a file cut short is refused by name."""
+model's; a file cut short is refused by name. GGUFTensorTable reads the same tensors
+and scalars, its arrays' items stepped over."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFWriter
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
-from mola.adapters.formats.gguf_reader import GGUFFileReader
+from mola.adapters.formats.gguf_reader import GGUFFileReader, GGUFTensorTable
 from mola.errors import ModelLoadError
 from mola.models.gguf_file import open_gguf
 
@@ -73,3 +74,63 @@ def test_a_file_cut_inside_an_array_is_refused_by_name(tmp_path):
         cut.write_bytes(data[:data.index(marker) + extra])
         with pytest.raises(ModelLoadError, match="is not a readable GGUF file"):
             open_gguf(cut)
+
+
+def assert_same_table(path) -> None:
+    table, theirs = GGUFTensorTable(str(path)), GGUFReader(str(path))
+    assert list(table.fields) == list(theirs.fields)
+    for key, want in theirs.fields.items():
+        got = table.fields[key]
+        assert got.offset == want.offset, key  # every value before it stepped over by its size
+        if want.types[0] == GGUFValueType.ARRAY:  # its item count alone
+            assert int(got.parts[4][0]) == int(want.parts[4][0]) and got.contents() == [], key
+        else:
+            assert got.contents() == want.contents(), key
+    assert (table.alignment, table.data_offset) == (theirs.alignment, theirs.data_offset)
+    assert len(table.tensors) == len(theirs.tensors)
+    for got, want in zip(table.tensors, theirs.tensors):
+        assert (got.name, got.tensor_type, list(got.shape), got.n_elements, got.n_bytes, got.data_offset) == \
+            (want.name, want.tensor_type, list(want.shape), want.n_elements, want.n_bytes, want.data_offset)
+        assert np.array_equal(got.data, want.data), got.name
+
+
+def test_the_tensor_table_reads_the_tensors_and_scalars_as_gguf_py_reads_them(tmp_path):
+    path = tmp_path / "kinds.gguf"
+    write_gguf(path)
+    assert_same_table(path)
+
+
+def test_the_real_models_tensor_table_reads_as_gguf_py_reads_it(smollm_gguf):
+    assert_same_table(smollm_gguf)
+
+
+def test_the_tensor_table_refuses_a_file_cut_inside_an_array(tmp_path):
+    path = tmp_path / "kinds.gguf"
+    write_gguf(path)
+    data = path.read_bytes()
+    for marker, extra in ((b"x" * 300, 5), (b"\xff\xff\xff\x7f", 2)):  # inside a string; inside an int
+        cut = tmp_path / "cut.gguf"
+        cut.write_bytes(data[:data.index(marker) + extra])
+        with pytest.raises(ValueError):
+            GGUFTensorTable(str(cut))
+
+
+def test_the_tensor_tables_arrays_read_in_one_pass_as_gguf_py_reads_them(tmp_path, smollm_gguf):
+    path = tmp_path / "kinds.gguf"
+    write_gguf(path)
+    for file in (path, smollm_gguf):
+        table, theirs = GGUFTensorTable(str(file)), GGUFReader(str(file))
+        arrays = [k for k, f in theirs.fields.items() if f.types[:1] == [GGUFValueType.ARRAY]
+                  and f.types[1:2] != [GGUFValueType.ARRAY]]  # arrays of arrays: open_gguf reads them in full
+        assert len(arrays) >= (4 if file == path else 3)
+        for key in arrays:
+            got, want = table.array_contents(table.fields[key]), theirs.fields[key].contents()
+            assert got == want and [type(x) for x in got] == [type(x) for x in want], key
+
+
+def test_open_gguf_reads_the_metadata_gguf_py_reads(smollm_gguf, tmp_path):
+    path = tmp_path / "kinds.gguf"
+    write_gguf(path)  # with an array of arrays: read in full
+    for file in (path, smollm_gguf):
+        want = {k: f.contents() for k, f in GGUFReader(str(file)).fields.items() if not k.startswith("GGUF.")}
+        assert open_gguf(file).metadata == want

@@ -5,6 +5,7 @@ scripted engine (the tokenizer lanes are real; no model runs)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import random
 import threading
@@ -15,7 +16,8 @@ from mlx_lm import load
 
 from mola.errors import ContextLengthExceeded
 from mola.server.metrics import rss_bytes
-from mola.frontend.prompts import LONG_PROMPT_CHARS, PROBE_CHARS_PER_TOKEN, encode_within, max_token_chars
+from mola.frontend.prompts import (LONG_PROMPT_CHARS, PROBE_CHARS_PER_TOKEN, PromptLanes, encode_within,
+                                   max_token_chars)
 from mola.demo.tokenizer import CORPUS
 
 from helpers.scripted import InProcessServer, tokenizer_model
@@ -119,10 +121,48 @@ def test_lane_choice_by_size(server_with_lanes):
 
     small = PromptSpec(messages=[{"role": "user", "content": "Hi"}])
     big = PromptSpec(texts=["x" * LONG_PROMPT_CHARS, "y"])
-    assert prompts.lane(small.chars()) is prompts.short and prompts.lane(big.chars()) is prompts.long
+    assert asyncio.run(prompts.lane(small.chars())) is prompts.short
+    assert asyncio.run(prompts.lane(big.chars())) is prompts.long
     assert prompts.long[0] is not prompts.short[0]  # its own copy of the tokenizer, down to the Rust one
     assert prompts.long[0]._tokenizer._tokenizer is not prompts.short[0]._tokenizer._tokenizer
     assert prompts.long[0].encode("hello world") == prompts.short[0].encode("hello world")
+
+
+class Copied:
+    """A tokenizer stand-in that records which thread deep-copied it (or fails to be copied)."""
+
+    def __init__(self, fails=False):
+        self.fails, self.copied_on = fails, []
+
+    def get_vocab(self):
+        return {"ab": 0}
+
+    def __deepcopy__(self, memo):
+        self.copied_on.append(threading.current_thread().name)
+        if self.fails:
+            raise TypeError("not copyable")
+        return Copied()
+
+
+def test_the_long_lanes_copy_is_made_for_the_first_long_prompt_on_the_short_lanes_thread():
+    tok = Copied()
+    lanes = PromptLanes(tok, 10, None)
+    try:
+        assert asyncio.run(lanes.lane(LONG_PROMPT_CHARS)) is lanes.short and tok.copied_on == []  # not at start
+        tokenizer, thread = asyncio.run(lanes.lane(LONG_PROMPT_CHARS + 1))
+        assert tok.copied_on[0].startswith("mola-tokenizer_") and isinstance(tokenizer, Copied)
+        assert tokenizer is not tok and thread is not lanes.short[1]
+        assert asyncio.run(lanes.lane(LONG_PROMPT_CHARS + 1)) == (tokenizer, thread) and len(tok.copied_on) == 1
+    finally:
+        lanes.close()
+
+
+def test_a_tokenizer_that_cannot_be_copied_leaves_one_lane_for_all():
+    lanes = PromptLanes(Copied(fails=True), 10, None)
+    try:
+        assert asyncio.run(lanes.lane(LONG_PROMPT_CHARS + 1)) is lanes.short and lanes.long is lanes.short
+    finally:
+        lanes.close()
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,13 @@ def planned_bytes(model: str, dtype: str) -> int:
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         try:
-            # mola's reader: gguf-py's own takes seconds over a large vocabulary (2 s of a
-            # 1.7B model's first start, before its load began)
-            from ..adapters.formats.gguf_reader import GGUFFileReader
+            # the tensor table alone: gguf-py's reader takes seconds over a large vocabulary
+            # (2 s of a 1.7B model's first start, before its load began), mola's full one 0.2 s
+            from ..adapters.formats.gguf_reader import GGUFTensorTable
             from ..models.fit import free_bytes, plan
             from ..models.loader import resolve_dtype
 
-            tensors = GGUFFileReader(str(path)).tensors
+            tensors = GGUFTensorTable(str(path)).tensors
             return plan(tensors, resolve_dtype(dtype, True, tensors, free_bytes())).total
         except Exception:  # a broken file: its load says why
             return file_bytes(model)

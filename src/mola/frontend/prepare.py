@@ -107,7 +107,7 @@ async def prepare(state: ServerState, spec: GenerationSpec) -> Prepared:
     """Template, tokenize, reasoning and grammar: one trip to the tokenizer
     thread (two for a long prompt that needs reasoning or a grammar)."""
     lanes = state.prompts
-    tokenizer, thread = lanes.short if has_images(state, spec.prompt) else lanes.lane(spec.prompt.chars())
+    tokenizer, thread = lanes.short if has_images(state, spec.prompt) else await lanes.lane(spec.prompt.chars())
     loop = asyncio.get_running_loop()
     if thread is lanes.short[1]:
         return await loop.run_in_executor(thread, _prepare, tokenizer, state, spec)

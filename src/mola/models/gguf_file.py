@@ -14,7 +14,7 @@ from .gguf_arch import BASE_ARCHITECTURES, MIXTRAL, BaseArchitecture, float32_de
 @dataclass
 class GGUFFile:
     path: Path
-    reader: object  # a gguf.GGUFReader (GGUFFileReader)
+    reader: object  # a gguf.GGUFReader (GGUFTensorTable: the arrays' values are in metadata)
     metadata: dict  # key -> value (strings, numbers, lists)
     arch: BaseArchitecture
 
@@ -40,15 +40,12 @@ class GGUFFile:
 
 
 def open_gguf(path: Path) -> GGUFFile:
-    from ..adapters.formats.gguf_reader import GGUFFileReader
-
     try:
-        reader = GGUFFileReader(str(path))
+        reader, metadata = _read(path)
     except Exception as e:  # truncated, corrupt, unknown tensor types
         raise ModelLoadError(f"{path} is not a readable GGUF file: {type(e).__name__}: {e}") from None
     if getattr(reader, "byte_order", "I") != "I":
         raise ModelLoadError(f"{path} is a big-endian GGUF file; mola reads little-endian ones.")
-    metadata = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     kind = metadata.get("general.type", "model")
     if kind != "model":
         raise ModelLoadError(
@@ -69,3 +66,22 @@ def open_gguf(path: Path) -> GGUFFile:
 def has_expert_tensors(reader) -> bool:
     """Whether the file holds a router or expert tensors (blk.N.ffn_gate_inp / ffn_*_exps)."""
     return any(".ffn_gate_inp." in t.name or "_exps." in t.name for t in reader.tensors)
+
+
+def _read(path: Path) -> tuple[object, dict]:
+    """(reader, metadata): the tensor table with the scalars, and the arrays' values
+    read in one pass each (0.1 s against 0.3 s for gguf-py's part-by-part reading of
+    SmolLM2's 49,152-token vocabulary); an array of arrays, read as gguf-py reads it."""
+    from gguf import GGUFValueType
+
+    from ..adapters.formats.gguf_reader import GGUFFileReader, GGUFTensorTable
+
+    reader = GGUFTensorTable(str(path))
+    if reader.byte_order != "I":
+        return reader, {}
+    fields = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    if any(f.types[:2] == [GGUFValueType.ARRAY] * 2 for f in fields.values()):
+        reader = GGUFFileReader(str(path))
+        return reader, {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    return reader, {k: reader.array_contents(f) if f.types[0] == GGUFValueType.ARRAY else f.contents()
+                    for k, f in fields.items()}

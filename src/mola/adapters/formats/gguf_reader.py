@@ -6,7 +6,8 @@ every slice of a memmap runs Python-level ``__array_finalize__``; the 49,152
 tokens and 48,900 merges of SmolLM2's GGUF made that most of the model's load.
 :class:`GGUFFileReader` reads the same file into the same fields and tensors
 (tests/test_gguf_reader.py compares the two), but slices a plain ndarray view
-of the same mapping, and reads each array in one loop.
+of the same mapping, and reads each array in one loop. :class:`GGUFTensorTable` reads
+the tensor table alone, stepping over the arrays' items (what sizing a model needs).
 """
 
 from __future__ import annotations
@@ -57,6 +58,54 @@ class GGUFFileReader(GGUFReader):
             return super()._get_field_parts(orig_offs, raw_type)
         types = [GGUFValueType.ARRAY] + ([GGUFValueType(itype)] if count else [])
         return offs - orig_offs, parts, idxs, types
+
+
+class GGUFTensorTable(GGUFFileReader):
+    """A GGUF file's tensors (names, types, shapes, data) and its scalar metadata, its
+    arrays' items (at any depth) stepped over unread: an array field holds its item
+    type and count, its ``contents()`` is empty, and :meth:`array_contents` reads its
+    values in one pass. About a fifth of :class:`GGUFFileReader`'s time on SmolLM2-1.7B's
+    49,152-token vocabulary: what bases/host_memory.py sizes a base by, and what a
+    base's load reads its metadata with (models/gguf_file.py)."""
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int):
+        if raw_type != _ARRAY or self.byte_order != "I":
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        itype, count, offs = int(raw_itype[0]), int(alen[0]), orig_offs + 12
+        nptype = self.gguf_scalar_to_np.get(GGUFValueType(itype)) if itype != _STRING else None
+        end = len(self.data)
+        if nptype is not None:
+            offs += count * np.dtype(nptype).itemsize
+        elif itype == _STRING:
+            raw = memoryview(self.data)
+            for _ in range(count):  # [u64 length, bytes] per item
+                offs += 8 + int.from_bytes(raw[offs:offs + 8], "little")
+                if offs > end:
+                    break
+        else:  # arrays of arrays: gguf-py's walk, which steps over each inner array here
+            return super()._get_field_parts(orig_offs, raw_type)
+        if offs > end:
+            raise ValueError(f"an array at byte {orig_offs} runs past the end of the file")
+        return offs - orig_offs, [raw_itype, alen], [], [GGUFValueType.ARRAY]
+
+    def array_contents(self, field) -> list:
+        """What ``contents()`` of the full reading gives for the array ``field`` of
+        numbers, booleans or strings (strings decoded as gguf-py decodes them, strict
+        UTF-8), read from the file now in one pass."""
+        head, (raw_itype, alen) = field.parts[:3], field.parts[3:5]
+        itype, count = int(raw_itype[0]), int(alen[0])
+        offs = field.offset + sum(int(p.nbytes) for p in head) + 12  # after the item type and count
+        if itype == _STRING:
+            raw, out = memoryview(self.data), []
+            for _ in range(count):
+                n = int.from_bytes(raw[offs:offs + 8], "little")
+                out.append(str(raw[offs + 8:offs + 8 + n], encoding="utf-8"))
+                offs += 8 + n
+            return out
+        nptype = self.gguf_scalar_to_np[GGUFValueType(itype)]
+        return self.data[offs:offs + count * np.dtype(nptype).itemsize].view(nptype).tolist()
 
 
 _ARRAY, _STRING = int(GGUFValueType.ARRAY), int(GGUFValueType.STRING)
