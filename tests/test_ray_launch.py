@@ -62,3 +62,16 @@ def test_a_later_try_that_starts_returns(monkeypatch):
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError, match="attempts"):
         RayStart(**bad)
+
+
+@pytest.mark.parametrize("ray_module", [None, types.ModuleType("ray")])  # not installed; a `ray` folder in the way
+def test_replicas_without_ray_serve_is_a_message(monkeypatch, capsys, ray_module):
+    from mola.config import ServeConfig
+    from mola.ray.command import serve_replicas
+
+    import sys
+
+    monkeypatch.setitem(sys.modules, "ray", ray_module)
+    monkeypatch.setitem(sys.modules, "ray.serve", None)  # even where another test imported it
+    assert serve_replicas(ServeConfig(model="unused"), 2) == 1
+    assert "--replicas needs Ray Serve: pip install 'mola[ray]'" in capsys.readouterr().err

@@ -12,11 +12,10 @@ import threading
 
 def serve_replicas(config, replicas: int, address: str | None = None, autoscaling: dict | None = None) -> int:
     try:
-        import ray  # noqa: F401  (the ray extra)
-    except ImportError:
-        print("[mola] error: --replicas needs Ray Serve: pip install 'mola[ray]'", file=sys.stderr)
+        from ray import serve  # the ray extra
+    except ImportError as e:
+        print(f"[mola] error: --replicas needs Ray Serve: pip install 'mola[ray]' ({e})", file=sys.stderr)
         return 1
-    from ray import serve
 
     from .launch import RayStart, RayStartFailed, run_app, start_ray
     from ..serve import setup_logging, with_demo
