@@ -64,7 +64,14 @@ def test_bad_settings_are_refused(bad):
         RayStart(**bad)
 
 
-@pytest.mark.parametrize("ray_module", [None, types.ModuleType("ray")])  # not installed; a `ray` folder in the way
+def folder_named_ray() -> types.ModuleType:
+    """What a `ray` folder in the working directory imports as: a namespace package with no serve in it."""
+    module = types.ModuleType("ray")
+    module.__path__ = []
+    return module
+
+
+@pytest.mark.parametrize("ray_module", [None, folder_named_ray()], ids=["not installed", "a folder in the way"])
 def test_replicas_without_ray_serve_is_a_message(monkeypatch, capsys, ray_module):
     from mola.config import ServeConfig
     from mola.ray.command import serve_replicas

@@ -12,7 +12,8 @@ import threading
 
 def serve_replicas(config, replicas: int, address: str | None = None, autoscaling: dict | None = None) -> int:
     try:
-        from ray import serve  # the ray extra
+        import ray  # the ray extra
+        from ray import serve
     except ImportError as e:
         print(f"[mola] error: --replicas needs Ray Serve: pip install 'mola[ray]' ({e})", file=sys.stderr)
         return 1
