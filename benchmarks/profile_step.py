@@ -157,6 +157,7 @@ def decode_step_rate(model, routing: LoRARouting, slots: list[int], steps: int, 
 
 def profile_model(a) -> list[dict]:
     from mola.lora.pack import AdapterPacks
+    from mola.lora.slot_rows import SlotRows, module_rows
     from mola.models.fetch import ensure_smollm
     from mola.models.loader import load_base_model
 
@@ -171,12 +172,13 @@ def profile_model(a) -> list[dict]:
         model = load_base_model(path, dtype=a.dtype).model
         packs = AdapterPacks.install(model, max_loras=64, max_rank=rank)
         for s in range(1, 65):  # one random pair per slot and shape: the packs' contents do not matter
-            pairs = {}
-            for layer in packs.layers.values():
+            pairs, modules = {}, {}
+            for path, layer in packs.layers.items():
                 dims = layer.full_dims
                 if dims not in pairs:
                     pairs[dims] = (mx.random.normal((dims[0], rank)) * 0.02, mx.random.normal((rank, dims[1])) * 0.02)
-                layer.set_factors(s, *pairs[dims], 2.0)
+                modules[path] = module_rows(layer.geometry, layer.max_rank, layer.dtype, *pairs[dims], 2.0)
+            packs.fill(s, SlotRows.of(modules))  # the packs grow to 65 slots of this rank, as loads grow them
             mx.eval(packs.arrays())
         for batch in a.batch:
             sorted_too = batch >= SORT_THRESHOLD and default_sort_threshold() is None
