@@ -15,8 +15,15 @@ from mola.errors import ModelLoadError
 from mola.models.gguf_file import open_gguf
 
 
-def assert_same_reading(path) -> None:
-    ours, theirs = GGUFFileReader(str(path)), GGUFReader(str(path))
+@pytest.fixture(scope="module")
+def real_theirs(smollm_gguf):
+    """gguf-py's reading of the real model, made once for the module: its
+    49,152-token vocabulary takes it seconds."""
+    return GGUFReader(str(smollm_gguf))
+
+
+def assert_same_reading(path, theirs=None) -> None:
+    ours, theirs = GGUFFileReader(str(path)), theirs or GGUFReader(str(path))
     assert list(ours.fields) == list(theirs.fields)
     for key, want in theirs.fields.items():
         got = ours.fields[key]
@@ -60,8 +67,8 @@ def test_every_kind_of_array_reads_as_gguf_py_reads_it(tmp_path):
     assert fields["test.ints"].contents() == [1, -2, 3, 2**31 - 1]
 
 
-def test_the_real_models_vocabulary_reads_as_gguf_py_reads_it(smollm_gguf):
-    assert_same_reading(smollm_gguf)
+def test_the_real_models_vocabulary_reads_as_gguf_py_reads_it(smollm_gguf, real_theirs):
+    assert_same_reading(smollm_gguf, real_theirs)
 
 
 def test_a_file_cut_inside_an_array_is_refused_by_name(tmp_path):
@@ -76,8 +83,8 @@ def test_a_file_cut_inside_an_array_is_refused_by_name(tmp_path):
             open_gguf(cut)
 
 
-def assert_same_table(path) -> None:
-    table, theirs = GGUFTensorTable(str(path)), GGUFReader(str(path))
+def assert_same_table(path, theirs=None) -> None:
+    table, theirs = GGUFTensorTable(str(path)), theirs or GGUFReader(str(path))
     assert list(table.fields) == list(theirs.fields)
     for key, want in theirs.fields.items():
         got = table.fields[key]
@@ -100,8 +107,8 @@ def test_the_tensor_table_reads_the_tensors_and_scalars_as_gguf_py_reads_them(tm
     assert_same_table(path)
 
 
-def test_the_real_models_tensor_table_reads_as_gguf_py_reads_it(smollm_gguf):
-    assert_same_table(smollm_gguf)
+def test_the_real_models_tensor_table_reads_as_gguf_py_reads_it(smollm_gguf, real_theirs):
+    assert_same_table(smollm_gguf, real_theirs)
 
 
 def test_the_tensor_table_refuses_a_file_cut_inside_an_array(tmp_path):
@@ -115,11 +122,11 @@ def test_the_tensor_table_refuses_a_file_cut_inside_an_array(tmp_path):
             GGUFTensorTable(str(cut))
 
 
-def test_the_tensor_tables_arrays_read_in_one_pass_as_gguf_py_reads_them(tmp_path, smollm_gguf):
+def test_the_tensor_tables_arrays_read_in_one_pass_as_gguf_py_reads_them(tmp_path, smollm_gguf, real_theirs):
     path = tmp_path / "kinds.gguf"
     write_gguf(path)
-    for file in (path, smollm_gguf):
-        table, theirs = GGUFTensorTable(str(file)), GGUFReader(str(file))
+    for file, theirs in ((path, GGUFReader(str(path))), (smollm_gguf, real_theirs)):
+        table = GGUFTensorTable(str(file))
         arrays = [k for k, f in theirs.fields.items() if f.types[:1] == [GGUFValueType.ARRAY]
                   and f.types[1:2] != [GGUFValueType.ARRAY]]  # arrays of arrays: open_gguf reads them in full
         assert len(arrays) >= (4 if file == path else 3)
@@ -128,9 +135,9 @@ def test_the_tensor_tables_arrays_read_in_one_pass_as_gguf_py_reads_them(tmp_pat
             assert got == want and [type(x) for x in got] == [type(x) for x in want], key
 
 
-def test_open_gguf_reads_the_metadata_gguf_py_reads(smollm_gguf, tmp_path):
+def test_open_gguf_reads_the_metadata_gguf_py_reads(smollm_gguf, tmp_path, real_theirs):
     path = tmp_path / "kinds.gguf"
     write_gguf(path)  # with an array of arrays: read in full
-    for file in (path, smollm_gguf):
-        want = {k: f.contents() for k, f in GGUFReader(str(file)).fields.items() if not k.startswith("GGUF.")}
+    for file, theirs in ((path, GGUFReader(str(path))), (smollm_gguf, real_theirs)):
+        want = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
         assert open_gguf(file).metadata == want
