@@ -2,7 +2,8 @@
 GGUFReader reads, part for part: every metadata field (offsets, parts, types,
 values) and every tensor, on a file with every kind of array and on the real
 model's; a file cut short is refused by name. GGUFTensorTable reads the same tensors
-and scalars, its arrays' items stepped over."""
+and scalars, its arrays' items stepped over. ``release`` drops a range's pages from
+the process's resident memory, its bytes unchanged."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
+from helpers.mappings import HAS_SMAPS, mapped_rss_kib
 from mola.adapters.formats.gguf_reader import GGUFFileReader, GGUFTensorTable
 from mola.errors import ModelLoadError
 from mola.models.gguf_file import open_gguf
@@ -141,3 +143,25 @@ def test_open_gguf_reads_the_metadata_gguf_py_reads(smollm_gguf, tmp_path, real_
     for file, theirs in ((path, GGUFReader(str(path))), (smollm_gguf, real_theirs)):
         want = {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
         assert open_gguf(file).metadata == want
+
+
+@pytest.mark.skipif(not HAS_SMAPS, reason="reads the mapping's Rss from /proc/self/smaps")
+def test_release_drops_a_tensors_pages_and_keeps_its_bytes(tmp_path):
+    path = tmp_path / "big.gguf"
+    big = np.random.default_rng(0).standard_normal((1024, 1024)).astype(np.float32)  # 4 MiB
+    w = GGUFWriter(str(path), "llama")
+    w.add_tensor("small", np.arange(12, dtype=np.float32))
+    w.add_tensor("big", big)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    reader = GGUFFileReader(str(path))
+    tensor = next(t for t in reader.tensors if t.name == "big")
+    assert float(np.asarray(tensor.data, dtype=np.float64).sum()) == pytest.approx(float(big.astype(np.float64).sum()))
+    touched = mapped_rss_kib(path)
+    assert touched >= 4096  # every page of it read in
+    reader.release(int(tensor.data_offset), int(tensor.n_bytes))
+    assert mapped_rss_kib(path) <= touched - 4096 + 8  # all but the two pages at its ends, at most
+    assert np.array_equal(tensor.data.reshape(big.shape), big)  # read again from the page cache
+    assert mapped_rss_kib(path) >= 4096

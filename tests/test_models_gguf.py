@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from gguf import GGUFValueType
 
+from helpers.mappings import HAS_SMAPS, mapped_rss_kib
 from mola.errors import ModelLoadError
 from mola.models.loader import load_base_model, resolve_model_path
 from mola.server.startup import base_model_id
@@ -156,3 +157,21 @@ def test_the_real_model_kept_quantized(smollm, smollm_gguf):
     a, b = np.array(kept.model(prompt)[0, -1]), np.array(smollm.model(prompt)[0, -1])
     assert a.argmax() == b.argmax()
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-3)
+
+
+@pytest.mark.skipif(not HAS_SMAPS, reason="reads the mapping's Rss from /proc/self/smaps")
+def test_a_load_gives_back_the_files_pages_as_it_converts(tmp_path):
+    """read_weights drops each tensor's pages of the file from resident memory
+    once it is converted (GGUFFileReader.release): what a load holds at its
+    peak is about its result, not the result and the file."""
+    from mola.models.gguf import read_weights
+    from mola.models.gguf_file import open_gguf
+
+    spec = TinyModelSpec(hidden_size=256, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=4)
+    gguf = save_gguf_model(tmp_path / "wide.gguf", make_tiny_model(tmp_path / "wide", spec))
+    f = open_gguf(gguf)
+    _, weights, _ = read_weights(f, "float32")
+    mx.eval(list(weights.values()))
+    size_kib = gguf.stat().st_size // 1024
+    assert size_kib > 4096  # the file is worth releasing: megabytes of tensors
+    assert mapped_rss_kib(gguf) < size_kib // 10, (mapped_rss_kib(gguf), size_kib)

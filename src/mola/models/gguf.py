@@ -133,8 +133,9 @@ def read_weights(f: GGUFFile, dtype: str, progress: Progress | None = None, conf
     """(config, weights by mlx-lm name, {module path: {"bits", "group_size"}} of the
     modules kept quantized). ``dtype``: "keep" or a key of DTYPES. Streamed tensor by
     tensor: each is read, repacked, turned into MLX arrays and evaluated before the
-    next, so that what is held at the end (the result) is about all that is ever
-    held; ``progress`` advances after each. ``config``: gguf_config's answer, if at hand."""
+    next, and its pages of the mapped file are given back (GGUFFileReader.release),
+    so that what is held at the end (the result) is about all that is ever held;
+    ``progress`` advances after each. ``config``: gguf_config's answer, if at hand."""
     keep = dtype == "keep"
     tensors = {t.name: t for t in f.reader.tensors}
     config = gguf_config(f) if config is None else config
@@ -163,6 +164,9 @@ def read_weights(f: GGUFFile, dtype: str, progress: Progress | None = None, conf
                 nxt = todo[i + WORKERS]
                 pending.append(pool.submit(convert, nxt, names[nxt.name]))
             weights.update(arrays)
+            release = getattr(f.reader, "release", None)  # its file pages, now converted (gguf_reader.py)
+            if release is not None:
+                release(int(tensor.data_offset), int(tensor.n_bytes))
             if quantized is not None:
                 quantization[names[tensor.name].rpartition(".")[0]] = quantized
             if progress is not None:

@@ -12,6 +12,8 @@ the tensor table alone, stepping over the arrays' items (what sizing a model nee
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 from gguf import GGUFReader, GGUFValueType
 
@@ -26,6 +28,20 @@ class GGUFFileReader(GGUFReader):
         # GGUFReader.__init__ assigns its np.memmap here first thing: keep a
         # plain view of it (the mapping stays open through the view's base).
         self._data = value.view(np.ndarray) if isinstance(value, np.memmap) else value
+        self._mapping = getattr(value, "_mmap", None)  # the mmap.mmap under it, to release pages of
+
+    def release(self, offset: int, length: int) -> None:
+        """Drop the whole pages of bytes [offset, offset + length) of the file
+        from this process's resident memory (``madvise(MADV_DONTNEED)`` on the
+        read-only mapping): the bytes are unchanged, and a later read maps them
+        again from the page cache. A base's load calls it once a tensor is
+        converted, so that the file's pages do not add up beside the result."""
+        if self._mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages only: a neighbour's stay
+        end = (offset + length) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            self._mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def _get_field_parts(self, orig_offs: int, raw_type: int):
         if raw_type != _ARRAY or self.byte_order != "I":
