@@ -75,6 +75,9 @@ def test_a_prompt_tokenizes_as_completions_encode_it_and_comes_back(client, serv
     ("/tokenize", {"prompt": "x", "chat_template_kwargs": {"shout": True}}, 400, "chat_template_kwargs"),
     ("/tokenize", {"messages": []}, 400, "messages"),
     ("/tokenize", {"messages": MESSAGES, "add_generation_prompt": "yes"}, 400, "add_generation_prompt"),
+    ("/tokenize", {"messages": [{"role": "user", "content": [  # a text-only base
+        {"type": "text", "text": "What is it?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}}]}]},
+     400, "messages[0].content[1].image_url.url"),
     ("/detokenize", {"model": "nope", "tokens": [1]}, 404, "model"),
     ("/detokenize", {"tokens": [1, 10 ** 6]}, 400, "tokens[1]"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),

@@ -3,7 +3,8 @@ image (a data: URL) and an adapter answer as mlx-vlm's own ``generate`` with
 the adapter fused; streaming gives the same; a text-only request is served;
 /v1/models says the base takes images; a request whose images take more
 vision tokens than --max-vision-tokens is a 400 naming it, and the server
-stays healthy. Skipped without mlx-vlm, saying why (MOLA_REQUIRE_VISION=1: failed)."""
+stays healthy; /tokenize counts a chat with images as mlx-vlm's processor
+prepares it, which is chat's ``usage.prompt_tokens``. Skipped without mlx-vlm, saying why (MOLA_REQUIRE_VISION=1: failed)."""
 
 from __future__ import annotations
 
@@ -114,6 +115,26 @@ def test_too_many_vision_tokens_is_a_400_naming_the_bound(client):
     assert "--max-vision-tokens" in r.json()["error"]["message"]
     assert client.get("/health").status_code == 200
     assert client.post("/v1/chat/completions", json=body("a", "What is this?", random_image(7))).status_code == 200
+
+
+def test_tokenize_counts_a_chat_with_an_image_as_mlx_vlm_prepares_it(client, qwen2_vl):
+    from mlx_vlm.utils import prepare_inputs
+
+    model, _, _ = qwen2_vl
+    im, question = random_image(11), "What is in the picture?"
+    chat = body("a", question, im)
+    r = client.post("/tokenize", json={"model": "a", "messages": chat["messages"]})
+    assert r.status_code == 200, r.text
+    _, processor = merged_vlm(model)
+    prompt = processor.apply_chat_template(image_chat(question), add_generation_prompt=True, tokenize=False)
+    want = prepare_inputs(processor, images=[im], prompts=[prompt])["input_ids"][0].tolist()
+    assert r.json()["tokens"] == want
+    usage = client.post("/v1/chat/completions", json={**chat, "max_tokens": 1}).json()["usage"]
+    assert r.json()["count"] == usage["prompt_tokens"] == len(want)
+    for extra, param in (({"add_generation_prompt": False}, "add_generation_prompt"),
+                         ({"add_special_tokens": True}, "add_special_tokens")):
+        bad = client.post("/tokenize", json={"model": "a", "messages": chat["messages"], **extra})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
 
 
 def test_anthropic_image_blocks_answer_as_openai_image_parts(client):

@@ -8,7 +8,10 @@ adapter tokenizes as its base does):
 ``messages`` go through the model's chat template exactly as /v1/chat/completions
 renders them, so ``count`` is the prompt's ``usage.prompt_tokens``; a ``prompt``
 is encoded as /v1/completions encodes it. Both run on the prompt lanes, off the
-event loop, and their input is bounded (protocol.py).
+event loop, and their input is bounded (protocol.py). A chat with images, on a
+vision base, is prepared as chat prepares it (frontend/prepare.py's
+``prompt_tokens``: the images decoded and bounded, mlx-vlm's processor), each
+image's placeholder repeated once per vision token.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from ...errors import InvalidRequest, ModelNotFound
+from ...frontend.images_in import count_images
+from ...frontend.prepare import prompt_tokens
 from ...frontend.prompts import render_messages
+from ...frontend.spec import PromptSpec
 from ..dialects.chat import message_dicts
 from ..protocol import DetokenizeRequest, TokenizeRequest
 from ..base_leases import state_for
@@ -44,12 +50,29 @@ def _tokenize(tokenizer, body: TokenizeRequest, max_chars: int) -> list[int]:
                            add_special_tokens=bool(body.add_special_tokens), options=body.template_options())
 
 
+async def _tokenize_images(state: ServerState, body: TokenizeRequest, messages: list[dict]) -> list[int]:
+    """A chat with images, as /v1/chat/completions prepares it: the generation
+    prompt added, no special tokens but the template's (a 400 for other asks)."""
+    for field, want in (("add_generation_prompt", True), ("continue_final_message", False),
+                        ("add_special_tokens", False)):
+        if bool(getattr(body, field)) != want:
+            raise InvalidRequest(f"'{field}' must be {str(want).lower()} for a chat with images: it is "
+                                 "tokenized as /v1/chat/completions prepares it.", param=field)
+    spec = PromptSpec(messages=messages, tools=body.tools, options=body.template_options())
+    tokens, = await prompt_tokens(state, spec, body.model)
+    return tokens
+
+
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request):
     state: ServerState = await state_for(request, body.model)
     body.check()
     await _check_model(state, body.model)
-    tokens = await state.prompts.call(body.chars(), _tokenize, body, state.prompts.max_chars)
+    messages = message_dicts(body.messages) if body.messages is not None else None
+    if messages is not None and count_images(messages):
+        tokens = await _tokenize_images(state, body, messages)
+    else:
+        tokens = await state.prompts.call(body.chars(), _tokenize, body, state.prompts.max_chars)
     out = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
     if body.return_token_strs:
         out["token_strs"] = await state.prompts.call(len(tokens), lambda tok: tok.convert_ids_to_tokens(tokens))
