@@ -1,7 +1,8 @@
-"""The playground's image field (mola/server/ui/image.js) in a real browser:
+"""The playground's image fields (mola/server/ui/image.js) in a real browser:
 an image picked from a file or pasted is sent by every column as an OpenAI
 ``image_url`` part (a data: URL of the very bytes), and each column's answer
-equals the same request over the HTTP API.
+equals the same request over the HTTP API; in the chat view, an image goes
+with the next message and stays in the conversation after it.
 
 The echo demo stands in for a base that takes images: its state says it
 does (``takes_images``), so /v1/models gives its card ``input_modalities``
@@ -126,3 +127,32 @@ def test_a_pasted_image_is_attached_and_removing_it_sends_text_only(open_page, s
     page.get_by_role("button", name="Send to all columns").click()
     expect(page.locator(".column").nth(1)).to_have_attribute("aria-busy", "false")
     assert [b["messages"][-1]["content"] for b in bodies if b] == [MESSAGE, MESSAGE]
+
+
+def test_chat_sends_an_image_with_the_next_message_and_keeps_it_in_the_conversation(open_page, server):
+    page = open_page()
+    bodies = with_image_base(page, server)
+    page.get_by_role("button", name="Chat").click()
+    expect(page.locator("#chat-image-field")).to_be_visible()
+    page.get_by_label("Image for the next message").set_input_files(
+        {"name": "dot.png", "mimeType": "image/png", "buffer": PNG})
+    expect(page.locator("#chat-image-status")).to_contain_text(f"dot.png (image/png, {len(PNG)} bytes)")
+    box, log = page.locator("#chat-input"), page.locator("#chat-log li")
+    box.fill(MESSAGE)
+    box.press("Enter")
+    expect(log.nth(0).locator("img")).to_be_visible()  # the image shown with the message it went with
+    first = [b for b in bodies if b]
+    assert len(first) == 1 and sent_image(first[0]) == PNG
+    r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, timeout=60, json={
+        "model": BASE, "messages": first[0]["messages"], "temperature": 0, "max_tokens": 256})
+    expect(log.nth(1).locator(".text")).to_have_text(r.json()["choices"][0]["message"]["content"])
+    expect(page.locator("#chat-image-preview")).to_be_hidden()  # it went with that message alone
+    bodies.clear()
+    box.fill("and the next turn")
+    box.press("Enter")
+    expect(log.nth(3).locator(".text")).not_to_have_text("")
+    second = [b for b in bodies if b]
+    assert len(second) == 1
+    turns = second[0]["messages"]
+    assert turns[0] == first[0]["messages"][-1]  # the first message, its image and all
+    assert turns[-1] == {"role": "user", "content": "and the next turn"}

@@ -37,7 +37,7 @@ class Models {
     return id === this.baseId || this.parents.get(id) === id;
   }
 
-  // Whether some base the server serves takes images (the compare view then offers an image field).
+  // Whether some base the server serves takes images (the compare and chat views then offer an image field).
   takesImagesAnywhere() {
     return this.imageBases.size > 0;
   }

@@ -1,8 +1,11 @@
 // Chat: a multi-turn conversation with one model id. Switching the model
 // (the field, or "/model ID" as in `mola chat`) keeps the conversation: the
-// next answer comes from the new model, given every turn so far.
+// next answer comes from the new model, given every turn so far. An image
+// attached (image.js) goes with the next message, and stays in the
+// conversation as that message's part.
 
 import { modelFields, streamAnswer } from "./api.js";
+import { ImagePicker } from "./image.js";
 
 const $ = (selector) => document.querySelector(selector);
 
@@ -15,6 +18,7 @@ export class Chat {
     this.model = $("#chat-model");
     this.input = $("#chat-input");
     this.error = $("#chat-error");
+    this.image = new ImagePicker(models, "chat");
     $("#chat-form").addEventListener("submit", (event) => {
       event.preventDefault();
       this.send();
@@ -29,6 +33,7 @@ export class Chat {
   }
 
   start() {
+    this.image.refresh();
     if (!this.model.value) this.model.value = this.models.baseId;
   }
 
@@ -45,7 +50,7 @@ export class Chat {
     this.error.hidden = !message;
   }
 
-  append(who, text, role) {
+  append(who, text, role, image = null) {
     const item = document.createElement("li");
     item.className = role;
     const label = document.createElement("span");
@@ -55,6 +60,12 @@ export class Chat {
     body.className = "text";
     body.textContent = text;
     item.append(label, body);
+    if (image) {
+      const shown = document.createElement("img");
+      shown.src = image;
+      shown.alt = "The image sent with this message";
+      item.append(shown);
+    }
     $("#chat-log").append(item);
     return body;
   }
@@ -70,8 +81,9 @@ export class Chat {
       this.append("mola", `now answering with ${switched[1]}; the conversation stays`, "note");
       return;
     }
-    this.messages.push({ role: "user", content: text });
-    const asked = this.append("you", text, "user");
+    const image = this.image.dataUrl;
+    this.messages.push({ role: "user", content: this.image.content(text) });
+    const asked = this.append("you", text, "user", image);
     const model = this.model.value.trim() || this.models.baseId;
     const system = $("#chat-system").value.trim();
     const body = {
@@ -85,6 +97,7 @@ export class Chat {
     try {
       const result = await streamAnswer(this.api, body, controller.signal, (t) => { answer.textContent = t; });
       this.messages.push({ role: "assistant", content: result.text });
+      if (image && this.image.dataUrl === image) this.image.clear(); // it went with this message
       $("#chat-status").textContent = `${model}: ${result.text}`; // read out once, whole
     } catch (error) {
       if (error.name === "AbortError") return; // a new conversation began

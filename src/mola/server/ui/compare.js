@@ -111,7 +111,7 @@ export class Compare {
     this.api = api;
     this.models = models;
     this.columns = [];
-    this.image = new ImagePicker(models);
+    this.image = new ImagePicker(models, "compare");
     this.error = $("#compare-error");
     $("#compare-form").addEventListener("submit", (event) => {
       event.preventDefault();

@@ -1,8 +1,10 @@
-// An image for the comparison (docs/vision.md): picked from a file or pasted,
-// shown while it is attached, and sent inline by every column as an
-// OpenAI `image_url` part with a data: URL. The field shows only when a
-// base the server serves takes images (its /v1/models card lists "image" in
-// input_modalities).
+// An image for a message (docs/vision.md): picked from a file or pasted,
+// shown while it is attached, and sent inline as an OpenAI `image_url` part
+// with a data: URL (by every column of the comparison; with the next chat
+// message). The field shows only when a base the server serves takes images
+// (its /v1/models card lists "image" in input_modalities). One picker a view:
+// its elements are `#{view}-image-field`, `-image`, `-image-preview`,
+// `-image-status` and `-image-remove`, and it takes pastes into `#{view}-form`.
 
 const $ = (selector) => document.querySelector(selector);
 const TYPES = ["image/png", "image/jpeg", "image/webp", "image/gif"];
@@ -17,17 +19,18 @@ function readAsDataUrl(file) {
 }
 
 export class ImagePicker {
-  constructor(models) {
+  constructor(models, view) {
     this.models = models;
     this.dataUrl = null;
-    this.field = $("#compare-image-field");
-    this.input = $("#compare-image");
-    this.preview = $("#compare-image-preview");
-    this.status = $("#compare-image-status");
+    this.field = $(`#${view}-image-field`);
+    this.input = $(`#${view}-image`);
+    this.preview = $(`#${view}-image-preview`);
+    this.status = $(`#${view}-image-status`);
+    this.remove = $(`#${view}-image-remove`);
     this.input.addEventListener("change", () => this.take(this.input.files[0]));
-    $("#compare-image-remove").addEventListener("click", () => this.clear());
-    // A pasted image (a screenshot, an image copied in another page) while the compare form has focus.
-    $("#compare-form").addEventListener("paste", (event) => {
+    this.remove.addEventListener("click", () => this.clear());
+    // A pasted image (a screenshot, an image copied in another page) while the view's form has focus.
+    $(`#${view}-form`).addEventListener("paste", (event) => {
       const item = [...(event.clipboardData?.items || [])].find((i) => i.kind === "file" && TYPES.includes(i.type));
       if (!item || this.field.hidden) return;
       event.preventDefault();
@@ -52,7 +55,7 @@ export class ImagePicker {
     this.preview.src = this.dataUrl;
     this.preview.alt = `The attached image: ${file.name || "pasted"}`;
     this.preview.hidden = false;
-    $("#compare-image-remove").hidden = false;
+    this.remove.hidden = false;
     this.status.textContent = `Attached ${file.name || "a pasted image"} (${file.type}, ${file.size} bytes).`;
   }
 
@@ -62,7 +65,7 @@ export class ImagePicker {
     this.preview.removeAttribute("src");
     this.preview.alt = "";
     this.preview.hidden = true;
-    $("#compare-image-remove").hidden = true;
+    this.remove.hidden = true;
     this.status.textContent = "";
   }
 
