@@ -1,12 +1,17 @@
 """mola.frontend.images_in: images in chat requests decoded and bounded, on
 real PNG/JPEG bytes made by PIL and on hand-crafted bad ones (a PNG whose
-header claims more pixels than its data could hold, with a valid CRC)."""
+header claims more pixels than its data could hold, with a valid CRC); with
+--allow-remote-images, fetched from a local HTTP server, bounded in bytes and
+in time (a clock passed in)."""
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import http.server
+import itertools
 import struct
+import threading
 import tracemalloc
 import zlib
 
@@ -18,7 +23,7 @@ Image = require_pillow()
 
 
 from mola.errors import InvalidRequest  # noqa: E402
-from mola.frontend.images_in import (ImageLimits, ImageSource, check_count, decode_base64_source,  # noqa: E402
+from mola.frontend.images_in import (ImageLimits, ImageSource, _fetch, check_count, decode_base64_source,  # noqa: E402
                                      decode_data_url, decode_messages, decode_source)
 
 LIMITS = ImageLimits()
@@ -104,6 +109,74 @@ def test_a_remote_url_is_refused_naming_the_flag_that_allows_it(url):
     with pytest.raises(InvalidRequest, match="--allow-remote-images") as e:
         decode_source(ImageSource(param="messages[0].content[0].image_url.url", url=url), LIMITS)
     assert e.value.param == "messages[0].content[0].image_url.url"
+
+
+REMOTE_PNG = image_bytes("PNG", (6, 4), color=(10, 200, 30))
+
+
+class _Images(http.server.BaseHTTPRequestHandler):
+    """/dot.png: a PNG; /moved: a redirect to it; /big: a Content-Length past
+    any bound; /missing: a 404; /endless: 1 KiB chunks until the client leaves
+    (a thousand at most)."""
+
+    def do_GET(self):
+        if self.path == "/moved":
+            self.send_response(302)
+            self.send_header("Location", "/dot.png")
+            self.end_headers()
+        elif self.path in ("/dot.png", "/big"):
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(REMOTE_PNG) if self.path == "/dot.png" else 10 ** 12))
+            self.end_headers()
+            self.wfile.write(REMOTE_PNG)
+        elif self.path == "/endless":
+            self.send_response(200)
+            self.end_headers()
+            try:
+                for _ in range(1000):
+                    self.wfile.write(b"x" * 1024)
+            except OSError:  # the client gave up
+                pass
+        else:
+            self.send_error(404)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Images)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    thread.join(timeout=10)
+
+
+def test_with_the_flag_a_remote_image_is_fetched_as_its_inline_twin(image_server):
+    limits = ImageLimits(allow_remote=True)
+    inline = decode_data_url(data_url(REMOTE_PNG), limits)
+    for path in ("/dot.png", "/moved"):  # redirects are followed
+        got = decode_source(ImageSource(param="p", url=image_server + path), limits)
+        assert got == inline and got.sha256 == hashlib.sha256(REMOTE_PNG).hexdigest()
+        assert got.image.getpixel((5, 3)) == (10, 200, 30)
+
+
+@pytest.mark.parametrize("path, words", [("/big", "--max-image-bytes"), ("/missing", "could not be fetched")])
+def test_a_remote_image_too_big_or_missing_is_a_400_naming_why(image_server, path, words):
+    with pytest.raises(InvalidRequest, match=words) as e:
+        decode_source(ImageSource(param="messages[0].content[0].image_url.url", url=image_server + path),
+                      ImageLimits(allow_remote=True))
+    assert e.value.param == "messages[0].content[0].image_url.url"
+
+
+def test_a_remote_image_that_keeps_coming_is_refused_when_its_time_is_up(image_server):
+    ticks = itertools.count(0.0, 6.0)  # each look at the clock: 6 s later
+    with pytest.raises(InvalidRequest, match="not fetched within 10 s") as e:
+        _fetch(image_server + "/endless", ImageLimits(allow_remote=True), "p", seconds=10.0,
+               clock=lambda: next(ticks))
+    assert e.value.param == "p"
 
 
 def test_an_image_over_the_byte_bound_is_refused_before_and_after_decoding_base64():

@@ -26,8 +26,9 @@ import binascii
 import hashlib
 import io
 import re
+import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import VisionConfig
 from ..errors import InvalidRequest
@@ -40,6 +41,7 @@ MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "i
                "image/gif": "GIF"}
 FORMATS = tuple(sorted(set(MEDIA_TYPES.values())))
 REMOTE_FLAG = "--allow-remote-images"
+FETCH_SECONDS = 10.0  # a remote image's whole fetch at most: connecting, redirects, every read
 _DATA_URL = re.compile(r"data:(?P<type>[^;,]*)(?P<params>(;[^;,]*)*),(?P<data>.*)", re.DOTALL)
 
 
@@ -208,18 +210,28 @@ def _decoded(part: dict[str, Any], limits: ImageLimits) -> dict[str, Any]:
     return {"type": "image", "image": decode_source(part["source"], limits)}
 
 
-def _fetch(url: str, limits: ImageLimits, param: str | None) -> bytes:
-    """An http(s) image's bytes, at most ``limits.max_bytes`` of them read."""
+def _fetch(url: str, limits: ImageLimits, param: str | None, seconds: float = FETCH_SECONDS,
+           clock: Callable[[], float] = time.monotonic) -> bytes:
+    """An http(s) image's bytes, at most ``limits.max_bytes`` of them read (a
+    Content-Length over it is refused unread), within ``seconds`` in all: every
+    wait is bounded by it, and a server that keeps sending slowly is refused
+    once the time is up, so that no request holds a worker thread for long."""
     import httpx
 
-    chunks, total = [], 0
+    start, chunks, total = clock(), [], 0
     try:
-        with httpx.stream("GET", url, timeout=10.0, follow_redirects=True) as response:
+        with httpx.stream("GET", url, timeout=seconds, follow_redirects=True) as response:
             response.raise_for_status()
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limits.max_bytes:
+                raise _too_big(int(declared), limits, param)
             for chunk in response.iter_bytes():
                 total += len(chunk)
                 if total > limits.max_bytes:
                     raise _too_big(total, limits, param)
+                if clock() - start > seconds:
+                    raise InvalidRequest(f"The image at {_short(url)} was not fetched within {seconds:g} s; "
+                                         "send it inline as a data: URL.", param=param)
                 chunks.append(chunk)
     except httpx.HTTPError as e:
         raise InvalidRequest(f"The image at {_short(url)} could not be fetched ({e}).", param=param) from None
