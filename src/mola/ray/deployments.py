@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from .asgi import Head, RawRequest, call
-from .failures import before_answer, mid_stream, replica_lost
+from .failures import StreamTail, before_answer, replica_lost
 
 REPLICA_HEADER = b"x-mola-replica"  # which replica (its process id) answered
 
@@ -124,8 +124,10 @@ class MolaIngress:
 
     @staticmethod
     async def rest(pieces, path: str):
+        tail = StreamTail(path)
         try:
             async for chunk in pieces:
+                tail.see(chunk)
                 yield chunk
         except RayError as e:  # the replica died part-way: end the answer as the dialect ends a failure
-            yield mid_stream(path, replica_lost(type(e).__name__))
+            yield tail.end(replica_lost(type(e).__name__))
