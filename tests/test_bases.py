@@ -18,7 +18,7 @@ import httpx
 import pytest
 import uvicorn
 
-from helpers.servers import free_port, start_server, wait_until
+from helpers.servers import bound_socket, start_server, wait_until
 from mola.config import AdapterSpec, ServeConfig
 from mola.server.app import create_app
 from mola.bases.control import Bases, BaseStatus
@@ -62,8 +62,9 @@ def serve_bases(paths, clock=None, engine_factory=None, **settings) -> Handle:
     """Bases A (default, adapter a1) and B (adapter b1), and any more in settings, on 127.0.0.1."""
     models = [{"name": "B", "model": paths["b"], "adapters": [{"name": "b1", "path": paths["b1"]}],
                "keep_alive": settings.pop("b_keep_alive", None)}, *settings.pop("models", [])]
+    sock = bound_socket()
     config = ServeConfig.from_settings(
-        host="127.0.0.1", port=free_port(), log_level="warning", model=paths["a"], served_model_name="A",
+        host="127.0.0.1", port=sock.getsockname()[1], log_level="warning", model=paths["a"], served_model_name="A",
         adapters=[AdapterSpec("a1", paths["a1"])], models=models, max_lora_rank=8, max_loras=2, **settings)
     box, started = {}, threading.Event()
     given = {"clock": clock} if clock is not None else {}
@@ -76,7 +77,7 @@ def serve_bases(paths, clock=None, engine_factory=None, **settings) -> Handle:
                                                port=config.http.port, log_level="warning"))
         box.update(bases=bases, loop=asyncio.get_running_loop(), server=server)
         started.set()
-        await server.serve()
+        await server.serve(sockets=[sock])
 
     thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
     thread.start()

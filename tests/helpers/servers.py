@@ -28,6 +28,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def bound_socket() -> socket.socket:
+    """A socket bound to 127.0.0.1 at a free port, for uvicorn's ``serve(sockets=...)``:
+    held from now on, so that no other process takes the port before the server listens."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
 @dataclass
 class ServerHandle:
     url: str
@@ -70,9 +78,11 @@ class _Server(uvicorn.Server):
 
 def start_server(**kwargs) -> ServerHandle:
     """`mola serve`'s start path (its bases, each started by start_base) and
-    uvicorn on 127.0.0.1 at a free port, in this process; the event loop runs
-    on a thread of its own."""
-    config = ServeConfig.from_settings(host="127.0.0.1", port=free_port(), log_level="warning", **kwargs)
+    uvicorn on 127.0.0.1, in this process; the event loop runs on a thread of
+    its own. The port is bound before the model loads and handed to uvicorn
+    as a socket, so no other process can take it meanwhile."""
+    sock = bound_socket()
+    config = ServeConfig.from_settings(host="127.0.0.1", port=sock.getsockname()[1], log_level="warning", **kwargs)
     box: dict = {}
     ready = threading.Event()  # uvicorn listens, or the loop ended before it could
 
@@ -83,8 +93,9 @@ def start_server(**kwargs) -> ServerHandle:
             app = create_app(bases.default.state, bases)
             box["server"] = server = _Server(uvicorn.Config(app, host=config.http.host, port=config.http.port,
                                                             log_level="warning"), ready)
-            await server.serve()
+            await server.serve(sockets=[sock])
         finally:
+            sock.close()
             await bases.close()
 
     def run():
