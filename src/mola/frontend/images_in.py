@@ -41,7 +41,7 @@ MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "i
                "image/gif": "GIF"}
 FORMATS = tuple(sorted(set(MEDIA_TYPES.values())))
 REMOTE_FLAG = "--allow-remote-images"
-FETCH_SECONDS = 10.0  # a remote image's whole fetch at most: connecting, redirects, every read
+FETCH_SECONDS = 10.0  # a remote image's fetch: each wait, and the time after which no more chunks are taken
 _DATA_URL = re.compile(r"data:(?P<type>[^;,]*)(?P<params>(;[^;,]*)*),(?P<data>.*)", re.DOTALL)
 
 
@@ -213,9 +213,10 @@ def _decoded(part: dict[str, Any], limits: ImageLimits) -> dict[str, Any]:
 def _fetch(url: str, limits: ImageLimits, param: str | None, seconds: float = FETCH_SECONDS,
            clock: Callable[[], float] = time.monotonic) -> bytes:
     """An http(s) image's bytes, at most ``limits.max_bytes`` of them read (a
-    Content-Length over it is refused unread), within ``seconds`` in all: every
-    wait is bounded by it, and a server that keeps sending slowly is refused
-    once the time is up, so that no request holds a worker thread for long."""
+    Content-Length over it is refused unread), in ``seconds``: every wait is
+    bounded by it, and a server that keeps sending slowly is refused at its
+    first chunk after it (twice ``seconds`` at worst), so that no request holds
+    a worker thread for long."""
     import httpx
 
     start, chunks, total = clock(), [], 0
