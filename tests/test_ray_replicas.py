@@ -3,7 +3,8 @@ local Ray cluster with two replicas of the tiny model, 8 adapters and 2 slots
 a replica. Greedy answers equal a single server's; under a seeded Zipf load
 the adapter loads summed over the replicas stay well under what round-robin
 costs on the same sequence; killing one replica mid-stream fails only its
-stream, with the dialect's error event, and later requests are served;
+streams, with the dialect's error event (a Responses stream's response.failed,
+its text what its deltas had said), and later requests are served;
 streams and errors keep each dialect's shape.
 
 Skipped (with the reason) when Ray is not installed or does not start within
@@ -21,7 +22,7 @@ import time
 import httpx
 import pytest
 
-from helpers.schemas import sse_events
+from helpers.schemas import sse_events, typed_events, validate_stream_event
 from helpers.servers import free_port, start_server
 from mola.config import AdapterSpec, ServeConfig
 from mola.testing.adapter import make_random_adapter
@@ -184,16 +185,18 @@ def test_streams_and_errors_keep_their_shape(fleet, single):
 
 
 def test_a_replica_killed_mid_stream_fails_only_its_requests(fleet, adapter_paths):
-    """Long streams on several adapters until both replicas hold one; the one
-    replica's process is killed after each stream's first event: its streams
-    end with the error event, the other's finish with [DONE], and requests
-    afterwards are answered."""
+    """Long streams on several adapters until both replicas hold one (the
+    first a Responses stream, the rest chat's); the first stream's replica is
+    killed after each stream's first event: its streams end with the error
+    event (the Responses stream with response.failed), the other's finish
+    with [DONE], and requests afterwards are answered."""
     body = {"messages": MSG, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    responses = {"input": MSG[0]["content"], "max_output_tokens": 1500, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=120) as c:
         streams = []
-        for name in sorted(adapter_paths):
-            s = c.send(c.build_request("POST", fleet + "/v1/chat/completions", json={**body, "model": name}),
-                       stream=True)
+        for i, name in enumerate(sorted(adapter_paths)):
+            path, payload = ("/v1/responses", responses) if i == 0 else ("/v1/chat/completions", body)
+            s = c.send(c.build_request("POST", fleet + path, json={**payload, "model": name}), stream=True)
             lines = s.iter_lines()
             first = next(line for line in lines if line)
             streams.append((s, lines, first))
@@ -206,6 +209,16 @@ def test_a_replica_killed_mid_stream_fails_only_its_requests(fleet, adapter_path
         for s, lines, first in streams:
             text = "\n".join([first, *lines]) + "\n"
             s.close()
+            if s.url.path == "/v1/responses":  # on the victim: ended as mola ends a failed response
+                events = typed_events(text)
+                validate_stream_event(events[-1])
+                assert events[-1]["type"] == "response.failed", events[-1]
+                assert events[-1]["response"]["status"] == "failed"
+                assert events[-1]["sequence_number"] == events[-2]["sequence_number"] + 1
+                said = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+                items = events[-1]["response"]["output"]  # the text its deltas had carried when it was cut
+                assert "".join(p["text"] for i in items for p in i.get("content", ())) == said
+                continue
             events = sse_events(text)
             if s.headers[REPLICA] == victim:
                 assert events[-1] != "[DONE]" and events[-1]["error"]["code"] == "engine_unavailable", events[-1]
