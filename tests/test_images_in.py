@@ -115,14 +115,18 @@ REMOTE_PNG = image_bytes("PNG", (6, 4), color=(10, 200, 30))
 
 
 class _Images(http.server.BaseHTTPRequestHandler):
-    """/dot.png: a PNG; /moved: a redirect to it; /big: a Content-Length past
-    any bound; /missing: a 404; /endless: 1 KiB chunks until the client leaves
-    (a thousand at most)."""
+    """/dot.png: a PNG; /moved: a redirect to it; /loopN: a redirect to
+    /loopN+1; /big: a Content-Length past any bound; /missing: a 404;
+    /endless: 1 KiB chunks until the client leaves (a thousand at most)."""
 
     def do_GET(self):
         if self.path == "/moved":
             self.send_response(302)
             self.send_header("Location", "/dot.png")
+            self.end_headers()
+        elif self.path.startswith("/loop"):  # /loop1 -> /loop2 -> ...: more redirects than are followed
+            self.send_response(302)
+            self.send_header("Location", f"/loop{int(self.path[5:]) + 1}")
             self.end_headers()
         elif self.path in ("/dot.png", "/big"):
             self.send_response(200)
@@ -163,7 +167,8 @@ def test_with_the_flag_a_remote_image_is_fetched_as_its_inline_twin(image_server
         assert got.image.getpixel((5, 3)) == (10, 200, 30)
 
 
-@pytest.mark.parametrize("path, words", [("/big", "--max-image-bytes"), ("/missing", "could not be fetched")])
+@pytest.mark.parametrize("path, words", [("/big", "--max-image-bytes"), ("/missing", "could not be fetched"),
+                                         ("/loop1", "could not be fetched")])
 def test_a_remote_image_too_big_or_missing_is_a_400_naming_why(image_server, path, words):
     with pytest.raises(InvalidRequest, match=words) as e:
         decode_source(ImageSource(param="messages[0].content[0].image_url.url", url=image_server + path),
@@ -171,11 +176,12 @@ def test_a_remote_image_too_big_or_missing_is_a_400_naming_why(image_server, pat
     assert e.value.param == "messages[0].content[0].image_url.url"
 
 
-def test_a_remote_image_that_keeps_coming_is_refused_when_its_time_is_up(image_server):
+@pytest.mark.parametrize("path", ["/endless", "/moved"])
+def test_a_remote_image_is_refused_when_its_time_is_up(image_server, path):
+    """The time counts over the whole fetch: the chunks of an endless body, a redirect and its target."""
     ticks = itertools.count(0.0, 6.0)  # each look at the clock: 6 s later
     with pytest.raises(InvalidRequest, match="not fetched within 10 s") as e:
-        _fetch(image_server + "/endless", ImageLimits(allow_remote=True), "p", seconds=10.0,
-               clock=lambda: next(ticks))
+        _fetch(image_server + path, ImageLimits(allow_remote=True), "p", seconds=10.0, clock=lambda: next(ticks))
     assert e.value.param == "p"
 
 

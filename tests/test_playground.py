@@ -72,16 +72,22 @@ def browser():
         browser.close()
 
 
-@pytest.fixture(scope="module")
-def server(echo_demo):
-    """The echo demo with upper and title; count is left for the page to load by path."""
+def echo_server(echo_demo, **settings):
+    """The echo demo with upper and title resident, behind the playground's keys."""
     model_dir, adapters = echo_demo
     handle = start_server(
         model=str(model_dir), served_model_name=BASE,
         adapters=(AdapterSpec("upper", str(adapters["upper"])), AdapterSpec("title", str(adapters["title"]))),
-        allow_any_adapter_path=True, max_loras=4, max_lora_rank=16, api_key=API_KEY, admin_key=ADMIN_KEY,
+        max_loras=4, max_lora_rank=16, api_key=API_KEY, admin_key=ADMIN_KEY, **settings,
     )
     handle.adapter_paths = adapters
+    return handle
+
+
+@pytest.fixture(scope="module")
+def server(echo_demo):
+    """The echo demo; count is left for the page to load by path."""
+    handle = echo_server(echo_demo, allow_any_adapter_path=True)
     yield handle
     handle.stop()
 

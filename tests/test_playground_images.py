@@ -18,12 +18,10 @@ import base64
 import httpx
 import pytest
 
-from mola.config import AdapterSpec
 
-from helpers.servers import start_server
 from helpers.vision import image_bytes, require_pillow
-from test_playground import (ADMIN_KEY, API_KEY, AUTH, BASE, MESSAGE, browser, columns, enter_keys,  # noqa: F401
-                             expect, open_page)
+from test_playground import (ADMIN_KEY, API_KEY, AUTH, BASE, MESSAGE, browser, columns, echo_server,  # noqa: F401
+                             enter_keys, expect, open_page)
 
 pytestmark = pytest.mark.slow  # the browser: CI's second tier, as test_playground.py
 require_pillow()
@@ -35,12 +33,7 @@ MODELS = [BASE, "upper", "title"]
 @pytest.fixture(scope="module")
 def server(echo_demo):
     """The echo demo with upper and title, taking images."""
-    model_dir, adapters = echo_demo
-    handle = start_server(
-        model=str(model_dir), served_model_name=BASE,
-        adapters=(AdapterSpec("upper", str(adapters["upper"])), AdapterSpec("title", str(adapters["title"]))),
-        max_loras=4, max_lora_rank=16, api_key=API_KEY, admin_key=ADMIN_KEY,
-    )
+    handle = echo_server(echo_demo)
     handle.state.takes_images = True
     yield handle
     handle.stop()

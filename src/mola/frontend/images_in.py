@@ -41,7 +41,8 @@ MEDIA_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "i
                "image/gif": "GIF"}
 FORMATS = tuple(sorted(set(MEDIA_TYPES.values())))
 REMOTE_FLAG = "--allow-remote-images"
-FETCH_SECONDS = 10.0  # a remote image's fetch: each wait, and the time after which no more chunks are taken
+FETCH_SECONDS = 10.0  # a remote image's fetch: each wait, and the time after which nothing more is taken
+MAX_REDIRECTS = 3  # redirects a remote image's fetch follows
 _DATA_URL = re.compile(r"data:(?P<type>[^;,]*)(?P<params>(;[^;,]*)*),(?P<data>.*)", re.DOTALL)
 
 
@@ -214,14 +215,21 @@ def _fetch(url: str, limits: ImageLimits, param: str | None, seconds: float = FE
            clock: Callable[[], float] = time.monotonic) -> bytes:
     """An http(s) image's bytes, at most ``limits.max_bytes`` of them read (a
     Content-Length over it is refused unread), in ``seconds``: every wait is
-    bounded by it, and a server that keeps sending slowly is refused at its
-    first chunk after it (twice ``seconds`` at worst), so that no request holds
-    a worker thread for long."""
+    bounded by it, and the fetch is refused at the first response (a redirect's
+    too, at most MAX_REDIRECTS of them) or chunk that comes after it (twice
+    ``seconds`` at worst), so that no request holds a worker thread for long."""
     import httpx
 
     start, chunks, total = clock(), [], 0
+
+    def in_time(_=None) -> None:
+        if clock() - start > seconds:
+            raise InvalidRequest(f"The image at {_short(url)} was not fetched within {seconds:g} s; "
+                                 "send it inline as a data: URL.", param=param)
+
     try:
-        with httpx.stream("GET", url, timeout=seconds, follow_redirects=True) as response:
+        with httpx.Client(timeout=seconds, follow_redirects=True, max_redirects=MAX_REDIRECTS,
+                          event_hooks={"response": [in_time]}) as client, client.stream("GET", url) as response:
             response.raise_for_status()
             declared = response.headers.get("content-length", "")
             if declared.isdigit() and int(declared) > limits.max_bytes:
@@ -230,9 +238,7 @@ def _fetch(url: str, limits: ImageLimits, param: str | None, seconds: float = FE
                 total += len(chunk)
                 if total > limits.max_bytes:
                     raise _too_big(total, limits, param)
-                if clock() - start > seconds:
-                    raise InvalidRequest(f"The image at {_short(url)} was not fetched within {seconds:g} s; "
-                                         "send it inline as a data: URL.", param=param)
+                in_time()
                 chunks.append(chunk)
     except httpx.HTTPError as e:
         raise InvalidRequest(f"The image at {_short(url)} could not be fetched ({e}).", param=param) from None

@@ -155,6 +155,7 @@ def read_weights(f: GGUFFile, dtype: str, progress: Progress | None = None, conf
     todo = [t for t in tensors.values() if names[t.name] != _CONSUMED]
     # numpy's repacks and MLX's evaluations release the GIL: up to WORKERS tensors are
     # converted at once, and taken in file order as they come
+    release = getattr(f.reader, "release", None)  # a converted tensor's file pages (gguf_reader.py)
     with reused_heap(), ThreadPoolExecutor(max_workers=WORKERS) as pool:
         convert = partial(_convert_one, f, config=config, heads=heads, target=target, keep=keep)
         pending = deque(pool.submit(convert, t, names[t.name]) for t in todo[:WORKERS])
@@ -164,7 +165,6 @@ def read_weights(f: GGUFFile, dtype: str, progress: Progress | None = None, conf
                 nxt = todo[i + WORKERS]
                 pending.append(pool.submit(convert, nxt, names[nxt.name]))
             weights.update(arrays)
-            release = getattr(f.reader, "release", None)  # its file pages, now converted (gguf_reader.py)
             if release is not None:
                 release(int(tensor.data_offset), int(tensor.n_bytes))
             if quantized is not None:

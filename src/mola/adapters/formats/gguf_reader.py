@@ -43,16 +43,22 @@ class GGUFFileReader(GGUFReader):
         if end > start:
             self._mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
+    def _array_head(self, orig_offs: int):
+        """(item type part, count part, item type, count, the first item's offset,
+        numpy type of a numeric item or None) of the array at ``orig_offs``."""
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        itype = int(raw_itype[0])
+        nptype = self.gguf_scalar_to_np.get(GGUFValueType(itype)) if itype != _STRING else None
+        return raw_itype, alen, itype, int(alen[0]), orig_offs + 12, nptype
+
     def _get_field_parts(self, orig_offs: int, raw_type: int):
         if raw_type != _ARRAY or self.byte_order != "I":
             return super()._get_field_parts(orig_offs, raw_type)
         # An array, as GGUFReader lays one out: its item type and count, then
         # one data part per item (a string's length part before its bytes).
-        raw_itype = self._get(orig_offs, np.uint32)
-        alen = self._get(orig_offs + 4, np.uint64)
-        itype, count, offs = int(raw_itype[0]), int(alen[0]), orig_offs + 12
+        raw_itype, alen, itype, count, offs, nptype = self._array_head(orig_offs)
         parts: list[np.ndarray] = [raw_itype, alen]
-        nptype = self.gguf_scalar_to_np.get(GGUFValueType(itype)) if itype != _STRING else None
         if nptype is not None:
             items = self._get(offs, nptype, count)
             if len(items) != count:
@@ -87,10 +93,7 @@ class GGUFTensorTable(GGUFFileReader):
     def _get_field_parts(self, orig_offs: int, raw_type: int):
         if raw_type != _ARRAY or self.byte_order != "I":
             return super()._get_field_parts(orig_offs, raw_type)
-        raw_itype = self._get(orig_offs, np.uint32)
-        alen = self._get(orig_offs + 4, np.uint64)
-        itype, count, offs = int(raw_itype[0]), int(alen[0]), orig_offs + 12
-        nptype = self.gguf_scalar_to_np.get(GGUFValueType(itype)) if itype != _STRING else None
+        raw_itype, alen, itype, count, offs, nptype = self._array_head(orig_offs)
         end = len(self.data)
         if nptype is not None:
             offs += count * np.dtype(nptype).itemsize

@@ -39,12 +39,12 @@ async def _check_model(state: ServerState, model: str | None) -> None:
         raise ModelNotFound(model)
 
 
-def _tokenize(tokenizer, body: TokenizeRequest, max_chars: int) -> list[int]:
-    if body.prompt is not None:
+def _tokenize(tokenizer, body: TokenizeRequest, messages: list[dict] | None, max_chars: int) -> list[int]:
+    if messages is None:
         add_special = True if body.add_special_tokens is None else body.add_special_tokens
         return list(tokenizer.encode(body.prompt, add_special_tokens=add_special))
     # Counted only: tools need no parser of the model's calls here.
-    return render_messages(tokenizer, message_dicts(body.messages, images=False), body.tools, False, "messages",
+    return render_messages(tokenizer, messages, body.tools, False, "messages",
                            None, max_chars, add_generation_prompt=body.add_generation_prompt,
                            continue_final_message=body.continue_final_message,
                            add_special_tokens=bool(body.add_special_tokens), options=body.template_options())
@@ -72,7 +72,7 @@ async def tokenize(body: TokenizeRequest, request: Request):
     if messages is not None and count_images(messages):
         tokens = await _tokenize_images(state, body, messages)
     else:
-        tokens = await state.prompts.call(body.chars(), _tokenize, body, state.prompts.max_chars)
+        tokens = await state.prompts.call(body.chars(), _tokenize, body, messages, state.prompts.max_chars)
     out = {"count": len(tokens), "max_model_len": state.max_model_len, "tokens": tokens}
     if body.return_token_strs:
         out["token_strs"] = await state.prompts.call(len(tokens), lambda tok: tok.convert_ids_to_tokens(tokens))
